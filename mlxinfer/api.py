@@ -1,0 +1,164 @@
+"""The Python API: `load()` a model, then generate, stream, chat or score with it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import make_cache
+from .default_model import default_model_path
+from .engine import GenerationRequest, GenerationStats, SamplingParams, TextGeneration
+from .errors import SamplingError, TokenizerError
+from .models import LoadedModel, load_model
+from .models.dtype import dtype_name
+from .tokenizer import Tokenizer
+
+Message = dict[str, Any]
+Prompt = Union[str, Sequence[int], Sequence[Message]]
+
+
+@dataclass
+class GenerationResult:
+    """The outcome of `Model.generate` / `Model.chat`."""
+
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class Model:
+    """A loaded model. Create it with `mlxinfer.load`.
+
+    Example:
+        >>> model = mlxinfer.load()
+        >>> model.chat([{"role": "user", "content": "What is the capital of France?"}]).text
+        'The capital of France is Paris.'
+        >>> for chunk in model.stream("Once upon a time", max_tokens=20):
+        ...     print(chunk, end="")
+    """
+
+    def __init__(self, loaded: LoadedModel):
+        self._loaded = loaded
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._loaded.tokenizer is None:
+            raise TokenizerError(f"{self._loaded.path}: this model was loaded without a tokenizer")
+        return self._loaded.tokenizer
+
+    @property
+    def config(self) -> Any:
+        return self._loaded.config
+
+    @property
+    def path(self) -> Path:
+        return self._loaded.path
+
+    @property
+    def compute_dtype(self) -> str:
+        return dtype_name(self._loaded.compute_dtype)
+
+    def generate(self, prompt: Prompt, *, chat: bool | None = None, **options: Any) -> GenerationResult:
+        """Generate a completion. A string is a raw prompt unless `chat=True`; a list of
+        messages always uses the chat template. Options: max_tokens, temperature, top_p,
+        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens."""
+        run = self.stream(prompt, chat=chat, **options)
+        for _ in run:
+            pass
+        return GenerationResult(text=run.text(), token_ids=list(run.ids), stats=run.stats)
+
+    def chat(self, messages: str | Sequence[Message], **options: Any) -> GenerationResult:
+        """Answer a conversation (or a single user message given as a string)."""
+        return self.generate(messages, chat=True, **options)
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        chat: bool | None = None,
+        max_tokens: int = 256,
+        stop: str | Sequence[str] | None = None,
+        prefill_chunk_tokens: int = 512,
+        **sampling: Any,
+    ) -> TextGeneration:
+        """Iterate over text chunks as they are generated; `.stats` is filled when done."""
+        try:
+            params = SamplingParams(**sampling)
+        except TypeError as e:
+            raise SamplingError(f"unknown generation option: {e}") from None
+        request = GenerationRequest(
+            prompt_ids=self.encode_prompt(prompt, chat=chat),
+            max_tokens=max_tokens,
+            sampling=params,
+            eos_token_ids=self.tokenizer.eos_token_ids + self.config.eos_token_ids,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+        )
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        return _IterableGeneration(self._loaded.model, self.tokenizer, request, stop=stops)
+
+    def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
+        """Token ids for a raw string, a chat (list of messages or a string with chat=True) or ids."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            return self.tokenizer.encode(prompt)
+        items = list(prompt)
+        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return _check_ids(items, self.config.vocab_size)
+        if chat is False:
+            raise SamplingError("a list of messages needs the chat template; drop chat=False")
+        return self.tokenizer.encode_chat(items)
+
+    def logits(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> np.ndarray:
+        """Next-token logits at every position, float32 numpy of shape (T, vocab)."""
+        ids = mx.array(_check_ids(list(token_ids), self.config.vocab_size), dtype=mx.uint32)
+        cache = make_cache(len(self._loaded.model.layers))
+        parts = []
+        for start in range(0, ids.size, chunk_tokens):
+            part = self._loaded.model(ids[None, start : start + chunk_tokens], cache)[0].astype(mx.float32)
+            mx.eval(part)
+            parts.append(np.array(part))
+        return np.concatenate(parts, axis=0)
+
+    def __repr__(self) -> str:
+        loaded = self._loaded
+        quant = f", {loaded.quantized_layers} quantized layers" if loaded.quantized_layers else ""
+        return (
+            f"Model({loaded.path.name}: {loaded.config.model_type}, {loaded.config.num_layers} layers{quant}, "
+            f"{loaded.weights_bytes / 2**20:.1f} MiB, compute {self.compute_dtype})"
+        )
+
+
+class _IterableGeneration(TextGeneration):
+    def __iter__(self):
+        return self.deltas()
+
+
+def _check_ids(ids: list[int], vocab_size: int) -> list[int]:
+    if not ids:
+        raise SamplingError("token_ids is empty")
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise SamplingError(f"token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+    return ids
+
+
+def load(path: str | Path | None = None, *, dtype: str | None = None) -> Model:
+    """Load a model folder or .gguf file; with no path, the default model (fetched once).
+
+    Example:
+        >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
+    """
+    return Model(load_model(path if path is not None else default_model_path(), dtype=dtype))

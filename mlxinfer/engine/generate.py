@@ -1,0 +1,98 @@
+"""Prefill and decode: prompt ids in, generated ids out, as a generator.
+
+Stages, each small: `prefill` runs the prompt through the model in chunks (an
+`mx.eval` between chunks bounds activation memory) and returns the last
+position's logits; `decode` samples a token, queues the next step on the device
+before handing the current token to the caller, and stops on EOS or max_tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..cache import KVCache, make_cache
+from ..errors import SamplingError
+from ..models.decoder import DecoderLM
+from .sampling import Sampler, SamplingParams
+from .stats import GenerationStats
+
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+
+
+@dataclass
+class GenerationRequest:
+    """Everything that decides which tokens come out."""
+
+    prompt_ids: Sequence[int]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: Iterable[int] = ()
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+
+
+def prefill(model: DecoderLM, prompt: mx.array, cache: list[KVCache], chunk_tokens: int) -> mx.array:
+    """Run `prompt` (1-D ids) into `cache`; returns logits of its last position, shape (vocab,)."""
+    for start in range(0, prompt.size, chunk_tokens):
+        hidden = model.hidden(prompt[None, start : start + chunk_tokens], cache)  # (1, chunk, hidden)
+        if start + chunk_tokens < prompt.size:
+            mx.eval([c.keys for c in cache])
+    # Only the last position's logits are needed: skip the vocab projection for the rest.
+    return model.head(hidden[:, -1])[0]
+
+
+def decode(model: DecoderLM, first_logits: mx.array, cache: list[KVCache], sampler: Sampler) -> Iterator[int]:
+    """Yield sampled tokens forever; the caller decides when to stop."""
+    token = sampler(first_logits)
+    mx.async_eval(token)
+    while True:
+        logits = model(token.reshape(1, 1), cache)[0, -1]
+        next_token = sampler(logits)
+        mx.async_eval(next_token)  # the device works on step n+1 while the caller handles step n
+        yield int(token.item())
+        token = next_token
+
+
+def generate_ids(model: DecoderLM, request: GenerationRequest, stats: GenerationStats) -> Iterator[int]:
+    """Generated ids for `request`, filling `stats` as it goes (EOS itself is not yielded)."""
+    _validate(request)
+    eos = set(request.eos_token_ids)
+    prompt = mx.array(list(request.prompt_ids), dtype=mx.uint32)
+    sampler = Sampler(request.sampling, vocab_size=model.model.embed_tokens.weight.shape[0])
+    sampler.observe(prompt)
+    cache = make_cache(len(model.layers))
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    stats.prompt_tokens = prompt.size
+    stats.finish_reason = "length"
+    first_logits = prefill(model, prompt, cache, request.prefill_chunk_tokens)
+    first_at = None
+    for count, token in enumerate(decode(model, first_logits, cache, sampler)):
+        now = time.perf_counter()
+        if first_at is None:
+            first_at = now
+            stats.ttft_s = now - start
+            stats.prefill_tps = prompt.size / stats.ttft_s
+        elif count > 0:
+            stats.decode_tps = count / (now - first_at)
+        stats.total_s = now - start
+        stats.peak_memory_bytes = mx.get_peak_memory()
+        if token in eos:
+            stats.finish_reason = "stop"
+            return
+        stats.generated_tokens = count + 1
+        yield token
+        if count + 1 >= request.max_tokens:
+            return
+
+
+def _validate(request: GenerationRequest) -> None:
+    if not request.prompt_ids:
+        raise SamplingError("the prompt is empty; give at least one token")
+    if not isinstance(request.max_tokens, int) or not 1 <= request.max_tokens <= 1_000_000:
+        raise SamplingError(f"max_tokens must be an integer in [1, 1000000], got {request.max_tokens!r}")
+    if not isinstance(request.prefill_chunk_tokens, int) or request.prefill_chunk_tokens < 1:
+        raise SamplingError(f"prefill_chunk_tokens must be a positive integer, got {request.prefill_chunk_tokens!r}")

@@ -1,0 +1,110 @@
+"""Logits to the next token: repetition penalty, temperature, top-k, top-p, min-p.
+
+The order follows transformers' logits processors. All work stays on the device
+and lazy, so the decode loop can queue the next step before reading this one.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import SamplingError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy.
+
+    Example:
+        >>> SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _number("temperature", self.temperature, lo=0.0, hi=100.0)
+        _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=100.0, lo_open=True)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise SamplingError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (lo < value if lo_open else lo <= value) and value <= hi
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise SamplingError(f"{name} must be a finite number in {bracket}{lo:g}, {hi:g}], got {value!r}")
+
+
+class Sampler:
+    """Stateful sampler for one generation: remembers seen tokens and its RNG key."""
+
+    def __init__(self, params: SamplingParams, vocab_size: int):
+        self.params = params
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+        self._seen = mx.zeros((vocab_size,), dtype=mx.bool_) if params.repetition_penalty != 1.0 else None
+
+    def observe(self, tokens: mx.array) -> None:
+        """Record tokens (prompt or generated) for the repetition penalty."""
+        if self._seen is not None:
+            self._seen[tokens.reshape(-1)] = True
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """Pick one token from logits of shape (vocab,); returns a uint32 scalar array."""
+        p = self.params
+        logits = logits.astype(mx.float32)
+        if self._seen is not None:
+            penalized = mx.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+            logits = mx.where(self._seen, penalized, logits)
+        if p.is_greedy:
+            token = mx.argmax(logits, axis=-1)
+        else:
+            logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+            self._key, key = mx.random.split(self._key)
+            token = mx.random.categorical(logits, key=key)
+        token = token.astype(mx.uint32)
+        self.observe(token)
+        return token
+
+
+def filter_logits(logits: mx.array, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> mx.array:
+    """Set the logits of tokens outside top-k / top-p / min-p to -inf."""
+    neg_inf = mx.array(-math.inf, dtype=logits.dtype)
+    if 0 < top_k < logits.shape[-1]:
+        kth = mx.sort(logits, axis=-1)[..., -top_k]
+        logits = mx.where(logits < kth, neg_inf, logits)
+    if top_p < 1.0:
+        probs = mx.softmax(logits, axis=-1)
+        sorted_probs = mx.sort(probs, axis=-1)[..., ::-1]
+        # Keep the smallest set of most likely tokens whose mass reaches top_p.
+        mass_before = mx.cumsum(sorted_probs, axis=-1) - sorted_probs
+        kept = mx.sum(mass_before < top_p, axis=-1, keepdims=True)
+        cutoff = mx.take_along_axis(sorted_probs, kept - 1, axis=-1)
+        logits = mx.where(probs < cutoff, neg_inf, logits)
+    if min_p > 0.0:
+        probs = mx.softmax(logits, axis=-1)
+        logits = mx.where(probs < min_p * mx.max(probs, axis=-1, keepdims=True), neg_inf, logits)
+    return logits

@@ -1,0 +1,30 @@
+"""Numbers recorded for every generation."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    """Timings and sizes of one generation. Rates are tokens per second."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    total_s: float = 0.0
+    peak_memory_bytes: int = 0
+    finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (
+            f"{self.prompt_tokens} prompt tokens, {self.generated_tokens} generated; "
+            f"TTFT {self.ttft_s:.2f} s, prefill {self.prefill_tps:.1f} tok/s, "
+            f"decode {self.decode_tps:.1f} tok/s, peak {self.peak_memory_bytes / 2**20:.0f} MiB"
+        )

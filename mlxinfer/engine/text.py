@@ -1,0 +1,82 @@
+"""From generated ids to text: streaming deltas, stop strings, final text."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import SamplingError
+from ..models.decoder import DecoderLM
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from .generate import GenerationRequest, generate_ids
+from .stats import GenerationStats
+
+MAX_STOP_STRINGS = 16
+
+
+class StopMatcher:
+    """Cuts a text stream at the first stop string, holding back possible starts of one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self._pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Text that is safe to emit now."""
+        buffer = self._pending + text
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self._pending = True, ""
+            return buffer[: min(hits)]
+        hold = max((n for s in self.stops for n in range(1, len(s)) if buffer.endswith(s[:n])), default=0)
+        self._pending = buffer[len(buffer) - hold :] if hold else ""
+        return buffer[: len(buffer) - hold]
+
+    def flush(self) -> str:
+        text, self._pending = self._pending, ""
+        return text
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return text[: min(hits)] if hits else text
+
+
+@dataclass
+class TextGeneration:
+    """One generation's stream of text; `ids`, `stats` fill in as it runs."""
+
+    model: DecoderLM
+    tokenizer: Tokenizer
+    request: GenerationRequest
+    stop: Sequence[str] = ()
+    ids: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def __post_init__(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in self.stop):
+            raise SamplingError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {self.stop!r}")
+
+    def deltas(self) -> Iterator[str]:
+        """Yield text as it is produced: never half a character, never part of a stop string."""
+        detok = IncrementalDetokenizer(self.tokenizer.decode)
+        matcher = StopMatcher(self.stop)
+        for token in generate_ids(self.model, self.request, self.stats):
+            self.ids.append(token)
+            text = matcher.feed(detok.add(token))
+            if text:
+                yield text
+            if matcher.stopped:
+                self.stats.finish_reason = "stop"
+                return
+        tail = matcher.feed(detok.flush())
+        tail += "" if matcher.stopped else matcher.flush()
+        if matcher.stopped:
+            self.stats.finish_reason = "stop"
+        if tail:
+            yield tail
+
+    def text(self) -> str:
+        """The whole text, decoded at once from the generated ids (after `deltas` ran)."""
+        return truncate_at_stop(self.tokenizer.decode(self.ids), self.stop)

@@ -1,0 +1,46 @@
+"""One exception hierarchy for the whole library.
+
+The library raises these and never prints or exits; the CLI turns them into a
+single line and a non-zero exit code. Every message names what failed, the
+offending value, what was expected, and how to fix it.
+"""
+
+
+class MlxInferError(Exception):
+    """Base class of every error mlxinfer raises on purpose."""
+
+
+class ModelNotFoundError(MlxInferError):
+    """A model path does not exist or holds no model files."""
+
+
+class UnsupportedModelError(MlxInferError):
+    """The model's architecture, a config value or a file format is not supported."""
+
+
+class ConfigError(MlxInferError):
+    """config.json (or GGUF metadata) is missing, malformed or inconsistent."""
+
+
+class WeightMismatchError(MlxInferError):
+    """Checkpoint tensors do not match the architecture (missing, unexpected, wrong shape)."""
+
+
+class CorruptFileError(MlxInferError):
+    """A weights file is truncated, malformed or was crafted to point outside itself."""
+
+
+class TokenizerError(MlxInferError):
+    """Tokenizer files are missing or cannot be built."""
+
+
+class ChatTemplateError(MlxInferError):
+    """A chat template is missing, fails to render, or tried something unsafe."""
+
+
+class SamplingError(MlxInferError, ValueError):
+    """A sampling parameter is NaN, infinite or out of its range."""
+
+
+class DefaultModelError(MlxInferError):
+    """The default model could not be fetched or found in the cache."""

@@ -1,0 +1,123 @@
+"""Find and open the files of a model folder (Hugging Face or MLX layout).
+
+Only safetensors are read. Pickle checkpoints (.bin, .pt, .pth) are refused,
+never unpickled. Every header is validated before MLX maps the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..errors import ConfigError, CorruptFileError, ModelNotFoundError, UnsupportedModelError
+from .safetensors_header import TensorInfo, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model folder's config and the tensors its safetensors files declare."""
+
+    folder: Path
+    config: dict[str, Any]
+    files: tuple[Path, ...]
+    tensors: dict[str, TensorInfo]
+
+
+def open_folder(folder: Path) -> Checkpoint:
+    """Read config.json and validate every weights file's header."""
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"{folder}: no such model folder")
+    config = read_json(folder / "config.json")
+    generation = folder / "generation_config.json"
+    if generation.exists():
+        gen = read_json(generation)
+        if gen.get("eos_token_id") is not None:
+            config["eos_token_id"] = _merge_ids(config.get("eos_token_id"), gen["eos_token_id"])
+    files = _weight_files(folder)
+    tensors: dict[str, TensorInfo] = {}
+    owner: dict[str, Path] = {}
+    for path in files:
+        for name, info in read_header(path).items():
+            if name in owner:
+                raise CorruptFileError(f"{path}: tensor {name!r} also appears in {owner[name].name}")
+            owner[name], tensors[name] = path, info
+    _check_index(folder, owner)
+    return Checkpoint(folder=folder, config=config, files=tuple(files), tensors=tensors)
+
+
+def load_tensors(checkpoint: Checkpoint) -> dict[str, mx.array]:
+    """Map every tensor lazily; bytes are read when the arrays are evaluated."""
+    weights: dict[str, mx.array] = {}
+    for path in checkpoint.files:
+        weights.update(mx.load(str(path)))
+    return weights
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise ModelNotFoundError(f"{path}: missing; a model folder needs config.json and *.safetensors")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return value
+
+
+def _merge_ids(a: Any, b: Any) -> list[int]:
+    ids: list[int] = []
+    for value in (a, b):
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+    return ids
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index}: 'weight_map' must map tensor names to shard files")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ModelNotFoundError(f"{index}: shard(s) {', '.join(missing)} named in the index do not exist")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("model*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise UnsupportedModelError(
+            f"{folder}: only pickle checkpoints found ({', '.join(pickles)}); mlxinfer never unpickles. "
+            "Use the model's safetensors release instead"
+        )
+    raise ModelNotFoundError(f"{folder}: no model*.safetensors weights found")
+
+
+def _check_index(folder: Path, owner: dict[str, Path]) -> None:
+    index = folder / INDEX_FILE
+    if not index.exists():
+        return
+    weight_map = read_json(index)["weight_map"]
+    wrong = sorted(n for n, f in weight_map.items() if n in owner and owner[n].name != f)
+    absent = sorted(n for n in weight_map if n not in owner)
+    if wrong or absent:
+        detail = "; ".join(
+            part
+            for part in (
+                f"not found in their shard: {', '.join(absent[:10])}" if absent else "",
+                f"stored in another shard than the index says: {', '.join(wrong[:10])}" if wrong else "",
+            )
+            if part
+        )
+        raise CorruptFileError(f"{index}: tensors {detail}")

@@ -1,0 +1,122 @@
+"""One forward pass for every supported decoder, built from mlx-lm's layers.
+
+mlx-lm's per-architecture `__call__`s disagree with transformers on sliding
+windows (gemma2 ignores them, gemma3 and llama read only some config forms), so
+we reuse its embedding, blocks and norms and run them here with one mask per
+layer type. Parameter paths stay the Hugging Face ones (`model.layers.0...`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import SLIDING, ModelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-model facts the forward pass needs beyond the layers themselves."""
+
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    embed_scale: float | None
+    final_logit_softcapping: float | None
+
+
+class DecoderLM(nn.Module):
+    """A causal LM: embeddings -> blocks -> norm -> head, with per-layer masks."""
+
+    def __init__(self, backbone: nn.Module, lm_head: nn.Module | None, layout: Layout):
+        super().__init__()
+        self.model = backbone
+        if lm_head is not None:
+            self.lm_head = lm_head
+        self.layout = layout
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def hidden(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
+        """Final-norm hidden states, shape (B, L, hidden)."""
+        h = self.model.embed_tokens(tokens)
+        if self.layout.embed_scale is not None:
+            h = h * mx.array(self.layout.embed_scale, dtype=h.dtype)
+        caches = cache if cache is not None else [None] * len(self.layers)
+        offset = caches[0].offset if caches[0] is not None else 0
+        masks = {kind: self._mask(h.shape[1], offset, kind) for kind in set(self.layout.layer_types)}
+        for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
+            h = layer(h, masks[kind], layer_cache)
+        return self.model.norm(h)
+
+    def head(self, h: mx.array) -> mx.array:
+        """Logits for hidden states `h`, shape (..., vocab)."""
+        if "lm_head" in self:
+            logits = self.lm_head(h)
+        else:
+            logits = self.model.embed_tokens.as_linear(h)
+        cap = self.layout.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    def __call__(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
+        return self.head(self.hidden(tokens, cache))
+
+    def _mask(self, length: int, offset: int, kind: str) -> mx.array | None:
+        # Keys cover positions [0, offset + length); query i sits at offset + i.
+        window = self.layout.sliding_window if kind == SLIDING else None
+        if length == 1 and (window is None or offset < window):
+            return None
+        query = mx.arange(offset, offset + length)[:, None]
+        key = mx.arange(offset + length)[None]
+        mask = query >= key
+        if window is not None:
+            mask = mask & (query < key + window)
+        return mask
+
+
+def build_model(config: ModelConfig) -> DecoderLM:
+    """Instantiate the architecture for `config` (weights still random)."""
+    module = importlib.import_module(f"mlx_lm.models.{config.spec.mlx_module}")
+    reference = module.Model(module.ModelArgs.from_dict(config.args))
+    backbone = reference.model
+    lm_head = None
+    if not config.tie_word_embeddings:
+        lm_head = getattr(reference, "lm_head", None) or nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    if config.model_type == "gemma3_text":
+        _set_gemma3_ropes(backbone, config)
+    layout = Layout(
+        layer_types=config.layer_types,
+        sliding_window=config.sliding_window,
+        embed_scale=math.sqrt(config.hidden_size) if config.spec.scales_embeddings else None,
+        final_logit_softcapping=config.args.get("final_logit_softcapping"),
+    )
+    return DecoderLM(backbone, lm_head, layout)
+
+
+def _set_gemma3_ropes(backbone: nn.Module, config: ModelConfig) -> None:
+    # mlx-lm picks each layer's RoPE base from sliding_window_pattern; transformers
+    # from layer_types, which may follow any pattern.
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    args = config.args
+    for layer, kind in zip(backbone.layers, config.layer_types):
+        attn = layer.self_attn
+        if kind == SLIDING:
+            attn.rope = initialize_rope(attn.head_dim, base=args["rope_local_base_freq"], traditional=False)
+        else:
+            attn.rope = initialize_rope(
+                attn.head_dim,
+                base=args["rope_theta"],
+                traditional=False,
+                scaling_config=args.get("rope_scaling"),
+                max_position_embeddings=args.get("max_position_embeddings"),
+            )

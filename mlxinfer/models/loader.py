@@ -1,0 +1,110 @@
+"""Load a model folder or GGUF file into a ready-to-run DecoderLM.
+
+Steps: read config and headers -> normalize config -> build the architecture ->
+quantize layers the checkpoint stores quantized -> check every tensor name and
+shape -> cast to the compute dtype -> load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..errors import ModelNotFoundError, WeightMismatchError
+from ..tokenizer import Tokenizer
+from ..tokenizer.gguf_vocab import tokenizer_from_gguf
+from .checkpoint import load_tensors, open_folder
+from .config import ModelConfig, normalize_config
+from .decoder import DecoderLM, build_model
+from .dtype import choose_compute_dtype
+from .gguf import read_gguf
+from .quantized import quantize_like
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what was learned while loading it."""
+
+    model: DecoderLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    compute_dtype: mx.Dtype
+    path: Path
+    quantized_layers: int
+    weights_bytes: int
+    load_s: float
+
+
+def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool = True) -> LoadedModel:
+    """Load `path` (a model folder or a .gguf file) for inference.
+
+    Example:
+        >>> loaded = load_model("models/SmolLM2-135M-Instruct")
+        >>> loaded.model(mx.array([[1, 2, 3]])).shape
+    """
+    start = time.perf_counter()
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        raw_config, weights, metadata = read_gguf(path)
+        config = normalize_config(raw_config, source=f"{path} (GGUF metadata)")
+        tokenizer = tokenizer_from_gguf(metadata) if with_tokenizer else None
+    elif path.is_dir():
+        checkpoint = open_folder(path)
+        config = normalize_config(checkpoint.config, source=str(path / "config.json"))
+        weights = load_tensors(checkpoint)
+        tokenizer = Tokenizer.from_folder(path, config.eos_token_ids) if with_tokenizer else None
+    else:
+        raise ModelNotFoundError(f"{path}: not a model folder or .gguf file")
+    compute = choose_compute_dtype(dtype)
+    model = build_model(config)
+    weights = _sanitize(weights, config)
+    quantize_mode = (config.quantization or {}).get("mode", "affine")
+    quantized = quantize_like(model, weights, mode=quantize_mode)
+    verify_weights(model, weights, source=str(path))
+    model.update(tree_unflatten([(k, _cast(v, compute)) for k, v in weights.items()]))
+    mx.eval(model.parameters())
+    model.eval()
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    log.info("loaded %s: %d quantized layers, %.1f MB, %s", path, quantized, nbytes / 1e6, compute)
+    return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start)
+
+
+def verify_weights(model: nn.Module, weights: dict[str, mx.array], source: str) -> None:
+    """Raise once, listing every missing, unexpected and wrong-shape tensor."""
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = sorted(
+        f"{k} (file {tuple(weights[k].shape)}, model {expected[k]})"
+        for k in set(expected) & set(weights)
+        if tuple(weights[k].shape) != expected[k]
+    )
+    if missing or unexpected or wrong:
+        parts = [
+            f"{label} ({len(items)}): {', '.join(items[:12])}{' ...' if len(items) > 12 else ''}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+            if items
+        ]
+        raise WeightMismatchError(f"{source}: weights do not match the architecture; " + "; ".join(parts))
+
+
+def _sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
+    # Precomputed rotary tables are recomputed from the config; a tied head has no weight.
+    drop = ("lm_head.",) if config.tie_word_embeddings else ()
+    return {
+        k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq") and not k.startswith(drop or ("\0",))
+    }
+
+
+def _cast(value: mx.array, dtype: mx.Dtype) -> mx.array:
+    # Packed quantized weights are integers and stay as they are; float tensors
+    # (including quantization scales and biases) follow the compute dtype.
+    return value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value

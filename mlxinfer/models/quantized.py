@@ -1,0 +1,49 @@
+"""Turn layers into MLX quantized layers where the checkpoint stores them so.
+
+Bits and group size are read off each tensor's shapes rather than trusted from
+a config block, so mixed files (a GGUF with a Q8_0 embedding and Q4_1 layers, or
+per-layer recipes) load without a table: a packed uint32 row of an (out, in)
+weight holds `in * bits / 32` words, and there is one scale per group.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import UnsupportedModelError, WeightMismatchError
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def quantize_like(model: nn.Module, weights: dict[str, mx.array], mode: str = "affine") -> int:
+    """Quantize every layer that has `<path>.scales` in `weights`; returns how many."""
+    if mode != "affine":
+        raise UnsupportedModelError(f"quantization mode {mode!r} is not supported (only 'affine')")
+    params: dict[str, tuple[int, int]] = {}
+
+    def predicate(path: str, module: nn.Module) -> dict[str, int] | bool:
+        if f"{path}.scales" not in weights or not hasattr(module, "to_quantized"):
+            return False
+        bits, group = _infer(path, module, weights)
+        params[path] = (bits, group)
+        return {"bits": bits, "group_size": group}
+
+    nn.quantize(model, class_predicate=predicate)
+    return len(params)
+
+
+def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> tuple[int, int]:
+    packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
+    in_features = module.weight.shape[-1]
+    if packed is None or packed.dtype != mx.uint32 or packed.ndim != 2:
+        raise WeightMismatchError(f"{path}: has scales but its weight is not a packed uint32 matrix")
+    bits, rem = divmod(packed.shape[-1] * 32, in_features)
+    if rem or bits not in SUPPORTED_BITS:
+        raise WeightMismatchError(
+            f"{path}.weight: packed width {packed.shape[-1]} does not fit {in_features} inputs at {SUPPORTED_BITS} bits"
+        )
+    group, rem = divmod(in_features, scales.shape[-1])
+    if rem or group not in (32, 64, 128):
+        raise WeightMismatchError(f"{path}.scales: {scales.shape[-1]} groups do not divide {in_features} inputs")
+    return bits, group

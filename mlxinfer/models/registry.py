@@ -1,0 +1,63 @@
+"""Supported architectures as data: which mlx-lm module builds each, and which
+config settings it honours.
+
+A new architecture that differs from an existing one only by flags is a new row
+here, never a new model file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one Hugging Face `model_type` maps onto mlx-lm's model code."""
+
+    mlx_module: str
+    # Config key naming the MLP activation, and the values the module implements.
+    activation_keys: tuple[str, ...] = ("hidden_act",)
+    activations: frozenset[str] = frozenset({"silu"})
+    # How `layer_types` is derived when config.json does not list it (the
+    # transformers rules): "none", "all" (every layer slides when sliding_window
+    # is set), "alternate" (gemma2: even layers slide), "pattern" (gemma3: every
+    # Nth layer is global), "qwen" (use_sliding_window + max_window_layers).
+    sliding: str = "none"
+    # Gemma multiplies embeddings by sqrt(hidden_size) before the first layer.
+    scales_embeddings: bool = False
+    # Settings that change the math but that this module ignores: when present
+    # and not at their neutral value, loading refuses instead of computing
+    # something else than transformers would.
+    neutral: dict[str, object] = field(default_factory=dict)
+    tied_by_default: bool = False
+    # mlx-lm's module derives head_dim as hidden_size // heads and ignores the key.
+    fixed_head_dim: bool = False
+
+
+ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+_GEMMA = dict(
+    activation_keys=("hidden_activation", "hidden_act"),
+    activations=frozenset({"gelu_pytorch_tanh", "gelu_tanh"}),
+    scales_embeddings=True,
+    tied_by_default=True,
+)
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": ArchSpec("llama", neutral={"pretraining_tp": 1}),
+    "mistral": ArchSpec("llama", sliding="all"),
+    "qwen2": ArchSpec("qwen2", sliding="qwen", fixed_head_dim=True),
+    "qwen3": ArchSpec("qwen3", sliding="qwen", neutral={"attention_bias": False}),
+    "phi3": ArchSpec("phi3", sliding="all", fixed_head_dim=True),
+    "gemma2": ArchSpec("gemma2", sliding="alternate", **_GEMMA),
+    "gemma3_text": ArchSpec(
+        "gemma3_text",
+        sliding="pattern",
+        neutral={"attn_logit_softcapping": None, "final_logit_softcapping": None},
+        **_GEMMA,
+    ),
+}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(ARCHITECTURES)

