@@ -97,6 +97,13 @@ def test_bad_or_unsupported_settings_are_refused(change, error, words):
         normalize_config({**minimal(), **change})
 
 
+@pytest.mark.parametrize("model_type", ["phi3", "gemma2"])
+def test_rope_scaling_is_refused_where_the_module_ignores_it(model_type):
+    raw = {**minimal(model_type), "rope_scaling": {"type": "linear", "factor": 2.0}}
+    with pytest.raises(UnsupportedModelError, match="rope type 'linear'"):
+        normalize_config(raw)
+
+
 def test_gemma3_softcapping_is_refused_not_dropped():
     raw = {**minimal("gemma3_text"), "head_dim": 16, "final_logit_softcapping": 30.0}
     with pytest.raises(UnsupportedModelError, match="final_logit_softcapping"):

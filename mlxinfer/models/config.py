@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
-from .registry import ARCHITECTURES, ROPE_TYPES, ArchSpec, supported_model_types
+from .registry import ARCHITECTURES, ArchSpec, supported_model_types
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     _check_shapes(args, source, spec)
     _check_activation(args, source, spec)
     _check_neutral(args, source, spec)
-    args.update(_rope_args(args, source, model_type))
+    args.update(_rope_args(args, source, spec))
     layer_types, window = _layer_types(args, source, spec)
     # mlx-lm's own mask and cache logic must not see sliding layers: ours builds
     # the per-layer masks (see models/decoder.py).
@@ -168,25 +168,26 @@ def _check_neutral(args: dict[str, Any], source: str, spec: ArchSpec) -> None:
             )
 
 
-def _rope_args(args: dict[str, Any], source: str, model_type: str) -> dict[str, Any]:
+def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, Any]:
     """Read rope settings from either config form into mlx-lm's classic keys."""
+    model_type = args["model_type"]
     params = args.get("rope_parameters")
     out: dict[str, Any] = {}
     if model_type == "gemma3_text" and isinstance(params, dict) and FULL in params:
         full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
         out["rope_theta"] = full.get("rope_theta", args.get("rope_theta", 1_000_000.0))
         out["rope_local_base_freq"] = local.get("rope_theta", args.get("rope_local_base_freq", 10_000.0))
-        out["rope_scaling"] = _scaling(full, source)
-        if _scaling(local, source) is not None:
+        out["rope_scaling"] = _scaling(full, source, spec)
+        if _scaling(local, source, spec) is not None:
             raise UnsupportedModelError(f"{source}: rope scaling on sliding layers is not supported")
         return out
     if isinstance(params, dict):
         out["rope_theta"] = params.get("rope_theta", args.get("rope_theta", 10000.0))
-        out["rope_scaling"] = _scaling(params, source)
+        out["rope_scaling"] = _scaling(params, source, spec)
         if "partial_rotary_factor" in params:
             out["partial_rotary_factor"] = params["partial_rotary_factor"]
     else:
-        out["rope_scaling"] = _scaling(args.get("rope_scaling"), source)
+        out["rope_scaling"] = _scaling(args.get("rope_scaling"), source, spec)
     if out.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "phi3":
         raise UnsupportedModelError(f"{source}: partial_rotary_factor is only supported for phi3")
     theta = out.get("rope_theta", args.get("rope_theta"))
@@ -195,16 +196,16 @@ def _rope_args(args: dict[str, Any], source: str, model_type: str) -> dict[str, 
     return out
 
 
-def _scaling(scaling: Any, source: str) -> dict[str, Any] | None:
+def _scaling(scaling: Any, source: str, spec: ArchSpec) -> dict[str, Any] | None:
     """A rope scaling dict in mlx-lm's form, or None for plain RoPE."""
     if not scaling:
         return None
     if not isinstance(scaling, dict):
         raise ConfigError(f"{source}: rope scaling must be an object, got {scaling!r}")
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type not in ROPE_TYPES:
+    if rope_type not in spec.rope_types:
         raise UnsupportedModelError(
-            f"{source}: rope type {rope_type!r} is not supported (supported: {', '.join(sorted(ROPE_TYPES))})"
+            f"{source}: rope type {rope_type!r} is not supported here (supported: {', '.join(sorted(spec.rope_types))})"
         )
     if rope_type == "default":
         return None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -30,11 +32,11 @@ class ArchSpec:
     # something else than transformers would.
     neutral: dict[str, object] = field(default_factory=dict)
     tied_by_default: bool = False
+    # RoPE scaling types this module implements like transformers does.
+    rope_types: frozenset[str] = ROPE_TYPES
     # mlx-lm's module derives head_dim as hidden_size // heads and ignores the key.
     fixed_head_dim: bool = False
 
-
-ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
 _GEMMA = dict(
     activation_keys=("hidden_activation", "hidden_act"),
@@ -48,8 +50,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "mistral": ArchSpec("llama", sliding="all"),
     "qwen2": ArchSpec("qwen2", sliding="qwen", fixed_head_dim=True),
     "qwen3": ArchSpec("qwen3", sliding="qwen", neutral={"attention_bias": False}),
-    "phi3": ArchSpec("phi3", sliding="all", fixed_head_dim=True),
-    "gemma2": ArchSpec("gemma2", sliding="alternate", **_GEMMA),
+    "phi3": ArchSpec("phi3", sliding="all", fixed_head_dim=True, rope_types=frozenset({"default"})),
+    "gemma2": ArchSpec("gemma2", sliding="alternate", rope_types=frozenset({"default"}), **_GEMMA),
     "gemma3_text": ArchSpec(
         "gemma3_text",
         sliding="pattern",
