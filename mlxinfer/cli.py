@@ -10,13 +10,16 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from . import __version__
 from .api import Model, load
+from .default_model import default_model_path
 from .errors import MlxInferError
+from .models import load_tokenizer
 
 
 def _options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -123,6 +126,36 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
         history.append({"role": "user", "content": line})
         answer = _stream_answer(llm, history, generation)
         history.append({"role": "assistant", "content": answer})
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--compare", is_flag=True, help="Also measure mlx-lm on the same files (default and matched dtype).")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole report as JSON.")
+@click.option("--prompt-tokens", type=click.IntRange(1), default=None, help="Prompt length (default by backend).")
+@click.option("--decode-tokens", type=click.IntRange(2), default=None, help="Tokens to decode (default by backend).")
+@click.option("--runs", type=click.IntRange(1), default=None, help="Warm runs per configuration.")
+@_errors_as_one_line
+def bench(model: str | None, compare: bool, as_json: bool, **sizes: int | None) -> None:
+    """Measure decode and prefill speed, TTFT, memory and engine overhead of a model.
+
+    \b
+    Examples:
+      mlxinfer bench                              # the default model
+      mlxinfer bench ~/models/Qwen3-0.6B-4bit --compare --json
+    """
+    from .bench.report import markdown
+    from .bench.suite import Settings, run_suite
+
+    path = Path(model).expanduser() if model else default_model_path()
+    if compare and path.suffix == ".gguf":
+        raise click.ClickException(f"{path.name}: mlx-lm cannot load GGUF files; compare on a model folder")
+    settings = Settings.for_backend()
+    for key, value in sizes.items():
+        if value is not None:
+            setattr(settings, key, value)
+    report = run_suite({path.name: path}, {path.name: load_tokenizer(path)}, settings, compare, progress=not as_json)
+    click.echo(json.dumps(report, indent=1) if as_json else markdown(report))
 
 
 def _stream_answer(llm: Model, history: list[dict[str, str]], options: dict[str, Any]) -> str:

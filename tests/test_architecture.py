@@ -12,11 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # room -> rooms it must never import
 FORBIDDEN = {
-    "models": {"engine", "cache", "api", "cli", "convert", "quantize"},
-    "tokenizer": {"models", "engine", "cache", "api", "cli", "convert", "quantize"},
-    "cache": {"engine", "models", "api", "cli", "convert", "quantize"},
-    "engine": {"api", "cli", "convert", "quantize"},
-    "api": {"cli", "convert", "quantize"},
+    "models": {"engine", "cache", "api", "bench", "cli", "convert", "quantize"},
+    "tokenizer": {"models", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
+    "cache": {"engine", "models", "api", "bench", "cli", "convert", "quantize"},
+    "engine": {"api", "bench", "cli", "convert", "quantize"},
+    "api": {"bench", "cli", "convert", "quantize"},
+    "bench": {"cli", "convert", "quantize"},
 }
 
 

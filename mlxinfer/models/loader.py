@@ -77,6 +77,17 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
     return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start)
 
 
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Only the tokenizer of a model folder or GGUF file."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return tokenizer_from_gguf(read_gguf(path)[2])
+    if not path.is_dir():
+        raise ModelNotFoundError(f"{path}: not a model folder or .gguf file")
+    config = normalize_config(open_folder(path).config, source=str(path / "config.json"))
+    return Tokenizer.from_folder(path, config.eos_token_ids)
+
+
 def verify_weights(model: nn.Module, weights: dict[str, mx.array], source: str) -> None:
     """Raise once, listing every missing, unexpected and wrong-shape tensor."""
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}

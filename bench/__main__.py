@@ -1,0 +1,60 @@
+"""python -m bench [--quick] [--model PATH]: mlxinfer vs mlx-lm, side by side, one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from datetime import date
+from pathlib import Path
+
+from mlxinfer.bench.report import markdown
+from mlxinfer.bench.suite import Settings, run_suite
+from mlxinfer.tokenizer import Tokenizer
+
+from .models import prepare_models
+from .plots import bar_chart
+
+RESULTS = Path(__file__).parent / "results"
+LABELS = {"bf16": "bf16", "8": "8-bit", "4": "4-bit"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="4-bit only, tiny sizes, one run (CI smoke test)")
+    parser.add_argument("--model", type=Path, help="a model folder instead of the SmolLM2 bf16/8/4-bit set")
+    parser.add_argument("--bits", default=None, help="comma list of bf16,8,4 (default: all; --quick: 4)")
+    parser.add_argument("--prompt-tokens", type=int)
+    parser.add_argument("--decode-tokens", type=int)
+    parser.add_argument("--runs", type=int)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, markdown and PNGs")
+    args = parser.parse_args()
+
+    settings = Settings.for_backend(quick=args.quick)
+    for field in ("prompt_tokens", "decode_tokens", "runs"):
+        if getattr(args, field):
+            setattr(settings, field, getattr(args, field))
+    if args.model:
+        models = {args.model.name: args.model}
+    else:
+        bits = (args.bits or ("4" if args.quick else "bf16,8,4")).split(",")
+        models = {LABELS[b]: path for b, path in prepare_models(bits).items()}
+    tokenizers = {label: Tokenizer.from_folder(path) for label, path in models.items()}
+    report = run_suite(models, tokenizers, settings, compare=True)
+    write_outputs(report, args.out, quick=args.quick)
+
+
+def write_outputs(report: dict, out: Path, quick: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{date.today().isoformat()}-{platform.node() or 'host'}" + ("-quick" if quick else "")
+    table = markdown(report)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
+    bar_chart(report, "decode_tps", "Decode tokens/s (higher is better)", out / f"{stem}-decode.png")
+    bar_chart(report, "prefill_tps", "Prefill tokens/s (higher is better)", out / f"{stem}-prefill.png")
+    print(table)
+    print(f"\nwrote {out / stem}.json, .md, -decode.png, -prefill.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The engines a benchmark can drive: ours and mlx-lm, behind one small interface.
+
+Both are driven at the token level (no detokenization, EOS ignored) so they do
+the same work: prefill the same prompt ids, then decode a fixed number of tokens
+greedily.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..models.dtype import dtype_name, parse_dtype
+
+
+class Engine(Protocol):
+    name: str
+    compute_dtype: str
+    weights_bytes: int
+
+    def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
+        """(start time, time each of `n` generated tokens became available)."""
+        ...
+
+    def model_step_s(self, prompt: list[int], steps: int) -> float:
+        """Seconds per decode step of the bare model (no sampling, no engine), after `prompt`."""
+        ...
+
+
+class Ours:
+    name = "mlxinfer"
+
+    def __init__(self, path: Path, dtype: str | None):
+        from ..api import load
+
+        self._model = load(path, dtype=dtype)
+        loaded = self._model._loaded
+        self._lm = loaded.model
+        self.compute_dtype = dtype_name(loaded.compute_dtype)
+        self.weights_bytes = loaded.weights_bytes
+
+    def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
+        from ..engine import GenerationRequest, GenerationStats, generate_ids
+
+        request = GenerationRequest(prompt_ids=prompt, max_tokens=n, eos_token_ids=())
+        start = time.perf_counter()
+        return start, [time.perf_counter() for _ in generate_ids(self._lm, request, GenerationStats())]
+
+    def model_step_s(self, prompt: list[int], steps: int) -> float:
+        from ..cache import make_cache
+
+        cache = make_cache(len(self._lm.layers))
+        return _bare_steps(lambda x: self._lm(x, cache), prompt, steps)
+
+
+class MlxLm:
+    name = "mlx-lm"
+
+    def __init__(self, path: Path, dtype: str | None):
+        from mlx_lm import load
+
+        self._model, _ = load(str(path))
+        if dtype:
+            self._model.set_dtype(parse_dtype(dtype))  # floats only; packed weights stay
+        mx.eval(self._model.parameters())
+        self.compute_dtype = dtype or _float_dtype(self._model)
+        self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self._model.parameters()))
+
+    def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
+        from mlx_lm.generate import generate_step
+
+        start = time.perf_counter()
+        times = []
+        for _ in generate_step(mx.array(prompt), self._model, max_tokens=n):
+            times.append(time.perf_counter())
+        return start, times
+
+    def model_step_s(self, prompt: list[int], steps: int) -> float:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self._model)
+        return _bare_steps(lambda x: self._model(x, cache=cache), prompt, steps)
+
+
+def _bare_steps(forward: Callable[[mx.array], mx.array], prompt: list[int], steps: int) -> float:
+    mx.eval(forward(mx.array(prompt)[None]))
+    token = mx.array([[prompt[-1]]])
+    mx.eval(forward(token))  # first step after prefill may compile or allocate
+    start = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(forward(token))
+    return (time.perf_counter() - start) / steps
+
+
+def _float_dtype(model: nn.Module) -> str:
+    for _, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating) and value.ndim > 1:
+            return dtype_name(value.dtype)
+    return "unknown"
+
+
+ENGINES: dict[str, Any] = {"mlxinfer": Ours, "mlx-lm": MlxLm}

@@ -1,0 +1,132 @@
+"""One benchmark configuration: load an engine, time cold and warm runs, summarize."""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from .engines import ENGINES
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median, min and max of repeated measurements."""
+
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Spread:
+        return cls(statistics.median(values), min(values), max(values))
+
+
+@dataclass
+class RunSpec:
+    """What to measure: an engine on a model, with a dtype and sizes."""
+
+    engine: str  # "mlxinfer" or "mlx-lm"
+    model: str
+    label: str  # e.g. "4-bit"
+    mode: str  # "default" (the engine's own dtype choice) or "matched"
+    dtype: str | None
+    prompt_ids: list[int]
+    decode_tokens: int
+    runs: int = 3
+    budget_s: float = 120.0  # warm runs stop once this much time is spent
+    overhead_steps: int = 8
+
+
+@dataclass
+class Measurement:
+    """Results of one RunSpec; rates in tokens per second."""
+
+    engine: str
+    model: str
+    label: str
+    mode: str
+    compute_dtype: str
+    prompt_tokens: int
+    decode_tokens: int
+    warm_runs: int
+    load_s: float
+    ttft_cold_s: float
+    prefill_tps: Spread
+    decode_tps: Spread
+    decode_step_s: Spread
+    model_step_s: float
+    engine_overhead: float  # decode step / bare model step
+    weights_bytes: int
+    peak_memory_bytes: int  # MLX allocator peak
+    peak_rss_bytes: int  # whole process
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure(spec: RunSpec) -> Measurement:
+    """Run `spec` in this process (use a fresh process per spec for honest memory figures)."""
+    start = time.perf_counter()
+    engine = ENGINES[spec.engine](Path(spec.model), spec.dtype)
+    load_s = time.perf_counter() - start
+    mx.reset_peak_memory()
+    cold = _one_run(engine, spec)
+    warm = []
+    spent = 0.0
+    while len(warm) < spec.runs and (not warm or spent + warm[-1]["total_s"] <= spec.budget_s):
+        warm.append(_one_run(engine, spec))
+        spent += warm[-1]["total_s"]
+    model_step = engine.model_step_s(spec.prompt_ids, spec.overhead_steps)
+    step = Spread.of([r["step_s"] for r in warm])
+    return Measurement(
+        engine=spec.engine,
+        model=spec.model,
+        label=spec.label,
+        mode=spec.mode,
+        compute_dtype=engine.compute_dtype,
+        prompt_tokens=len(spec.prompt_ids),
+        decode_tokens=spec.decode_tokens,
+        warm_runs=len(warm),
+        load_s=load_s,
+        ttft_cold_s=cold["ttft_s"],
+        prefill_tps=Spread.of([len(spec.prompt_ids) / r["ttft_s"] for r in warm]),
+        decode_tps=Spread.of([1.0 / r["step_s"] for r in warm]),
+        decode_step_s=step,
+        model_step_s=model_step,
+        engine_overhead=step.median / model_step,
+        weights_bytes=engine.weights_bytes,
+        peak_memory_bytes=mx.get_peak_memory(),
+        peak_rss_bytes=_peak_rss_bytes(),
+    )
+
+
+def _one_run(engine: Any, spec: RunSpec) -> dict[str, float]:
+    start, times = engine.token_times(spec.prompt_ids, spec.decode_tokens)
+    steps = [b - a for a, b in zip(times, times[1:])]
+    return {
+        "ttft_s": times[0] - start,
+        "step_s": statistics.median(steps) if steps else float("nan"),
+        "total_s": times[-1] - start,
+    }
+
+
+def _peak_rss_bytes() -> int:
+    # Linux carries ru_maxrss across fork+exec (a worker would report its parent's
+    # peak); VmHWM belongs to this process's own address space.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if platform.system() == "Darwin" else peak * 1024  # macOS reports bytes, Linux KiB

@@ -1,0 +1,84 @@
+"""A benchmark suite: which configurations to run, and the figures derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from ..models.dtype import choose_compute_dtype, dtype_name
+from ..tokenizer import Tokenizer
+from .bandwidth import ceiling_tps, kv_bytes_per_token, measure_bandwidth
+from .conditions import conditions
+from .measure import Measurement, RunSpec
+from .runner import run_all
+
+
+@dataclass
+class Settings:
+    """Sizes and repetitions; defaults follow the backend (the CPU backend is ~100x slower)."""
+
+    prompt_tokens: int
+    decode_tokens: int
+    runs: int = 3
+    budget_s: float = 120.0
+    warmup: str = "one cold run per configuration, excluded from the medians"
+
+    @classmethod
+    def for_backend(cls, quick: bool = False) -> Settings:
+        if quick:
+            return cls(prompt_tokens=32, decode_tokens=8, runs=1, budget_s=30.0)
+        if mx.default_device().type == mx.DeviceType.gpu:
+            return cls(prompt_tokens=512, decode_tokens=128)
+        return cls(prompt_tokens=128, decode_tokens=32)
+
+
+def prompt_ids(tokenizer: Tokenizer, n: int) -> list[int]:
+    """The first `n` tokens of the shipped English prose (repeated if the tokenizer is frugal)."""
+    text = resources.files("mlxinfer.bench").joinpath("prompt.txt").read_text(encoding="utf-8")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    while len(ids) < n:
+        ids += ids
+    return ids[:n]
+
+
+def build_specs(models: dict[str, Path], tokenizers: dict[str, Tokenizer], settings: Settings, compare: bool):
+    """Ours with its default dtype; with `compare`, mlx-lm with its default and with ours."""
+    ours = dtype_name(choose_compute_dtype())
+    specs = []
+    for label, path in models.items():
+        ids = prompt_ids(tokenizers[label], settings.prompt_tokens)
+        common = dict(model=str(path), label=label, prompt_ids=ids, decode_tokens=settings.decode_tokens)
+        common.update(runs=settings.runs, budget_s=settings.budget_s)
+        specs.append(RunSpec(engine="mlxinfer", mode="default", dtype=None, **common))
+        if compare:
+            specs.append(RunSpec(engine="mlx-lm", mode="default", dtype=None, **common))
+            specs.append(RunSpec(engine="mlx-lm", mode="matched", dtype=ours, **common))
+    return specs
+
+
+def run_suite(
+    models: dict[str, Path], tokenizers: dict[str, Tokenizer], settings: Settings, compare: bool, progress: bool = True
+) -> dict[str, Any]:
+    """Run everything and return the JSON-able report: conditions, settings, bandwidth, results."""
+    bandwidth = measure_bandwidth()
+    results = run_all(build_specs(models, tokenizers, settings, compare), progress=progress)
+    return {
+        "conditions": conditions(),
+        "settings": asdict(settings),
+        "bandwidth": {**asdict(bandwidth), "best_gbps": bandwidth.best_gbps},
+        "results": [_with_ceiling(m, bandwidth.best_gbps, settings) for m in results],
+    }
+
+
+def _with_ceiling(m: Measurement, gbps: float, settings: Settings) -> dict[str, Any]:
+    dtype_bytes = 4 if m.compute_dtype == "float32" else 2
+    kv = kv_bytes_per_token(Path(m.model), dtype_bytes)
+    # Mean context while decoding: the prompt plus half the generated tokens.
+    context = settings.prompt_tokens + settings.decode_tokens / 2
+    ceiling = ceiling_tps(gbps, m.weights_bytes, kv, context)
+    derived = {"kv_bytes_per_token": kv, "ceiling_tps": ceiling, "ceiling_fraction": m.decode_tps.median / ceiling}
+    return {**m.to_dict(), **derived}

@@ -1,0 +1,83 @@
+"""The benchmark harness: units, `mlxinfer bench`, and one `python -m bench --quick` run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mlxinfer.bench.bandwidth import ceiling_tps, kv_bytes_per_token
+from mlxinfer.bench.measure import Spread
+from mlxinfer.bench.report import markdown
+from mlxinfer.bench.suite import prompt_ids
+from mlxinfer.cli import main
+from mlxinfer.tokenizer import Tokenizer
+from tests.conftest import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = TINY / "llama_classic"
+
+
+def test_spread_and_ceiling_arithmetic():
+    assert Spread.of([3.0, 1.0, 2.0]) == Spread(2.0, 1.0, 3.0)
+    # 2 layers x (K and V) x 2 KV heads x head_dim 16 x 4 bytes
+    assert kv_bytes_per_token(MODEL, 4) == 2 * 2 * 2 * 16 * 4
+    assert ceiling_tps(100.0, weights_bytes=10**9, kv_bytes=10**6, context_tokens=1000) == pytest.approx(50.0)
+
+
+def test_prompt_ids_are_real_text_of_the_requested_length():
+    tok = Tokenizer.from_folder(MODEL)
+    ids = prompt_ids(tok, 3000)
+    assert len(ids) == 3000
+    assert tok.decode(ids[:40]).startswith("It is a truth universally acknowledged")
+
+
+def test_cli_bench_compares_engines_on_the_same_files():
+    args = ["bench", str(MODEL), "--compare", "--json", "--prompt-tokens", "8", "--decode-tokens", "3", "--runs", "2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = report["results"]
+    assert [(r["engine"], r["mode"]) for r in rows] == [
+        ("mlxinfer", "default"),
+        ("mlx-lm", "default"),
+        ("mlx-lm", "matched"),
+    ]
+    for r in rows:
+        assert r["prompt_tokens"] == 8 and r["decode_tokens"] == 3 and 1 <= r["warm_runs"] <= 2
+        assert r["decode_tps"]["min"] <= r["decode_tps"]["median"] <= r["decode_tps"]["max"]
+        assert r["peak_rss_bytes"] > r["weights_bytes"] > 0 and r["engine_overhead"] > 0
+    assert rows[2]["compute_dtype"] == rows[0]["compute_dtype"]
+    assert report["conditions"]["versions"]["mlx-lm"] and report["conditions"]["cores"]
+    assert "mlxinfer / mlx-lm (matched" in markdown(report)
+
+
+def test_cli_bench_refuses_gguf_comparison(tmp_path):
+    fake = tmp_path / "m.gguf"
+    fake.write_bytes(b"GGUF")
+    result = CliRunner().invoke(main, ["bench", str(fake), "--compare"])
+    assert result.exit_code == 1 and "mlx-lm cannot load GGUF" in result.output
+
+
+def test_quick_harness_writes_json_markdown_and_plots(tmp_path, smol_path, default_cache):
+    env = {**os.environ, "MLXINFER_CACHE_DIR": str(default_cache)}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(next(tmp_path.glob("*-quick.json")).read_text())
+    assert {r["engine"] for r in report["results"]} == {"mlxinfer", "mlx-lm"}
+    assert report["settings"]["prompt_tokens"] == 32 and report["bandwidth"]["best_gbps"] > 0
+    for png in ("decode", "prefill"):
+        assert next(tmp_path.glob(f"*-quick-{png}.png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "decode" in next(tmp_path.glob("*-quick.md")).read_text()
