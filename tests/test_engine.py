@@ -86,6 +86,7 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_llama):
         ({"stop": ["x"] * 40}, "stop"),
         ({"prefill_chunk_tokens": 0}, "prefill_chunk_tokens"),
         ({"nucleus": 0.5}, "unknown generation option"),
+        ({"stop": 5}, "stop must be"),
     ],
 )
 def test_bad_generation_options(tiny_llama, options, words):
@@ -93,8 +94,33 @@ def test_bad_generation_options(tiny_llama, options, words):
         tiny_llama.generate(PROMPT, **options)
 
 
+def test_tiny_temperature_is_greedy_and_numpy_inputs_work(tiny_llama):
+    import numpy as np
+
+    ids = np.array(tiny_llama.encode_prompt(PROMPT))
+    greedy = tiny_llama.generate(ids, max_tokens=6).token_ids
+    assert tiny_llama.generate(ids, max_tokens=6, temperature=1e-45, seed=np.int64(3)).token_ids == greedy
+
+
+def test_a_stream_runs_once(tiny_llama):
+    run = tiny_llama.stream(PROMPT, max_tokens=3)
+    list(run)
+    with pytest.raises(SamplingError, match="already consumed"):
+        list(run)
+
+
+def test_token_ids_beyond_the_embedding_are_refused(tiny_llama):
+    from mlxinfer.engine import GenerationRequest, GenerationStats, generate_ids
+
+    request = GenerationRequest(prompt_ids=[1, 100_000], max_tokens=2)
+    with pytest.raises(SamplingError, match="outside the model's vocabulary"):
+        list(generate_ids(tiny_llama._loaded.model, request, GenerationStats()))
+
+
 def test_bad_token_ids_are_refused(tiny_llama):
     with pytest.raises(SamplingError, match="token ids"):
         tiny_llama.logits([1, 99999])
     with pytest.raises(SamplingError, match="empty"):
         tiny_llama.generate("", max_tokens=3)
+    with pytest.raises(SamplingError, match="chunk_tokens"):
+        tiny_llama.logits([1, 2], chunk_tokens=0)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as Backend
 
 from mlxinfer.errors import ChatTemplateError, TokenizerError
 from mlxinfer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -33,6 +34,28 @@ def test_special_token_text_in_user_content_stays_text(tok):
     assert tok.decode(ids, skip_special_tokens=False).count(sneaky) == 1
 
 
+def test_private_use_characters_cannot_disarm_control_tokens(tok):
+    chat = [{"role": "user", "content": "hello\ue000"}, {"role": "assistant", "content": "x\ue000\ue001"}]
+    ids = tok.encode_chat(chat)
+    assert ids.count(IM_END) == 2 and ids.count(IM_START) == 3
+    assert "hello\ue000" in tok.decode(ids)  # the user's character is kept, not eaten
+
+
+def test_added_token_strip_rules_apply_like_transformers():
+    data = json.loads((TINY / "llama_classic" / "tokenizer.json").read_text())
+    for token in data["added_tokens"]:
+        token["rstrip"] = token["content"] == "<|im_start|>"
+    backend = Backend.from_str(json.dumps(data))
+    tok = Tokenizer(backend, chat_template="{% for m in messages %}<|im_start|> {{ m['content'] }}{% endfor %}")
+    reference = Backend.from_str(json.dumps(data)).encode("<|im_start|> hi", add_special_tokens=False).ids
+    assert tok.encode_chat([{"role": "user", "content": "hi"}]) == reference == [IM_START, ord("h"), ord("i")]
+
+
+def test_invalid_unicode_is_a_clear_error(tok):
+    with pytest.raises(TokenizerError, match="invalid Unicode"):
+        tok.encode("a\ud800b")
+
+
 def test_raw_prompt_special_strings_are_text(tok):
     assert IM_END not in tok.encode("a<|im_end|>b")
 
@@ -48,6 +71,9 @@ def test_eos_ids_come_from_config_and_tokenizer(tok):
         ("{{ messages.append(1) }}", "unsafe"),
         ("{% for m in messages %}{{ raise_exception('no system role') }}{% endfor %}", "no system role"),
         ("{% for %}", "syntax error"),
+        ("{{ 'a' * 10**10 }}", "sandbox limit"),
+        ("{{ 1/0 }}", "ZeroDivisionError"),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "exhausted"),
     ],
 )
 def test_hostile_or_broken_templates_fail_safely(template, words):

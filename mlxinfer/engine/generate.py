@@ -58,10 +58,11 @@ def decode(model: DecoderLM, first_logits: mx.array, cache: list[KVCache], sampl
 
 def generate_ids(model: DecoderLM, request: GenerationRequest, stats: GenerationStats) -> Iterator[int]:
     """Generated ids for `request`, filling `stats` as it goes (EOS itself is not yielded)."""
-    _validate(request)
+    vocab_size = model.model.embed_tokens.weight.shape[0]
+    _validate(request, vocab_size)
     eos = set(request.eos_token_ids)
     prompt = mx.array(list(request.prompt_ids), dtype=mx.uint32)
-    sampler = Sampler(request.sampling, vocab_size=model.model.embed_tokens.weight.shape[0])
+    sampler = Sampler(request.sampling, vocab_size=vocab_size)
     sampler.observe(prompt)
     cache = make_cache(len(model.layers))
     mx.reset_peak_memory()
@@ -89,9 +90,16 @@ def generate_ids(model: DecoderLM, request: GenerationRequest, stats: Generation
             return
 
 
-def _validate(request: GenerationRequest) -> None:
+def _validate(request: GenerationRequest, vocab_size: int) -> None:
     if not request.prompt_ids:
         raise SamplingError("the prompt is empty; give at least one token")
+    low, high = min(request.prompt_ids), max(request.prompt_ids)
+    if low < 0 or high >= vocab_size:
+        # An id past the embedding table would read out of bounds on the device.
+        raise SamplingError(
+            f"prompt token id {high if high >= vocab_size else low} is outside the model's vocabulary "
+            f"[0, {vocab_size}); the tokenizer does not match the weights"
+        )
     if not isinstance(request.max_tokens, int) or not 1 <= request.max_tokens <= 1_000_000:
         raise SamplingError(f"max_tokens must be an integer in [1, 1000000], got {request.max_tokens!r}")
     if not isinstance(request.prefill_chunk_tokens, int) or request.prefill_chunk_tokens < 1:

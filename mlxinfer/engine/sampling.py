@@ -7,6 +7,7 @@ and lazy, so the decode loop can queue the next step before reading this one.
 from __future__ import annotations
 
 import math
+import numbers
 import secrets
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from ..errors import SamplingError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy.
+    """How to pick tokens. temperature 0 (or below 1e-5, where logits would overflow) is greedy.
 
     Example:
         >>> SamplingParams(temperature=0.7, top_p=0.9, seed=1)
@@ -39,18 +40,24 @@ class SamplingParams:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise SamplingError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("top_k", "seed"):  # numpy integers in, plain ints stored
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
+
+
+MIN_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (lo < value if lo_open else lo <= value) and value <= hi
     if not ok:

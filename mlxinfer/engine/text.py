@@ -54,12 +54,17 @@ class TextGeneration:
     ids: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
+    started: bool = False
+
     def __post_init__(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in self.stop):
             raise SamplingError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {self.stop!r}")
 
     def deltas(self) -> Iterator[str]:
         """Yield text as it is produced: never half a character, never part of a stop string."""
+        if self.started:
+            raise SamplingError("this generation was already consumed; start a new one")
+        self.started = True
         detok = IncrementalDetokenizer(self.tokenizer.decode)
         matcher = StopMatcher(self.stop)
         for token in generate_ids(self.model, self.request, self.stats):

@@ -69,6 +69,7 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         )
     spec = ARCHITECTURES[model_type]
     args = dict(raw)
+    _check_types(args, source)
     _check_shapes(args, source, spec)
     _check_activation(args, source, spec)
     _check_neutral(args, source, spec)
@@ -91,6 +92,49 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         quantization=raw.get("quantization"),
         source=source,
     )
+
+
+# Keys whose JSON type we rely on; a wrong type is a broken config, not a model variant.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "hidden_act": (str,),
+    "hidden_activation": (str,),
+    "head_dim": (int,),
+    "layer_types": (list,),
+    "sliding_window": (int,),
+    "sliding_window_pattern": (int,),
+    "max_window_layers": (int,),
+    "quantization": (dict,),
+    "rope_parameters": (dict,),
+    "rope_scaling": (dict,),
+    "rope_theta": (int, float),
+    "rope_local_base_freq": (int, float),
+    "rms_norm_eps": (int, float),
+    "partial_rotary_factor": (int, float),
+    "tie_word_embeddings": (bool,),
+    "use_sliding_window": (bool,),
+    "attention_bias": (bool,),
+    "mlp_bias": (bool,),
+    "max_position_embeddings": (int,),
+    "query_pre_attn_scalar": (int, float),
+    "attn_logit_softcapping": (int, float),
+    "final_logit_softcapping": (int, float),
+}
+
+
+def _check_types(args: dict[str, Any], source: str) -> None:
+    for key, types in _TYPES.items():
+        value = args.get(key)
+        if value is None:
+            continue
+        is_bool = isinstance(value, bool)
+        wrong = not isinstance(value, types) or (is_bool and bool not in types)
+        if not wrong and isinstance(value, float) and not math.isfinite(value):
+            wrong = True
+        if wrong:
+            expected = " or ".join(t.__name__ for t in types)
+            raise ConfigError(f"{source}: {key} must be a finite {expected}, got {value!r}")
+    if args.get("use_bidirectional_attention"):
+        raise UnsupportedModelError(f"{source}: use_bidirectional_attention is not supported (causal LMs only)")
 
 
 def token_ids(value: Any) -> tuple[int, ...]:
@@ -160,6 +204,9 @@ def _check_activation(args: dict[str, Any], source: str, spec: ArchSpec) -> None
 
 
 def _check_neutral(args: dict[str, Any], source: str, spec: ArchSpec) -> None:
+    for key in spec.required:
+        if key in args and args[key] is None:
+            raise UnsupportedModelError(f"{source}: {key}=null is not supported for {args['model_type']}")
     for key, neutral in spec.neutral.items():
         if key in args and args[key] != neutral:
             raise UnsupportedModelError(
@@ -173,15 +220,19 @@ def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, A
     model_type = args["model_type"]
     params = args.get("rope_parameters")
     out: dict[str, Any] = {}
-    if model_type == "gemma3_text" and isinstance(params, dict) and FULL in params:
-        full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
+    if model_type == "gemma3_text":
+        nested = isinstance(params, dict) and FULL in params
+        full = (params.get(FULL) or {}) if nested else (params or {})
+        local = (params.get(SLIDING) or {}) if nested else {}
         out["rope_theta"] = full.get("rope_theta", args.get("rope_theta", 1_000_000.0))
         out["rope_local_base_freq"] = local.get("rope_theta", args.get("rope_local_base_freq", 10_000.0))
         out["rope_scaling"] = _scaling(full, source, spec)
+        if not nested and args.get("rope_scaling"):
+            out["rope_scaling"] = _scaling(args["rope_scaling"], source, spec)
         if _scaling(local, source, spec) is not None:
             raise UnsupportedModelError(f"{source}: rope scaling on sliding layers is not supported")
         return out
-    if isinstance(params, dict):
+    if params is not None:
         out["rope_theta"] = params.get("rope_theta", args.get("rope_theta", 10000.0))
         out["rope_scaling"] = _scaling(params, source, spec)
         if "partial_rotary_factor" in params:
@@ -212,6 +263,11 @@ def _scaling(scaling: Any, source: str, spec: ArchSpec) -> dict[str, Any] | None
     factor = scaling.get("factor")
     if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
         raise ConfigError(f"{source}: rope scaling factor must be a positive number, got {factor!r}")
+    if rope_type == "llama3":
+        needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in needed if not isinstance(scaling.get(k), (int, float))]
+        if missing:
+            raise ConfigError(f"{source}: llama3 rope scaling needs {', '.join(missing)}")
     clean = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
     clean["type"] = clean["rope_type"] = rope_type
     return clean

@@ -1,7 +1,7 @@
 """Read a GGUF file as a Hugging Face-style config and weights.
 
-`mx.load` parses GGUF and hands Q4_0/Q4_1/Q8_0 tensors over as MLX affine
-quantized arrays (weight, scales, biases). What is left for us: llama.cpp's
+gguf_file.py validates the header and turns Q4_0/Q4_1/Q8_0 tensors into MLX
+affine quantized arrays (weight, scales, biases). What is left here: llama.cpp's
 tensor names, its hyperparameter keys, and the row permutation its converter
 applies to Q and K. See https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from ..errors import ConfigError, CorruptFileError, UnsupportedModelError
+from ..errors import ConfigError, UnsupportedModelError
+from .gguf_file import GGUFFile, QuantizedTensor
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -31,26 +33,40 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
     """Return (config.json-style dict, HF-named weights, raw metadata)."""
-    try:
-        tensors, metadata = mx.load(str(path), return_metadata=True)
-    except (RuntimeError, ValueError) as e:
-        raise CorruptFileError(
-            f"{path}: cannot read this GGUF file ({e}); only Q4_0, Q4_1, Q8_0, F16 and F32 tensors load directly"
-        ) from None
-    arch = metadata.get("general.architecture")
+    with GGUFFile(path) as gguf:
+        config = gguf_config(gguf)
+        weights: dict[str, mx.array] = {}
+        for name in gguf.tensors:
+            hf_name = hf_tensor_name(name)
+            weights.update(to_mlx(hf_name, unpermute_rows(hf_name, gguf.read(name), config)))
+        return config, weights, gguf.metadata
+
+
+def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """config.json-style dict of an open GGUF file; refuses architectures we cannot map."""
+    arch = gguf.metadata.get("general.architecture")
     if arch != "llama":
         raise UnsupportedModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported yet (only 'llama'); "
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported yet (only 'llama'); "
             "use the model's Hugging Face checkpoint instead"
         )
-    config = _llama_config(path, metadata, tensors)
-    weights = {}
-    for name, array in tensors.items():
-        hf_name = _hf_name(name)
-        if hf_name is None:
-            continue
-        weights[hf_name] = _unpermute(hf_name, array, config)
-    return config, weights, metadata
+    if "rope_freqs.weight" in gguf.tensors:
+        raise UnsupportedModelError(
+            f"{gguf.path}: this GGUF stores its RoPE scaling as a rope_freqs tensor (Llama 3.1 style), "
+            "which is not supported yet; use the model's Hugging Face checkpoint"
+        )
+    return llama_config(gguf.path, gguf.metadata, has_output="output.weight" in gguf.tensors)
+
+
+def to_mlx(hf_name: str, value: np.ndarray | QuantizedTensor) -> dict[str, mx.array]:
+    """MLX arrays for one tensor read from GGUF: one float array or a quantized triplet."""
+    if isinstance(value, QuantizedTensor):
+        stem = hf_name.removesuffix(".weight")
+        return {hf_name: mx.array(value.weight), f"{stem}.scales": mx.array(value.scales),
+                f"{stem}.biases": mx.array(value.biases)}  # fmt: skip
+    if value.dtype == np.uint16:  # bf16 bits
+        return {hf_name: mx.array(value).view(mx.bfloat16)}
+    return {hf_name: mx.array(value)}
 
 
 def _meta_int(path: Path, metadata: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -59,17 +75,18 @@ def _meta_int(path: Path, metadata: dict[str, Any], key: str, default: int | Non
         if default is None:
             raise ConfigError(f"{path}: GGUF metadata lacks {key!r}")
         return default
-    return int(value.item() if isinstance(value, mx.array) else value)
+    return int(value.item() if hasattr(value, "item") else value)
 
 
 def _meta_float(metadata: dict[str, Any], key: str, default: float) -> float:
     value = metadata.get(key)
     if value is None:
         return default
-    return float(value.item() if isinstance(value, mx.array) else value)
+    return float(value.item() if hasattr(value, "item") else value)
 
 
-def _llama_config(path: Path, md: dict[str, Any], tensors: dict[str, mx.array]) -> dict[str, Any]:
+def llama_config(path: Path, md: dict[str, Any], has_output: bool) -> dict[str, Any]:
+    """A config.json-style dict from a llama GGUF's metadata."""
     hidden = _meta_int(path, md, "llama.embedding_length")
     heads = _meta_int(path, md, "llama.attention.head_count")
     tokens = md.get("tokenizer.ggml.tokens") or []
@@ -92,7 +109,7 @@ def _llama_config(path: Path, md: dict[str, Any], tensors: dict[str, mx.array]) 
         "rope_scaling": rope_scaling,
         "max_position_embeddings": _meta_int(path, md, "llama.context_length", 4096),
         "vocab_size": _meta_int(path, md, "llama.vocab_size", len(tokens)),
-        "tie_word_embeddings": "output.weight" not in tensors,
+        "tie_word_embeddings": not has_output,
         "bos_token_id": _meta_int(path, md, "tokenizer.ggml.bos_token_id", -1),
         "eos_token_id": _meta_int(path, md, "tokenizer.ggml.eos_token_id", -1),
     }
@@ -102,24 +119,30 @@ def _llama_config(path: Path, md: dict[str, Any], tensors: dict[str, mx.array]) 
     return config
 
 
-def _hf_name(name: str) -> str | None:
+def hf_tensor_name(name: str) -> str:
+    """The Hugging Face name of a llama.cpp tensor (unknown names pass through, and fail verification)."""
     stem, _, kind = name.rpartition(".")  # kind: weight | scales | biases | bias
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
         mapped = _LAYER_NAMES.get(part)
         return f"model.layers.{index}.{mapped}.{kind}" if mapped else name
-    if stem == "rope_freqs":
-        return None  # llama3 rope factors, recomputed from the config
     mapped = _TOP_NAMES.get(stem)
     return f"{mapped}.{kind}" if mapped else name
 
 
-def _unpermute(name: str, array: mx.array, config: dict[str, Any]) -> mx.array:
+def unpermute_rows(name: str, array: Any, config: dict[str, Any]) -> Any:
+    """Undo llama.cpp's Q/K row order for one tensor (mx or numpy array); others pass through."""
     # llama.cpp's converter reorders Q and K rows from HF's "rotate half" layout to
     # interleaved pairs (permute(w, n_head): (n_head, 2, d/2, ...) -> (n_head, d/2, 2, ...)).
     # Without undoing it, RoPE rotates the wrong pairs and the text degrades within
     # a few tokens. Rows are the output features, so packed quantized weights,
     # scales and biases all permute the same way.
+    if isinstance(array, QuantizedTensor):
+        return QuantizedTensor(
+            *(unpermute_rows(name, a, config) for a in (array.weight, array.scales, array.biases)),
+            array.bits,
+            array.group_size,
+        )
     if ".self_attn.q_proj." in name:
         heads = config["num_attention_heads"]
     elif ".self_attn.k_proj." in name:

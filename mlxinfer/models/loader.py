@@ -90,21 +90,25 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def verify_weights(model: nn.Module, weights: dict[str, mx.array], source: str) -> None:
     """Raise once, listing every missing, unexpected and wrong-shape tensor."""
-    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    wrong = sorted(
-        f"{k} (file {tuple(weights[k].shape)}, model {expected[k]})"
-        for k in set(expected) & set(weights)
-        if tuple(weights[k].shape) != expected[k]
-    )
-    if missing or unexpected or wrong:
-        parts = [
-            f"{label} ({len(items)}): {', '.join(items[:12])}{' ...' if len(items) > 12 else ''}"
-            for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
-            if items
-        ]
+    params = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(params) - set(weights))
+    unexpected = sorted(set(weights) - set(params))
+    common = sorted(set(params) & set(weights))
+    wrong = [
+        f"{k} (file {tuple(weights[k].shape)}, model {tuple(params[k].shape)})"
+        for k in common
+        if weights[k].shape != params[k].shape
+    ]
+    # Floats must stay floats and packed quantized words must stay uint32.
+    bad_dtype = [f"{k} ({weights[k].dtype})" for k in common if _kind(weights[k].dtype) != _kind(params[k].dtype)]
+    if missing or unexpected or wrong or bad_dtype:
+        groups = (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong), ("wrong dtype", bad_dtype))
+        parts = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in groups if items]
         raise WeightMismatchError(f"{source}: weights do not match the architecture; " + "; ".join(parts))
+
+
+def _kind(dtype: mx.Dtype) -> str:
+    return "float" if mx.issubdtype(dtype, mx.floating) else str(dtype)
 
 
 def _sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:

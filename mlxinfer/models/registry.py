@@ -32,6 +32,8 @@ class ArchSpec:
     # something else than transformers would.
     neutral: dict[str, object] = field(default_factory=dict)
     tied_by_default: bool = False
+    # Settings this module always applies, so config.json must give them a value.
+    required: tuple[str, ...] = ()
     # RoPE scaling types this module implements like transformers does.
     rope_types: frozenset[str] = ROPE_TYPES
     # mlx-lm's module derives head_dim as hidden_size // heads and ignores the key.
@@ -51,7 +53,13 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen2": ArchSpec("qwen2", sliding="qwen", fixed_head_dim=True),
     "qwen3": ArchSpec("qwen3", sliding="qwen", neutral={"attention_bias": False}),
     "phi3": ArchSpec("phi3", sliding="all", fixed_head_dim=True, rope_types=frozenset({"default"})),
-    "gemma2": ArchSpec("gemma2", sliding="alternate", rope_types=frozenset({"default"}), **_GEMMA),
+    "gemma2": ArchSpec(
+        "gemma2",
+        sliding="alternate",
+        rope_types=frozenset({"default"}),
+        required=("attn_logit_softcapping",),
+        **_GEMMA,
+    ),
     "gemma3_text": ArchSpec(
         "gemma3_text",
         sliding="pattern",

@@ -17,12 +17,14 @@ from pathlib import Path
 
 from ..errors import CorruptFileError
 
+# The dtypes MLX loads; safetensors also defines F8_* and F64, which it does not.
 DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
+    "BOOL": 1, "U8": 1, "I8": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "I64": 8, "U64": 8,
 }  # fmt: skip
+MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
 
 
@@ -34,29 +36,42 @@ class TensorInfo:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Return every tensor's dtype and shape, or raise CorruptFileError naming the problem."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file; re-download it")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(MAX_HEADER_BYTES, size - 8):
-            raise CorruptFileError(
-                f"{path}: header length {header_len} exceeds the file ({size} bytes); "
-                "the file is truncated or not safetensors"
-            )
-        raw = f.read(header_len)
+    raw, size, header_len = _read_raw_header(path)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptFileError(f"{path}: header is not valid JSON ({e}); re-download the file") from None
+        header = json.loads(raw, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptFileError(f"{path}: header is not valid JSON ({type(e).__name__}); re-download the file") from None
     if not isinstance(header, dict):
         raise CorruptFileError(f"{path}: header must be a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None) or {}  # MLX writes null
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptFileError(f"{path}: __metadata__ must map strings to strings")
     data_bytes = size - 8 - header_len
     tensors = {name: _check_entry(path, name, entry, data_bytes) for name, entry in header.items()}
     _check_no_overlap(path, header)
     return tensors
+
+
+def _read_raw_header(path: Path) -> tuple[bytes, int, int]:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CorruptFileError(f"{path}: {size} bytes is too short for a safetensors file; re-download it")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(MAX_HEADER_BYTES, size - 8):
+                raise CorruptFileError(
+                    f"{path}: header length {header_len} exceeds the file ({size} bytes); "
+                    "the file is truncated or not safetensors"
+                )
+            return f.read(header_len), size, header_len
+    except OSError as e:
+        raise CorruptFileError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _check_entry(path: Path, name: str, entry: object, data_bytes: int) -> TensorInfo:
@@ -64,8 +79,8 @@ def _check_entry(path: Path, name: str, entry: object, data_bytes: int) -> Tenso
         raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if dtype not in DTYPE_BYTES:
-        raise CorruptFileError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CorruptFileError(f"{path}: tensor {name!r} has dtype {dtype!r}, which is not supported")
+    if not isinstance(shape, list) or not all(_is_count(d) and d <= MAX_DIM for d in shape):
         raise CorruptFileError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise CorruptFileError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
@@ -85,9 +100,14 @@ def _check_entry(path: Path, name: str, entry: object, data_bytes: int) -> Tenso
 
 def _check_no_overlap(path: Path, header: dict) -> None:
     spans = sorted((e["data_offsets"][0], e["data_offsets"][1], n) for n, e in header.items())
-    for (_, prev_end, prev_name), (begin, end, name) in zip(spans, spans[1:]):
-        if begin < prev_end and end > begin:
-            raise CorruptFileError(f"{path}: tensors {prev_name!r} and {name!r} overlap")
+    furthest, owner = 0, None
+    for begin, end, name in spans:
+        if end == begin:
+            continue  # empty tensors take no bytes
+        if begin < furthest:
+            raise CorruptFileError(f"{path}: tensors {owner!r} and {name!r} overlap")
+        if end > furthest:
+            furthest, owner = end, name
 
 
 def _is_count(value: object) -> bool:

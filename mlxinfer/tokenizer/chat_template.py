@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ChatTemplateError
@@ -28,9 +29,29 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
+MAX_REPEAT_ITEMS = 1_000_000  # "x" * n and [..] * n beyond this are refused
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, plus a cap on `*` so a template cannot allocate gigabytes."""
+
+    intercepted_binops = frozenset({"*"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(count, int)
+                    and len(seq) * count > MAX_REPEAT_ITEMS
+                ):
+                    raise SecurityError(f"repeating a sequence {count} times exceeds the sandbox limit")
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -49,9 +70,11 @@ def render_chat(source: str, messages: list[dict[str, Any]], **variables: Any) -
     template = _compile(source)
     try:
         return template.render(messages=messages, **variables)
-    except jinja2.exceptions.SecurityError as e:
+    except SecurityError as e:
         raise ChatTemplateError(f"chat template tried an unsafe operation and was stopped: {e}") from None
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template failed: {e}") from None
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+    except (RecursionError, MemoryError) as e:
+        raise ChatTemplateError(f"chat template exhausted its resources ({type(e).__name__})") from None
+    except Exception as e:  # a template is untrusted code: any failure is the template's
         raise ChatTemplateError(f"chat template failed on these messages: {type(e).__name__}: {e}") from None

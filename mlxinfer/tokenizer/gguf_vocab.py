@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
@@ -53,8 +53,8 @@ def _as_int(value: Any) -> int | None:
     return int(value.item() if hasattr(value, "item") else value)
 
 
-def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
-    """Build our Tokenizer from GGUF metadata (byte-level BPE vocabularies)."""
+def backend_from_gguf(metadata: dict[str, Any]) -> Backend:
+    """The fast-tokenizer backend (what tokenizer.json holds) of a GGUF file."""
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise TokenizerError(
@@ -69,17 +69,42 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
     backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     backend.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-    )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
-    )
-    bos, eos = (_as_int(metadata.get(f"tokenizer.ggml.{k}_token_id")) for k in ("bos", "eos"))
+    specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
+    backend.add_special_tokens(specials)
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    backend.add_tokens(user)
+    bos = _as_int(metadata.get("tokenizer.ggml.bos_token_id"))
+    if _as_int(metadata.get("tokenizer.ggml.add_bos_token")) and bos is not None and 0 <= bos < len(tokens):
+        # Raw prompts get the BOS token the model was trained with, as llama.cpp adds it.
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        )
+    return backend
+
+
+def tokenizer_config_from_gguf(metadata: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer_config.json fields a GGUF file carries: special tokens and chat template."""
+    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    for key in ("bos", "eos", "padding"):
+        index = _as_int(metadata.get(f"tokenizer.ggml.{key}_token_id"))
+        name = "pad_token" if key == "padding" else f"{key}_token"
+        config[name] = tokens[index] if index is not None and 0 <= index < len(tokens) else None
+    config["add_bos_token"] = bool(_as_int(metadata.get("tokenizer.ggml.add_bos_token")) or False)
+    if metadata.get("tokenizer.chat_template"):
+        config["chat_template"] = metadata["tokenizer.chat_template"]
+    return config
+
+
+def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
+    """Build our Tokenizer from GGUF metadata (byte-level BPE vocabularies)."""
+    config = tokenizer_config_from_gguf(metadata)
+    # End of generation: EOS, and the end-of-turn token chat models stop on (Llama 3's <|eot_id|>).
+    stops = [_as_int(metadata.get(f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot")]
     return Tokenizer(
-        backend,
-        eos_token_ids=[eos] if eos is not None else [],
-        bos_token=tokens[bos] if bos is not None and bos < len(tokens) else None,
-        eos_token=tokens[eos] if eos is not None and eos < len(tokens) else None,
-        chat_template=metadata.get("tokenizer.chat_template"),
+        backend_from_gguf(metadata),
+        eos_token_ids=[i for i in stops if i is not None],
+        bos_token=config["bos_token"],
+        eos_token=config["eos_token"],
+        chat_template=config.get("chat_template"),
     )

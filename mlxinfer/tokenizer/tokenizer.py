@@ -2,12 +2,14 @@
 
 Chat prompts are tokenized so that control tokens come only from the template:
 a user who types `<|im_end|>` gets those characters as text, not a turn break.
+Chats without such text tokenize exactly as transformers' apply_chat_template.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,12 @@ from tokenizers import Tokenizer as Backend
 from ..errors import ChatTemplateError, TokenizerError
 from .chat_template import render_chat
 
-# Marks a special-token string that came from message content, so the splitter
-# below treats it as text. A private-use character no tokenizer emits.
-_ESCAPE = "\ue000"
+
+def _new_marker() -> str:
+    # Marks special-token text that came from message content. A fresh random
+    # marker per render: user text cannot forge or disarm it.
+    return f"\ue000{secrets.token_hex(8)}\ue001"
+
 
 Message = dict[str, Any]
 
@@ -43,9 +48,9 @@ class Tokenizer:
         chat_template: str | None = None,
     ):
         self.backend = backend
-        # Special tokens are split out by us (see encode_chat); the backend must
-        # never turn user text into control tokens.
-        self.backend.encode_special_tokens = True
+        # A second backend that treats special-token strings as plain text.
+        self._plain = Backend.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
         added = backend.get_added_tokens_decoder()
         self.special_ids = {i: t.content for i, t in added.items() if t.special}
         self._special_by_text = {text: i for i, text in self.special_ids.items()}
@@ -56,8 +61,7 @@ class Tokenizer:
             eos.append(eos_id)
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         self.chat_template = chat_template
-        pattern = "|".join(re.escape(t) for t in sorted(self._special_by_text, key=len, reverse=True))
-        self._special_re = re.compile(f"({re.escape(_ESCAPE)})?({pattern})") if pattern else None
+        self._special_pattern = "|".join(re.escape(t) for t in sorted(self._special_by_text, key=len, reverse=True))
 
     @classmethod
     def from_folder(cls, folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -87,39 +91,44 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of plain text; special-token strings in it stay text."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._plain.encode(_valid_text(text), add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The rendered prompt text (for display; use encode_chat to tokenize)."""
-        return self._render(messages, add_generation_prompt).replace(_ESCAPE, "")
+        marker = _new_marker()
+        return self._render(messages, add_generation_prompt, marker).replace(marker, "")
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat rendered with the model's template."""
-        rendered = self._render(messages, add_generation_prompt)
+        marker = _new_marker()
+        rendered = _valid_text(self._render(messages, add_generation_prompt, marker))
+        if marker not in rendered:
+            return self.backend.encode(rendered, add_special_tokens=False).ids
+        # Message content held special-token text: split at the template's own
+        # control tokens only, and encode everything between them as plain text.
         ids: list[int] = []
         text_start = 0
-        for match in self._special_re.finditer(rendered) if self._special_re else ():
-            if match.group(1):  # escaped: came from message content
+        for match in re.finditer(f"({re.escape(marker)})?({self._special_pattern})", rendered):
+            if match.group(1):
                 continue
-            ids += self._encode_text(rendered[text_start : match.start()])
+            ids += self._plain_ids(rendered[text_start : match.start()].replace(marker, ""))
             ids.append(self._special_by_text[match.group(2)])
             text_start = match.end()
-        return ids + self._encode_text(rendered[text_start:])
+        return ids + self._plain_ids(rendered[text_start:].replace(marker, ""))
 
-    def _encode_text(self, text: str) -> list[int]:
-        text = text.replace(_ESCAPE, "")
-        return self.backend.encode(text, add_special_tokens=False).ids if text else []
+    def _plain_ids(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
 
-    def _render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    def _render(self, messages: Sequence[Message], add_generation_prompt: bool, marker: str) -> str:
         if not self.chat_template:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json, chat_template.jinja or GGUF metadata); "
                 "use a raw prompt (--raw) instead"
             )
-        safe = [_escape_message(m, self._special_by_text) for m in _validate(messages)]
+        safe = [_escape_message(m, self._special_by_text, marker) for m in _validate(messages)]
         return render_chat(
             self.chat_template,
             safe,
@@ -127,6 +136,18 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def _valid_text(text: str) -> str:
+    if not isinstance(text, str):
+        raise TokenizerError(f"expected text (str), got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(
+            f"text has invalid Unicode at position {e.start} ({text[e.start : e.end]!r}); pass valid UTF-8 text"
+        ) from None
+    return text
 
 
 def _validate(messages: Sequence[Message]) -> Sequence[Message]:
@@ -138,11 +159,11 @@ def _validate(messages: Sequence[Message]) -> Sequence[Message]:
     return messages
 
 
-def _escape_message(message: Message, specials: dict[str, int]) -> Message:
+def _escape_message(message: Message, specials: dict[str, int], marker: str) -> Message:
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+
     def escape(text: str) -> str:
-        for token in sorted(specials, key=len, reverse=True):
-            text = text.replace(token, _ESCAPE + token)
-        return text
+        return pattern.sub(lambda m: marker + m.group(0), text) if specials else text
 
     content = message["content"]
     if isinstance(content, str):

@@ -1,0 +1,215 @@
+"""A bounds-checked GGUF reader that streams one tensor at a time.
+
+Every count, length, dimension and offset in the header is checked against the
+file before it is used, so a crafted or truncated file raises CorruptFileError
+instead of reaching native code. Q4_0, Q4_1 and Q8_0 blocks are repacked into
+MLX's affine layout exactly (same grid, no second rounding); other types are
+dequantized with the `gguf` package. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptFileError, UnsupportedModelError
+
+MAX_COUNT = 1 << 24  # tensors, metadata keys or array items: far above any real model
+MAX_DIMS = 4
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+# type -> (elements per block, bytes per block)
+_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # row-major, as numpy sees it (GGUF stores dims innermost first)
+    ggml_type: int
+    offset: int  # absolute, in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """MLX affine-quantized triplet, as `mx.quantize` returns it (numpy arrays)."""
+
+    weight: np.ndarray  # uint32, packed along the last axis
+    scales: np.ndarray  # float16
+    biases: np.ndarray  # float16
+    bits: int
+    group_size: int
+
+
+class GGUFFile:
+    """Open with `GGUFFile(path)`; `metadata`, `tensors`, then `read(name)` per tensor."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        try:
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:
+            self._file.close()
+            raise CorruptFileError(f"{self.path}: empty file, not GGUF") from None
+        self._pos = 0
+        self.metadata: dict[str, Any] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        try:
+            self._parse()
+        except CorruptFileError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read(self, name: str) -> np.ndarray | QuantizedTensor:
+        """One tensor: a float array, or a QuantizedTensor for Q4_0/Q4_1/Q8_0."""
+        info = self.tensors[name]
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        if info.ggml_type == F32:
+            return raw.view(np.float32).reshape(info.shape)
+        if info.ggml_type == F16:
+            return raw.view(np.float16).reshape(info.shape)
+        if info.ggml_type == BF16:
+            return raw.view(np.uint16).reshape(info.shape)  # caller views as bfloat16
+        if info.ggml_type in (Q4_0, Q4_1, Q8_0):
+            return _repack(raw, info)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return dequantize(raw, GGMLQuantizationType(info.ggml_type)).reshape(info.shape)
+
+    # -- header parsing, every read bounds-checked -------------------------------------
+
+    def _take(self, n: int, what: str) -> bytes:
+        if n < 0 or self._pos + n > len(self._map):
+            raise CorruptFileError(f"{self.path}: {what} runs past the end of the file (truncated or not GGUF)")
+        data = self._map[self._pos : self._pos + n]
+        self._pos += n
+        return data
+
+    def _scalar(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self._take(struct.calcsize(fmt), what))[0]
+
+    def _count(self, what: str, limit: int = MAX_COUNT) -> int:
+        value = self._scalar("<Q", what)
+        if value > limit:
+            raise CorruptFileError(f"{self.path}: {what} is {value}, more than the limit {limit}")
+        return value
+
+    def _string(self, what: str) -> str:
+        length = self._count(f"length of {what}", limit=len(self._map))
+        try:
+            return self._take(length, what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptFileError(f"{self.path}: {what} is not UTF-8") from None
+
+    def _value(self, kind: int, key: str) -> Any:
+        if kind in _SCALARS:
+            return self._scalar(_SCALARS[kind], f"value of {key}")
+        if kind == STRING:
+            return self._string(f"value of {key}")
+        if kind == ARRAY:
+            item_kind = self._scalar("<I", f"item type of {key}")
+            count = self._count(f"item count of {key}")
+            if item_kind in _SCALARS:  # read numeric arrays in one go
+                size = struct.calcsize(_SCALARS[item_kind])
+                data = self._take(count * size, f"items of {key}")
+                return np.frombuffer(data, dtype=np.dtype(_SCALARS[item_kind])).tolist()
+            return [self._value(item_kind, key) for _ in range(count)]
+        raise CorruptFileError(f"{self.path}: metadata {key!r} has unknown value type {kind}")
+
+    def _parse(self) -> None:
+        if self._take(4, "magic") != b"GGUF":
+            raise CorruptFileError(f"{self.path}: not a GGUF file (bad magic)")
+        version = self._scalar("<I", "version")
+        if version not in (2, 3):
+            raise UnsupportedModelError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+        n_tensors = self._count("tensor count")
+        n_keys = self._count("metadata key count")
+        for _ in range(n_keys):
+            key = self._string("metadata key")
+            self.metadata[key] = self._value(self._scalar("<I", f"type of {key}"), key)
+        infos = [self._tensor_info() for _ in range(n_tensors)]
+        alignment = int(self.metadata.get("general.alignment", 32))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise CorruptFileError(f"{self.path}: general.alignment={alignment} is not a power of two")
+        data_start = -(-self._pos // alignment) * alignment
+        for name, shape, kind, offset in infos:
+            self.tensors[name] = self._locate(name, shape, kind, data_start + offset)
+
+    def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        name = self._string("tensor name")
+        n_dims = self._scalar("<I", f"dimension count of {name}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise CorruptFileError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
+        dims = [self._count(f"dimension of {name}", limit=len(self._map) * 32) for _ in range(n_dims)]
+        kind = self._scalar("<I", f"type of {name}")
+        offset = self._count(f"offset of {name}", limit=len(self._map))
+        return name, tuple(reversed(dims)), kind, offset
+
+    def _locate(self, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorInfo:
+        block, block_bytes = _block_size(kind, name, self.path)
+        elements = int(np.prod(shape))
+        if shape[-1] % block:
+            raise CorruptFileError(f"{self.path}: tensor {name!r} row of {shape[-1]} is not a multiple of {block}")
+        nbytes = elements // block * block_bytes
+        if offset + nbytes > len(self._map):
+            raise CorruptFileError(
+                f"{self.path}: tensor {name!r} ({nbytes} bytes at offset {offset}) runs past the end of the file"
+            )
+        return TensorInfo(name, shape, kind, offset, nbytes)
+
+
+def _block_size(kind: int, name: str, path: Path) -> tuple[int, int]:
+    if kind in _BLOCKS:
+        return _BLOCKS[kind]
+    try:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        return GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+    except (ImportError, ValueError, KeyError):
+        raise UnsupportedModelError(f"{path}: tensor {name!r} has GGML type {kind}, which is not supported") from None
+
+
+def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
+    """GGUF Q4_0/Q4_1/Q8_0 blocks of 32 -> MLX affine (w = scale * q + bias), exactly."""
+    rows, cols = int(np.prod(info.shape[:-1])), info.shape[-1]
+    _, block_bytes = _BLOCKS[info.ggml_type]
+    blocks = raw.reshape(rows, cols // 32, block_bytes)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if info.ggml_type == Q8_0:
+        q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # signed -> unsigned grid
+        bias = (scale.astype(np.float32) * -128).astype(np.float16)
+        return QuantizedTensor(_pack(q.reshape(rows, cols), 8), scale, bias, 8, 32)
+    if info.ggml_type == Q4_1:
+        bias, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
+    else:  # Q4_0: w = d * (q - 8)
+        bias, nibbles = (scale.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
+    # Byte j holds element j in its low nibble and element j + 16 in its high nibble.
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    return QuantizedTensor(_pack(q.reshape(rows, cols), 4), scale, bias, 4, 32)
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned values (rows, cols) into uint32 words, value k at bits [k*bits, (k+1)*bits)."""
+    per_word = 32 // bits
+    q = q.astype(np.uint32).reshape(q.shape[0], -1, per_word)
+    shifts = np.arange(per_word, dtype=np.uint32) * bits
+    return np.bitwise_or.reduce(q << shifts, axis=-1)
