@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 from datetime import date
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from mlxinfer.bench.report import markdown
 from mlxinfer.bench.suite import Settings, run_suite
 from mlxinfer.tokenizer import Tokenizer
 
+from .convert_bench import markdown as convert_markdown
+from .convert_bench import run_convert_bench
 from .models import prepare_models
 from .plots import bar_chart
 
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int)
     parser.add_argument("--runs", type=int)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, markdown and PNGs")
+    parser.add_argument("--skip-convert", action="store_true", help="leave out the converter figures")
     args = parser.parse_args()
 
     settings = Settings.for_backend(quick=args.quick)
@@ -41,6 +45,10 @@ def main() -> None:
         models = {LABELS[b]: path for b, path in prepare_models(bits).items()}
     tokenizers = {label: Tokenizer.from_folder(path) for label, path in models.items()}
     report = run_suite(models, tokenizers, settings, compare=True)
+    if not args.skip_convert and not args.model:
+        with tempfile.TemporaryDirectory(prefix="mlxinfer-convert-bench-") as work:
+            source = prepare_models(["bf16"])["bf16"]
+            report["convert"] = run_convert_bench(source, Path(work), eval_tokens=32 if args.quick else 256)
     write_outputs(report, args.out, quick=args.quick)
 
 
@@ -48,6 +56,8 @@ def write_outputs(report: dict, out: Path, quick: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{date.today().isoformat()}-{platform.node() or 'host'}" + ("-quick" if quick else "")
     table = markdown(report)
+    if "convert" in report:
+        table += "\n\n" + convert_markdown(report["convert"])
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / f"{stem}.md").write_text(table + "\n")
     bar_chart(report, "decode_tps", "Decode tokens/s (higher is better)", out / f"{stem}-decode.png")

@@ -1,5 +1,9 @@
-"""mlxinfer.convert: Hugging Face and GGUF checkpoints to MLX model folders.
+"""mlxinfer.convert: Hugging Face checkpoints, Hub ids and GGUF files to MLX model folders.
 
 Installed as `mlxinfer.convert` (the folder stays at the repository's top level).
-The converter itself is tracked in its own issue; today this package is empty.
+Streams tensor by tensor, writes atomically, and reports what quantization cost.
 """
+
+from .pipeline import ConversionPlan, ConversionResult, ConvertSettings, convert, plan_conversion, run_conversion
+
+__all__ = ["ConversionPlan", "ConversionResult", "ConvertSettings", "convert", "plan_conversion", "run_conversion"]

@@ -163,6 +163,78 @@ def bench(model: str | None, compare: bool, as_json: bool, **sizes: int | None) 
     click.echo(json.dumps(report, indent=1) if as_json else markdown(report))
 
 
+@main.command()
+@click.argument("src")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="Output model folder.")
+@click.option("--bits", type=click.Choice(["4", "8", "16"]), default="4", show_default=True)
+@click.option(
+    "--group-size",
+    type=click.Choice(["32", "64", "128"]),
+    default=None,
+    help="Quantization group size [default: 64; 32 for GGUF Q4/Q8 sources, reused without rounding]",
+)
+@click.option(
+    "--recipe",
+    type=click.Choice(["uniform", "mixed-4-8", "sensitivity"]),
+    default=None,
+    help="mixed-4-8: 4-bit body, 8-bit embeddings and head; sensitivity: measured, needs --bpw.",
+)
+@click.option("--bpw", type=float, default=None, help="Bits-per-weight budget for --recipe sensitivity.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float16", "bfloat16", "float32"]),
+    default=None,
+    help="Float type of unquantized tensors and scales [default: the source's 16-bit type].",
+)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--no-eval", is_flag=True, help="Skip the perplexity / KL quality report.")
+@click.option("--eval-tokens", type=click.IntRange(16), default=512, show_default=True)
+@_errors_as_one_line
+def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: bool, force: bool, **options: Any) -> None:
+    """Convert a Hugging Face folder, Hub id or GGUF file into an MLX model folder.
+
+    \b
+    Examples:
+      mlxinfer convert ~/hf/SmolLM2-135M-Instruct -o ~/models/SmolLM2-4bit
+      mlxinfer convert Qwen/Qwen3-0.6B -o ~/models/Qwen3-0.6B-8bit --bits 8
+      mlxinfer convert model.Q4_1.gguf -o ~/models/m-4bit     # Q4_1 blocks reused as-is
+      mlxinfer convert ~/hf/model -o out --recipe sensitivity --bpw 5
+    """
+    from mlxinfer.convert import ConvertSettings, plan_conversion, run_conversion
+
+    settings = ConvertSettings(
+        bits=int(bits), group_size=int(group_size) if group_size else None, evaluate=not no_eval, **options
+    )
+    plan = plan_conversion(src, out, settings, force=force)
+    click.echo(plan.summary(), err=True)
+    result = run_conversion(plan)
+    click.echo(result.summary())
+
+
+@main.command("eval")
+@click.argument("model", required=False)
+@click.option(
+    "--text",
+    "text_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A UTF-8 text file [default: the shipped English prose].",
+)
+@click.option("--max-tokens", type=click.IntRange(2), default=512, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@_errors_as_one_line
+def evaluate(model: str | None, text_file: Path | None, max_tokens: int, dtype: str | None) -> None:
+    """Perplexity of MODEL on a text (lower is better)."""
+    from .data import prose_text
+    from .quantize import perplexity
+
+    llm = _load(model, dtype, quiet=True)
+    text = text_file.read_text(encoding="utf-8") if text_file else prose_text()
+    ids = llm.tokenizer.encode(text)[:max_tokens]
+    if len(ids) < 2:
+        raise click.ClickException(f"{text_file}: needs at least 2 tokens of text")
+    click.echo(f"perplexity {perplexity(llm, ids):.4f} over {len(ids)} tokens")
+
+
 def _stream_answer(llm: Model, history: list[dict[str, str]], options: dict[str, Any]) -> str:
     run = llm.stream(history, chat=True, **options)
     parts: list[str] = []

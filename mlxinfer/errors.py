@@ -42,5 +42,9 @@ class SamplingError(MlxInferError, ValueError):
     """A sampling parameter is NaN, infinite or out of its range."""
 
 
+class ConversionError(MlxInferError):
+    """A conversion cannot start or failed; no output folder is left behind."""
+
+
 class DefaultModelError(MlxInferError):
     """The default model could not be fetched or found in the cache."""

@@ -1,5 +1,19 @@
 """mlxinfer.quantize: quantization methods and their quality measurement.
 
 Installed as `mlxinfer.quantize` (the folder stays at the repository's top level).
-The methods are tracked in the converter issue; today this package is empty.
 """
+
+from .affine import quantize_rows
+from .quality import QualityReport, compare_models, perplexity
+from .recipes import RECIPES, LayerQuant, Recipe, make_recipe
+
+__all__ = [
+    "RECIPES",
+    "LayerQuant",
+    "QualityReport",
+    "Recipe",
+    "compare_models",
+    "make_recipe",
+    "perplexity",
+    "quantize_rows",
+]

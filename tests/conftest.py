@@ -67,3 +67,13 @@ def smol_path(default_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def smol(smol_path: Path) -> mlxinfer.Model:
     return mlxinfer.load(smol_path)
+
+
+@pytest.fixture(scope="session")
+def smol_hf(smol_path: Path, default_cache: Path) -> Path:
+    """The real SmolLM2 as a Hugging Face bf16 checkpoint in two shards, made by transformers."""
+    from bench.models import prepare_models
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLXINFER_CACHE_DIR", str(default_cache))
+        return prepare_models(["bf16"])["bf16"]

@@ -53,6 +53,14 @@ def test_imports_flow_one_way():
     assert not violations
 
 
+def test_converter_and_quantizer_stay_out_of_the_runtime_and_ui():
+    for folder, banned in (("convert", {"cli", "bench"}), ("quantize", {"cli", "bench", "convert"})):
+        for path in (ROOT / folder).rglob("*.py"):
+            text = path.read_text()
+            for room in banned:
+                assert f"mlxinfer.{room}" not in text and f"from ..{room}" not in text, f"{path} imports {room}"
+
+
 def test_nothing_imports_the_cli():
     users = [p for p in (ROOT / "mlxinfer").rglob("*.py") if p.name != "cli.py" and "cli" in imported_rooms(p)]
     assert not users

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 
+from ..data import prose_text
 from ..models.dtype import choose_compute_dtype, dtype_name
 from ..tokenizer import Tokenizer
 from .bandwidth import ceiling_tps, kv_bytes_per_token, measure_bandwidth
@@ -38,8 +38,7 @@ class Settings:
 
 def prompt_ids(tokenizer: Tokenizer, n: int) -> list[int]:
     """The first `n` tokens of the shipped English prose (repeated if the tokenizer is frugal)."""
-    text = resources.files("mlxinfer.bench").joinpath("prompt.txt").read_text(encoding="utf-8")
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(prose_text(), add_special_tokens=False)
     while len(ids) < n:
         ids += ids
     return ids[:n]

@@ -1,0 +1,49 @@
+"""config.json of a converted model: readable by mlxinfer and by mlx-lm's `load()`.
+
+mlx-lm 0.32 reads only the classic rope keys (it would silently use theta 10000
+on a transformers-5 config), so the normalized values are written at the top
+level too; `rope_parameters`, when present, says the same thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxinfer.quantize import LayerQuant
+
+from mlxinfer.models.config import ModelConfig
+from mlxinfer.models.dtype import dtype_name
+
+_CLASSIC_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_local_base_freq", "partial_rotary_factor")
+
+
+def output_config(
+    source_config: dict[str, Any], config: ModelConfig, layers: dict[str, LayerQuant | None], settings: Any, dtype: Any
+) -> dict[str, Any]:
+    out = dict(source_config)
+    out.setdefault("architectures", [_ARCHITECTURES.get(config.model_type, "LlamaForCausalLM")])
+    out.update({k: config.args[k] for k in _CLASSIC_ROPE_KEYS if k in config.args})
+    out["torch_dtype"] = dtype_name(dtype)
+    out.pop("quantization_config", None)
+    if settings.bits != 16:
+        default = (settings.bits, settings.group_size)
+        block: dict[str, Any] = {"group_size": settings.group_size, "bits": settings.bits, "mode": "affine"}
+        for path, quant in sorted(layers.items()):
+            if quant is None:
+                block[path] = False  # left in float (e.g. inputs not a multiple of the group size)
+            elif (quant.bits, quant.group_size) != default:
+                block[path] = {"group_size": quant.group_size, "bits": quant.bits}
+        out["quantization"] = block
+        out["quantization_config"] = block  # mlx-lm writes both keys
+    return out
+
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}

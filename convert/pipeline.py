@@ -1,0 +1,302 @@
+"""The conversion: validate, plan, stream tensors through the recipe, write, evaluate.
+
+plan = plan_conversion("SmolLM2-135M", "SmolLM2-4bit", ConvertSettings(bits=4))
+print(plan.summary())            # expected size and peak memory, before any work
+result = run_conversion(plan)    # atomic: OUT appears only when everything succeeded
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
+from mlxinfer.quantize.affine import dequantize_rows, quantize_rows
+from tqdm.auto import tqdm
+
+from mlxinfer.errors import ConversionError
+from mlxinfer.memory import peak_rss_bytes
+from mlxinfer.models.config import ModelConfig, normalize_config
+from mlxinfer.models.decoder import build_model
+from mlxinfer.models.dtype import parse_dtype
+
+from .output_config import output_config
+from .sources import Quantized, Source, open_source
+from .writer import DEFAULT_SHARD_BYTES, AtomicFolder, ShardWriter, sha256_files, write_json
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "mlxinfer-manifest.json"
+
+
+@dataclass
+class ConvertSettings:
+    """What the output should be. group_size None: 32 for GGUF block-quantized sources, else 64."""
+
+    bits: int = 4
+    group_size: int | None = None
+    recipe: str | None = None
+    bpw: float | None = None
+    dtype: str | None = None  # None: the source's 16-bit float type (bfloat16 for float32 sources)
+    evaluate: bool = True
+    eval_tokens: int = 512
+    shard_bytes: int = DEFAULT_SHARD_BYTES
+
+
+@dataclass
+class ConversionPlan:
+    """Everything decided before the first byte is written."""
+
+    source: Source
+    out: Path
+    settings: ConvertSettings
+    config: ModelConfig
+    layers: dict[str, LayerQuant | None]  # quantizable module path -> its quantization
+    names: list[str]  # source tensors to write, in order
+    dtype: mx.Dtype
+    output_bytes: int
+    peak_bytes: int
+    params: int
+
+    def summary(self) -> str:
+        quantized = sum(q is not None for q in self.layers.values())
+        what = f"{self.settings.bits}-bit" if self.settings.bits != 16 else "unquantized"
+        return (
+            f"{self.source.description} -> {self.out}: {what}, {quantized} quantized layers; "
+            f"expected output {self.output_bytes / 2**20:.0f} MiB, "
+            f"expected peak memory {self.peak_bytes / 2**20:.0f} MiB"
+        )
+
+
+@dataclass
+class ConversionResult:
+    out: Path
+    files: list[str]
+    output_bytes: int
+    seconds: float
+    peak_rss_bytes: int
+    bits_per_weight: float
+    quality: QualityReport | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        quality = f"; {self.quality.summary()}" if self.quality else ""
+        return (
+            f"wrote {self.out} ({self.output_bytes / 2**20:.0f} MiB, {self.bits_per_weight:.2f} bits/weight) "
+            f"in {self.seconds:.1f} s, peak memory {self.peak_rss_bytes / 2**20:.0f} MiB{quality}"
+        )
+
+    def _repr_html_(self) -> str:
+        quality = self.quality._repr_html_() if self.quality else ""
+        return f"<p>{self.summary()}</p>{quality}"
+
+
+def convert(src: str | Path, out: str | Path, force: bool = False, progress: bool = True, **settings: Any):
+    """Convert SRC (folder, .gguf or Hub id) into an MLX model folder OUT.
+
+    Example:
+        >>> from mlxinfer.convert import convert
+        >>> convert("SmolLM2-135M-Instruct", "SmolLM2-4bit", bits=4, group_size=64).quality.summary()
+    """
+    return run_conversion(plan_conversion(src, out, ConvertSettings(**settings), force=force), progress=progress)
+
+
+def plan_conversion(src: str | Path, out: str | Path, settings: ConvertSettings, force: bool = False):
+    """Open and validate the source and decide every layer's format; writes nothing."""
+    out = Path(out).expanduser().resolve()
+    src_path = Path(src).expanduser()
+    if src_path.exists() and (out == src_path.resolve() or src_path.resolve() in out.parents):
+        raise ConversionError(f"{out}: the output may not be inside the source {src_path}")
+    if out.exists() and not force:
+        raise ConversionError(f"{out}: already exists; pass --force to replace it")
+    source = open_source(src)
+    try:
+        return _plan(source, out, settings)
+    except BaseException:
+        source.close()
+        raise
+
+
+def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPlan:
+    config = normalize_config(source.config, source=f"{source.description} config")
+    model = build_model(config)  # parameters stay lazy: only shapes are used
+    names = _check_tensors(source, model, config)
+    block_quantized = any(t.dtype in ("Q4_0", "Q4_1", "Q8_0") for t in source.tensors.values())
+    if settings.group_size is None:
+        settings.group_size = 32 if block_quantized else 64
+    recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
+    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    layers = {
+        path: (recipe(path, shapes[f"{path}.weight"]) if recipe else None)
+        for path, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Embedding)) and f"{path}.weight" in shapes
+    }
+    if settings.recipe == "sensitivity" or (settings.recipe is None and settings.bpw is not None):
+        layers = _sensitivity_layers(source, settings, layers)
+    layers = _keep_finer_blocks(source, layers)
+    dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
+    output_bytes = sum(_output_bytes(shapes[n], layers.get(n.removesuffix(".weight")), dtype) for n in names)
+    largest = max(math.prod(shapes[n]) for n in names)
+    peak = 3 * 4 * largest + settings.shard_bytes + 200 * 2**20  # float32 copies of one tensor, a shard, runtime
+    params = sum(math.prod(shapes[n]) for n in names)
+    return ConversionPlan(source, out, settings, config, layers, names, dtype, output_bytes, peak, params)
+
+
+def _check_tensors(source: Source, model: nn.Module, config: ModelConfig) -> list[str]:
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    given = {n: t for n, t in source.tensors.items() if not n.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        given.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(set(given) - set(expected))
+    wrong = sorted(
+        f"{n} {given[n].shape} != {expected[n]}" for n in set(given) & set(expected) if given[n].shape != expected[n]
+    )
+    problems = [f"{label}: {', '.join(items)}" for label, items in
+                (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]  # fmt: skip
+    if problems:
+        raise ConversionError(f"{source.description}: tensors do not match config.json; " + "; ".join(problems))
+    return sorted(given)
+
+
+BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
+
+
+def _keep_finer_blocks(source: Source, layers: dict[str, LayerQuant | None]) -> dict[str, LayerQuant | None]:
+    # A GGUF tensor already quantized on a grid at least as fine as the target
+    # (Q8_0 embeddings in a Q4_1 file, say) is kept as it is: re-rounding it to
+    # fewer bits would throw away what the GGUF's own quantizer chose to keep.
+    kept = dict(layers)
+    for path, quant in layers.items():
+        source_bits = BLOCK_BITS.get(getattr(source.tensors.get(f"{path}.weight"), "dtype", ""))
+        if quant is not None and source_bits and source_bits >= quant.bits and quant.group_size == 32:
+            kept[path] = LayerQuant(source_bits, 32)
+    return kept
+
+
+def _default_dtype(source: Source) -> mx.Dtype:
+    # GGUF scales are float16, so a GGUF source stays in float16; safetensors keep their 16-bit type.
+    kinds = {t.dtype for t in source.tensors.values()}
+    if kinds & set(BLOCK_BITS) or ("F16" in kinds and "BF16" not in kinds):
+        return mx.float16
+    return mx.bfloat16
+
+
+def _output_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dtype) -> int:
+    count = math.prod(shape)
+    if quant is None:
+        return count * dtype.size
+    return count * quant.bits // 8 + 2 * (count // quant.group_size) * 2
+
+
+def _sensitivity_layers(source: Source, settings: ConvertSettings, layers: dict[str, LayerQuant | None]):
+    from mlxinfer.quantize.affine import bits_per_weight
+    from mlxinfer.quantize.sensitivity import allocate, layer_errors
+
+    from mlxinfer.api import load
+    from mlxinfer.data import prose_text
+
+    folder = getattr(source, "folder", None) or Path(source.description)
+    model = load(folder)
+    ids = model.tokenizer.encode(prose_text(), add_special_tokens=False)[:256]
+    tied = model.config.tie_word_embeddings
+    errors = [e for e in layer_errors(model._loaded.model, ids, settings.group_size, tied) if layers.get(e.path)]
+    measured = {e.path for e in errors}
+    fixed_params = fixed_bits = 0
+    for name, value in tree_flatten(model._loaded.model.parameters()):
+        path = name.rsplit(".", 1)[0]
+        if path in measured:
+            continue
+        fixed_params += value.size
+        fixed_bits += value.size * (bits_per_weight(4, settings.group_size) if layers.get(path) else 16)
+    table = allocate(errors, settings.bpw, settings.group_size, fixed_params, fixed_bits)
+    return {p: (LayerQuant(table.get(p, 4), settings.group_size) if q else None) for p, q in layers.items()}
+
+
+def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionResult:
+    """Write the output folder atomically; evaluate it unless settings.evaluate is False."""
+    start = time.perf_counter()
+    folder = AtomicFolder(plan.out, force=True)
+    try:
+        files, data_bytes = _write_tensors(plan, folder.path, progress)
+        plan.source.write_tokenizer(folder.path)
+        config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
+        write_json(folder.path / "config.json", config)
+        bpw = 8 * data_bytes / plan.params
+        quality = _evaluate(plan, folder.path, bpw) if plan.settings.evaluate else None
+        manifest = _manifest(plan, folder.path, quality, bpw)
+        folder.commit()
+    except BaseException:
+        folder.abort()
+        raise
+    finally:
+        plan.source.close()
+    size = sum((plan.out / f).stat().st_size for f in files)
+    return ConversionResult(
+        plan.out, files, size, time.perf_counter() - start, peak_rss_bytes(), bpw, quality, manifest
+    )
+
+
+def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool) -> tuple[list[str], int]:
+    writer = ShardWriter(folder, plan.settings.shard_bytes)
+    total = sum(plan.source.tensors[n].nbytes for n in plan.names)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress) as bar:
+        for name in plan.names:
+            for out_name, array in _convert_tensor(plan, name):
+                mx.eval(array)
+                writer.add(out_name, array)
+            bar.update(plan.source.tensors[name].nbytes)
+            bar.set_postfix_str(name, refresh=False)
+    return writer.finish(), writer.total_bytes
+
+
+def _convert_tensor(plan: ConversionPlan, name: str):
+    value = plan.source.read(name)
+    path = name.removesuffix(".weight")
+    quant = plan.layers.get(path) if name.endswith(".weight") else None
+    if isinstance(value, Quantized):
+        if quant is not None and (quant.bits, quant.group_size) == (value.bits, value.group_size):
+            # Same grid as the source (GGUF Q4_1 -> 4-bit group 32): copy, never round twice.
+            return [(name, value.weight), (f"{path}.scales", value.scales), (f"{path}.biases", value.biases)]
+        value = dequantize_rows(value.weight, value.scales, value.biases, value.bits, value.group_size)
+    if quant is None:
+        return [(name, value.astype(plan.dtype) if mx.issubdtype(value.dtype, mx.floating) else value)]
+    packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype)
+    return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+
+
+def _evaluate(plan: ConversionPlan, folder: Path, bpw: float) -> QualityReport:
+    from mlxinfer.quantize import compare_models
+
+    from mlxinfer.api import load
+    from mlxinfer.data import prose_text
+
+    output = load(folder)
+    source_path = getattr(plan.source, "folder", None) or Path(plan.source.description)
+    source = load(source_path)
+    ids = output.tokenizer.encode(prose_text(), add_special_tokens=False)[: plan.settings.eval_tokens]
+    return compare_models(source, output, ids, bits_per_weight=bpw)
+
+
+def _manifest(plan: ConversionPlan, folder: Path, quality: QualityReport | None, bpw: float) -> dict[str, Any]:
+    from mlxinfer import __version__
+
+    manifest = {
+        "mlxinfer_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source": plan.source.description,
+        "settings": asdict(plan.settings),
+        "bits_per_weight": bpw,
+        "quality": quality.to_dict() if quality else None,
+        "files": sha256_files(folder),
+    }
+    write_json(folder / MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,157 @@
+"""What a conversion reads: a Hugging Face folder, a GGUF file, or a Hub id.
+
+Every source offers the same small interface: a config.json-style dict, the
+logical shape of each tensor (named as in Hugging Face checkpoints), `read(name)`
+for one tensor at a time, and `write_tokenizer(folder)`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from mlxinfer.errors import ConversionError, UnsupportedModelError
+from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
+from mlxinfer.models.gguf import gguf_config, hf_tensor_name, unpermute_rows
+from mlxinfer.models.gguf_file import GGUFFile, QuantizedTensor
+from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "tokenizer.model",
+)
+FLOAT_DTYPES = {"F32", "F16", "BF16"}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    shape: tuple[int, ...]  # logical shape (a quantized GGUF tensor reports its unpacked shape)
+    dtype: str  # safetensors dtype name, or the GGUF type ("Q4_1", ...)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A tensor that arrives already quantized in MLX's affine format."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+
+
+class Source(Protocol):
+    description: str
+    config: dict[str, Any]
+    tensors: dict[str, Tensor]
+
+    def read(self, name: str) -> mx.array | Quantized: ...
+
+    def write_tokenizer(self, folder: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FolderSource:
+    """A local Hugging Face (or MLX) checkpoint folder."""
+
+    def __init__(self, folder: Path, description: str | None = None):
+        checkpoint: Checkpoint = open_folder(folder)
+        self.folder = folder
+        self.description = description or str(folder)
+        self.config = checkpoint.config
+        if "quantization" in self.config:
+            raise ConversionError(f"{folder}: already quantized (has a 'quantization' block); convert the original")
+        self.tensors = {
+            name: Tensor(info.shape, info.dtype, int(np.prod(info.shape)) * _itemsize(info.dtype))
+            for name, info in checkpoint.tensors.items()
+        }
+        bad = sorted(f"{n} ({t.dtype})" for n, t in self.tensors.items() if t.dtype not in FLOAT_DTYPES)
+        if bad:
+            raise ConversionError(f"{folder}: tensors of unsupported dtype (need F32, F16 or BF16): {', '.join(bad)}")
+        self._arrays = load_tensors(checkpoint)  # lazy: bytes are read per tensor
+
+    def read(self, name: str) -> mx.array:
+        return self._arrays[name]
+
+    def write_tokenizer(self, folder: Path) -> None:
+        for name in TOKENIZER_FILES:
+            if (self.folder / name).is_file():
+                shutil.copy2(self.folder / name, folder / name)
+
+    def close(self) -> None:
+        self._arrays.clear()
+
+
+class GGUFSource:
+    """A llama-architecture GGUF file; Q4_0/Q4_1/Q8_0 arrive quantized (group size 32)."""
+
+    def __init__(self, path: Path):
+        self.description = str(path)
+        self._file = GGUFFile(path)
+        self.config = gguf_config(self._file)
+        self._names = {hf_tensor_name(name): name for name in self._file.tensors}
+        self.tensors = {
+            hf: Tensor(info.shape, _GGML_NAMES.get(info.ggml_type, str(info.ggml_type)), info.nbytes)
+            for hf, info in ((hf, self._file.tensors[name]) for hf, name in self._names.items())
+        }
+
+    def read(self, name: str) -> mx.array | Quantized:
+        value = unpermute_rows(name, self._file.read(self._names[name]), self.config)
+        if isinstance(value, QuantizedTensor):
+            return Quantized(
+                mx.array(value.weight), mx.array(value.scales), mx.array(value.biases), value.bits, value.group_size
+            )
+        array = mx.array(value)
+        return array.view(mx.bfloat16) if value.dtype == np.uint16 else array
+
+    def write_tokenizer(self, folder: Path) -> None:
+        metadata = self._file.metadata
+        (folder / "tokenizer.json").write_text(backend_from_gguf(metadata).to_str(), encoding="utf-8")
+        config = tokenizer_config_from_gguf(metadata)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+_GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F32": 4, "F16": 2, "BF16": 2}.get(dtype, 1)
+
+
+def open_source(src: str | Path) -> Source:
+    """Open SRC: a folder, a .gguf file, or a Hugging Face Hub id (downloaded after a preflight check)."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return FolderSource(path)
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return GGUFSource(path)
+        if path.suffix in PICKLE_SUFFIXES:
+            raise UnsupportedModelError(f"{path}: pickle checkpoints are never loaded; use a safetensors or GGUF file")
+        raise ConversionError(f"{path}: not a model folder, .gguf file or Hub id")
+    if _looks_like_hub_id(str(src)):
+        from .hub import fetch
+
+        return FolderSource(fetch(str(src)), description=f"hf://{src}")
+    raise ConversionError(f"{src}: no such folder or file (and not a Hub id like 'org/name')")
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "~"))

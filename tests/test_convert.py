@@ -1,0 +1,255 @@
+"""The converter on real weights (SmolLM2-135M) and on tiny checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlxinfer.convert import convert
+
+import mlxinfer
+from mlxinfer.cli import main
+from mlxinfer.errors import ConversionError
+from tests.conftest import TINY, golden
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER = "The capital of France is Paris."
+
+
+def mlx_lm_greedy(folder: Path, ids: list[int], n: int, eos: int) -> list[int]:
+    """mlx-lm's own load() and decode loop on our output, computed in float32 like ours."""
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, _ = load(str(folder))
+    model.set_dtype(mx.float32)
+    out = []
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=n):
+        token = int(token)
+        if token == eos:
+            break
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_real_checkpoint_converts_and_mlx_lm_agrees(smol_hf, tmp_path, bits):
+    out = tmp_path / f"smol-{bits}bit"
+    # 8-bit perplexity is checked on enough text for a 1% bound to mean something.
+    tokens = 512 if bits == 8 else 128
+    result = convert(smol_hf, out, bits=bits, group_size=64, eval_tokens=tokens, progress=False)
+    ours = mlxinfer.load(out)
+    answer = ours.chat(QUESTION, max_tokens=16)
+    ids = ours.encode_prompt(QUESTION, chat=True)
+    assert mlx_lm_greedy(out, ids, 16, eos=2) == answer.token_ids
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"]["bits"] == bits and config["rope_theta"] == 100000.0
+    manifest = json.loads((out / "mlxinfer-manifest.json").read_text())
+    assert set(manifest["files"]) >= {"config.json", "tokenizer.json", "model-00001-of-00001.safetensors"}
+    assert manifest["quality"]["tokens"] == tokens and manifest["settings"]["bits"] == bits
+    assert result.quality.mean_kl > 0 and result.bits_per_weight == pytest.approx(bits + 0.5, abs=0.3)
+    if bits == 8:
+        assert answer.text == ANSWER
+        assert abs(result.quality.ppl_change_pct) < 1.0
+
+
+def layer(model: mlxinfer.Model, index: int, name: str):
+    module = model._loaded.model.model.layers[index]
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def test_gguf_q4_1_is_reused_without_a_second_rounding(smol_path, tmp_path):
+    out = tmp_path / "smol-gguf-4bit"
+    result = convert(smol_path, out, bits=4, evaluate=False, progress=False)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert (quant["bits"], quant["group_size"]) == (4, 32)
+    assert quant["model.embed_tokens"] == {"group_size": 32, "bits": 8}  # the GGUF's Q8_0 embedding, kept
+    direct, converted = mlxinfer.load(smol_path, dtype="float32"), mlxinfer.load(out, dtype="float32")
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        a, b = layer(direct, 3, name), layer(converted, 3, name)
+        for part in ("weight", "scales", "biases"):
+            assert mx.array_equal(getattr(a, part), getattr(b, part)), f"{name}.{part} was rounded again"
+    ids = direct.tokenizer.encode("It is a truth universally acknowledged")
+    # Only the float32 norms were stored in float16.
+    assert np.abs(direct.logits(ids) - converted.logits(ids)).max() < 0.05
+    assert result.files and converted.chat(QUESTION, max_tokens=16).text == ANSWER
+
+
+def test_gguf_to_unquantized_float32_matches_the_gguf(smol_path, tmp_path):
+    out = tmp_path / "smol-f32"
+    convert(smol_path, out, bits=16, dtype="float32", evaluate=False, progress=False)
+    assert "quantization" not in json.loads((out / "config.json").read_text())
+    direct, converted = mlxinfer.load(smol_path), mlxinfer.load(out)
+    ids = direct.tokenizer.encode("It is a truth")
+    assert np.abs(direct.logits(ids) - converted.logits(ids)).max() < 1e-3
+
+
+def test_mixed_recipe_writes_per_layer_overrides(tmp_path):
+    out = tmp_path / "mixed"
+    result = convert(TINY / "qwen2", out, bits=4, group_size=32, recipe="mixed-4-8", eval_tokens=32, progress=False)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    assert quant["model.embed_tokens"] == {"group_size": 32, "bits": 8} and quant["lm_head"]["bits"] == 8
+    model = mlxinfer.load(out)._loaded.model
+    assert model.model.embed_tokens.bits == 8 and model.model.layers[0].mlp.up_proj.bits == 4
+    ref = golden("qwen2")
+    ids = ref["input_ids"].tolist()
+    assert mlx_lm_greedy(out, ids, 6, eos=258) == mlxinfer.load(out).generate(ids, max_tokens=6).token_ids
+    assert result.quality.tokens == 32
+
+
+def test_sensitivity_recipe_stays_within_the_budget(tmp_path):
+    out = tmp_path / "sens"
+    result = convert(TINY / "llama_rope_linear", out, bits=4, group_size=32, bpw=6.0, eval_tokens=32, progress=False)
+    quant = json.loads((out / "config.json").read_text())["quantization"]
+    upgraded = [k for k, v in quant.items() if isinstance(v, dict) and v["bits"] == 8]
+    assert upgraded  # some layers were worth 8 bits
+    assert result.bits_per_weight <= 6.0 + 0.05
+
+
+def test_bad_recipe_settings_are_refused(tmp_path):
+    with pytest.raises(ConversionError, match="--bpw must be between"):
+        convert(TINY / "qwen2", tmp_path / "x", bits=4, group_size=64, recipe="sensitivity", progress=False)
+    with pytest.raises(ConversionError, match="--bpw needs --recipe sensitivity"):
+        convert(TINY / "qwen2", tmp_path / "x", bits=4, recipe="uniform", bpw=5.0, progress=False)
+    assert not (tmp_path / "x").exists()
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, ["convert", *args])
+
+
+def assert_one_line_error(result, words: str) -> None:
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and words in errors[0], result.stderr
+
+
+def sharded(tmp_path: Path) -> Path:
+    from tests.test_checkpoint import shard
+
+    folder = tmp_path / "src"
+    shutil.copytree(TINY / "llama_classic", folder)
+    (folder / "golden.safetensors").unlink()
+    shard(folder)
+    return folder
+
+
+def test_malformed_inputs_give_one_line_errors(tmp_path):
+    out = str(tmp_path / "out")
+    src = sharded(tmp_path)
+    (src / "model-00002-of-00002.safetensors").rename(tmp_path / "moved.safetensors")
+    assert_one_line_error(cli(str(src), "-o", out), "model-00002-of-00002.safetensors")
+    (tmp_path / "moved.safetensors").rename(src / "model-00002-of-00002.safetensors")
+
+    first = src / "model-00001-of-00002.safetensors"
+    first.write_bytes(first.read_bytes()[:-100])
+    assert_one_line_error(cli(str(src), "-o", out), "truncated")
+
+    pickle = tmp_path / "pytorch_model.bin"
+    pickle.write_bytes(b"\x80\x04not read")
+    assert_one_line_error(cli(str(pickle), "-o", out), "pickle")
+
+    (tmp_path / "exists").mkdir()
+    assert_one_line_error(cli(str(TINY / "llama_classic"), "-o", str(tmp_path / "exists"), "--no-eval"), "--force")
+    assert not Path(out).exists()
+
+
+def test_tensor_in_two_shards_is_refused(tmp_path):
+    src = sharded(tmp_path)
+    first = mx.load(str(src / "model-00001-of-00002.safetensors"))
+    second = mx.load(str(src / "model-00002-of-00002.safetensors"))
+    name = next(iter(first))
+    mx.save_safetensors(str(src / "model-00002-of-00002.safetensors"), {**second, name: first[name]})
+    assert_one_line_error(cli(str(src), "-o", str(tmp_path / "out")), "also appears in")
+
+
+@pytest.mark.parametrize("damage", ["tensor_count", "truncate", "magic"])
+def test_bad_gguf_headers_give_one_line_errors(smol_path, tmp_path, damage):
+    head = bytearray(smol_path.read_bytes()[: 4 << 20])
+    if damage == "tensor_count":
+        head[8:16] = struct.pack("<Q", 2**62)
+    elif damage == "magic":
+        head[0:4] = b"GGUX"
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(head[: 1 << 20]) if damage == "truncate" else bytes(head))
+    words = {"tensor_count": "tensor count", "truncate": "past the end", "magic": "bad magic"}[damage]
+    assert_one_line_error(cli(str(bad), "-o", str(tmp_path / "out")), words)
+
+
+def test_output_inside_the_source_is_refused(tmp_path):
+    src = sharded(tmp_path)
+    assert_one_line_error(cli(str(src), "-o", str(src / "out")), "inside the source")
+
+
+def test_a_killed_conversion_leaves_nothing_and_the_rerun_cleans_up(smol_hf, tmp_path):
+    out = tmp_path / "killed"
+    command = [
+        sys.executable,
+        "-m",
+        "mlxinfer.cli",
+        "convert",
+        str(smol_hf),
+        "-o",
+        str(out),
+        "--bits",
+        "8",
+        "--no-eval",
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".killed.partial-*")):
+        time.sleep(0.01)
+    time.sleep(0.3)  # well into the tensor stream
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not out.exists()
+    assert list(tmp_path.glob(".killed.partial-*"))  # what SIGKILL left behind
+    result = cli(str(smol_hf), "-o", str(out), "--bits", "8", "--no-eval")
+    assert result.exit_code == 0, result.output
+    assert out.is_dir() and not list(tmp_path.glob(".killed.partial-*"))
+
+
+def test_hub_id_converts_offline_from_a_seeded_cache(tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / ("0" * 40)
+    shutil.copytree(TINY / "llama_classic", snapshot)
+    (snapshot / "golden.safetensors").unlink()
+    refs = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs"
+    refs.mkdir()
+    (refs / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = (
+        "from mlxinfer.convert import convert; import sys;"
+        "r = convert('tiny-org/tiny-llama', sys.argv[1], bits=8, group_size=32, evaluate=False, progress=False);"
+        "print(r.out)"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert mlxinfer.load(tmp_path / "out").config.model_type == "llama"
+    missing = subprocess.run(
+        [sys.executable, "-m", "mlxinfer.cli", "convert", "tiny-org/absent", "-o", str(tmp_path / "o2")],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 1 and "not in the local Hugging Face cache" in missing.stderr
+
+
+def test_eval_command_reports_perplexity(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    result = CliRunner().invoke(main, ["eval", str(TINY / "llama_classic"), "--text", str(text)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("perplexity ")
