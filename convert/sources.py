@@ -84,7 +84,8 @@ class FolderSource:
         self._arrays = load_tensors(checkpoint)  # lazy: bytes are read per tensor
 
     def read(self, name: str) -> mx.array:
-        return self._arrays[name]
+        # Handed over, not kept: once evaluated, a kept array would hold its bytes until the end.
+        return self._arrays.pop(name)
 
     def write_tokenizer(self, folder: Path) -> None:
         for name in TOKENIZER_FILES:

@@ -8,7 +8,6 @@ layer type. Parameter paths stay the Hugging Face ones (`model.layers.0...`).
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import SLIDING, ModelConfig
+from .mlx_lm_modules import model_module
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class DecoderLM(nn.Module):
 
 def build_model(config: ModelConfig) -> DecoderLM:
     """Instantiate the architecture for `config` (weights still random)."""
-    module = importlib.import_module(f"mlx_lm.models.{config.spec.mlx_module}")
+    module = model_module(config.spec.mlx_module)
     reference = module.Model(module.ModelArgs.from_dict(config.args))
     backbone = reference.model
     lm_head = None
@@ -105,8 +105,7 @@ def build_model(config: ModelConfig) -> DecoderLM:
 def _set_gemma3_ropes(backbone: nn.Module, config: ModelConfig) -> None:
     # mlx-lm picks each layer's RoPE base from sliding_window_pattern; transformers
     # from layer_types, which may follow any pattern.
-    from mlx_lm.models.rope_utils import initialize_rope
-
+    initialize_rope = model_module("rope_utils").initialize_rope
     args = config.args
     for layer, kind in zip(backbone.layers, config.layer_types):
         attn = layer.self_attn
