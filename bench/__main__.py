@@ -48,7 +48,9 @@ def main() -> None:
     if not args.skip_convert and not args.model:
         with tempfile.TemporaryDirectory(prefix="mlxinfer-convert-bench-") as work:
             source = prepare_models(["bf16"])["bf16"]
-            report["convert"] = run_convert_bench(source, Path(work), eval_tokens=32 if args.quick else 256)
+            report["convert"] = run_convert_bench(
+                source, Path(work), eval_tokens=32 if args.quick else 512, quick=args.quick
+            )
     write_outputs(report, args.out, quick=args.quick)
 
 

@@ -35,6 +35,7 @@ from .writer import DEFAULT_SHARD_BYTES, AtomicFolder, ShardWriter, sha256_files
 log = logging.getLogger(__name__)
 
 MANIFEST = "mlxinfer-manifest.json"
+SENSITIVITY_TOKENS = 64  # calibration tokens per KL measurement (one forward pass per layer group)
 
 
 @dataclass
@@ -198,27 +199,20 @@ def _output_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dt
 
 
 def _sensitivity_layers(source: Source, settings: ConvertSettings, layers: dict[str, LayerQuant | None]):
-    from mlxinfer.quantize.affine import bits_per_weight
-    from mlxinfer.quantize.sensitivity import allocate, layer_errors
+    from mlxinfer.quantize.sensitivity import allocate, group_costs
 
     from mlxinfer.api import load
     from mlxinfer.data import prose_text
 
     folder = getattr(source, "folder", None) or Path(source.description)
     model = load(folder)
-    ids = model.tokenizer.encode(prose_text(), add_special_tokens=False)[:256]
-    tied = model.config.tie_word_embeddings
-    errors = [e for e in layer_errors(model._loaded.model, ids, settings.group_size, tied) if layers.get(e.path)]
-    measured = {e.path for e in errors}
-    fixed_params = fixed_bits = 0
-    for name, value in tree_flatten(model._loaded.model.parameters()):
-        path = name.rsplit(".", 1)[0]
-        if path in measured:
-            continue
-        fixed_params += value.size
-        fixed_bits += value.size * (bits_per_weight(4, settings.group_size) if layers.get(path) else 16)
-    table = allocate(errors, settings.bpw, settings.group_size, fixed_params, fixed_bits)
-    return {p: (LayerQuant(table.get(p, 4), settings.group_size) if q else None) for p, q in layers.items()}
+    ids = model.tokenizer.encode(prose_text(), add_special_tokens=False)[:SENSITIVITY_TOKENS]
+    paths = [p for p, q in layers.items() if q is not None]
+    costs = group_costs(model._loaded.model, ids, paths, settings.group_size, model.config.tie_word_embeddings)
+    quantized = {f"{p}.weight" for p in paths}
+    fixed = [v.size for k, v in tree_flatten(model._loaded.model.parameters()) if k not in quantized]
+    table = allocate(costs, settings.bpw, settings.group_size, sum(fixed), 16.0 * sum(fixed))
+    return {p: (LayerQuant(table[p], settings.group_size) if q else None) for p, q in layers.items()}
 
 
 def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionResult:

@@ -18,6 +18,8 @@ FORBIDDEN = {
     "engine": {"api", "bench", "cli", "convert", "quantize"},
     "api": {"bench", "cli", "convert", "quantize"},
     "bench": {"cli", "convert", "quantize"},
+    "memory": {"models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
+    "data": {"models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
 }
 
 

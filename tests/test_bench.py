@@ -80,4 +80,6 @@ def test_quick_harness_writes_json_markdown_and_plots(tmp_path, smol_path, defau
     assert report["settings"]["prompt_tokens"] == 32 and report["bandwidth"]["best_gbps"] > 0
     for png in ("decode", "prefill"):
         assert next(tmp_path.glob(f"*-quick-{png}.png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "decode" in next(tmp_path.glob("*-quick.md")).read_text()
+    table = next(tmp_path.glob("*-quick.md")).read_text()
+    assert "decode" in table and "mlxinfer (uniform, 4-bit g64)" in table
+    assert [r["converter"] for r in report["convert"]["rows"]][0].startswith("mlx-lm")

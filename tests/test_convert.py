@@ -114,8 +114,9 @@ def test_sensitivity_recipe_stays_within_the_budget(tmp_path):
     out = tmp_path / "sens"
     result = convert(TINY / "llama_rope_linear", out, bits=4, group_size=32, bpw=6.0, eval_tokens=32, progress=False)
     quant = json.loads((out / "config.json").read_text())["quantization"]
-    upgraded = [k for k, v in quant.items() if isinstance(v, dict) and v["bits"] == 8]
-    assert upgraded  # some layers were worth 8 bits
+    upgraded = [k for k, v in quant.items() if isinstance(v, dict) and v["bits"] > 4]
+    assert upgraded  # some layers were worth more bits
+    assert mlxinfer.load(out).generate("hello", max_tokens=3).stats.generated_tokens == 3
     assert result.bits_per_weight <= 6.0 + 0.05
 
 

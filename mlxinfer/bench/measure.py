@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import platform
-import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -12,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..memory import peak_rss_bytes
 from .engines import ENGINES
 
 
@@ -104,7 +103,7 @@ def measure(spec: RunSpec) -> Measurement:
         engine_overhead=step.median / model_step,
         weights_bytes=engine.weights_bytes,
         peak_memory_bytes=mx.get_peak_memory(),
-        peak_rss_bytes=_peak_rss_bytes(),
+        peak_rss_bytes=peak_rss_bytes(),
     )
 
 
@@ -116,17 +115,3 @@ def _one_run(engine: Any, spec: RunSpec) -> dict[str, float]:
         "step_s": statistics.median(steps) if steps else float("nan"),
         "total_s": times[-1] - start,
     }
-
-
-def _peak_rss_bytes() -> int:
-    # Linux carries ru_maxrss across fork+exec (a worker would report its parent's
-    # peak); VmHWM belongs to this process's own address space.
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if platform.system() == "Darwin" else peak * 1024  # macOS reports bytes, Linux KiB
