@@ -35,6 +35,7 @@ from .writer import DEFAULT_SHARD_BYTES, AtomicFolder, ShardWriter, sha256_files
 log = logging.getLogger(__name__)
 
 MANIFEST = "mlxinfer-manifest.json"
+BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
 SENSITIVITY_TOKENS = 64  # calibration tokens per KL measurement (one forward pass per layer group)
 
 
@@ -130,7 +131,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPla
     config = normalize_config(source.config, source=f"{source.description} config")
     model = build_model(config)  # parameters stay lazy: only shapes are used
     names = _check_tensors(source, model, config)
-    block_quantized = any(t.dtype in ("Q4_0", "Q4_1", "Q8_0") for t in source.tensors.values())
+    block_quantized = any(t.dtype in BLOCK_BITS for t in source.tensors.values())
     if settings.group_size is None:
         settings.group_size = 32 if block_quantized else 64
     recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
@@ -161,14 +162,11 @@ def _check_tensors(source: Source, model: nn.Module, config: ModelConfig) -> lis
     wrong = sorted(
         f"{n} {given[n].shape} != {expected[n]}" for n in set(given) & set(expected) if given[n].shape != expected[n]
     )
-    problems = [f"{label}: {', '.join(items)}" for label, items in
-                (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]  # fmt: skip
+    groups = (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
+    problems = [f"{label}: {', '.join(items)}" for label, items in groups if items]
     if problems:
         raise ConversionError(f"{source.description}: tensors do not match config.json; " + "; ".join(problems))
     return sorted(given)
-
-
-BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
 
 
 def _keep_finer_blocks(source: Source, layers: dict[str, LayerQuant | None]) -> dict[str, LayerQuant | None]:

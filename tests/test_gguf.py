@@ -1,0 +1,148 @@
+"""GGUF files written here with the `gguf` package: names, Q/K permutation, F32/Q8_0/K-quant tensors.
+
+The tiny llama checkpoint is written the way llama.cpp's converter writes it (its tensor
+names, Q and K rows permuted), so loading it must reproduce transformers' logits exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlxinfer.convert import convert
+
+import mlxinfer
+from mlxinfer.models.gguf_file import GGUFFile
+from tests.conftest import TINY, golden
+
+NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute`: HF rotate-half rows -> interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str) -> str:
+    if hf.startswith("model.layers."):
+        _, _, index, rest = hf.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        return f"blk.{index}.{NAMES[module]}.{kind}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[hf]
+
+
+def random_q4_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Valid Q4_K bytes: small positive f16 scale d and min dmin, random 6-bit sub-scales and nibbles."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    blocks[:, 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    return blocks.reshape(rows, cols // 256 * 144)
+
+
+def write_tiny_gguf(path: Path, k_quant: str | None = None, hidden: int | None = None) -> Path:
+    """The tiny llama fixture as GGUF; with `hidden`, random weights of that width instead."""
+    folder = TINY / "llama_classic"
+    config = json.loads((folder / "config.json").read_text())
+    weights = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
+    if hidden:
+        config.update(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1)
+        weights = _random_llama(config)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])] + specials
+    tokens += [f"[UNUSED{i}]" for i in range(config["vocab_size"] - len(tokens))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3, 3] + [5] * (len(tokens) - 259))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(258)
+    writer.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
+    for name, value in sorted(weights.items()):
+        if ".q_proj." in name:
+            value = llama_cpp_permute(value, config["num_attention_heads"])
+        elif ".k_proj." in name:
+            value = llama_cpp_permute(value, config["num_key_value_heads"])
+        if k_quant and name == k_quant:
+            writer.add_tensor(
+                gguf_name(name), random_q4_k_blocks(*value.shape), raw_dtype=gguf.GGMLQuantizationType.Q4_K
+            )
+        else:
+            writer.add_tensor(gguf_name(name), value.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _random_llama(config: dict) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = h // config["num_attention_heads"] * config["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    layer = {"input_layernorm": (h,), "post_attention_layernorm": (h,), "self_attn.q_proj": (h, h),
+             "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, h),
+             "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h), "mlp.down_proj": (h, f)}  # fmt: skip
+    shapes.update({f"model.layers.0.{k}.weight": s for k, s in layer.items()})
+    return {k: (rng.standard_normal(s) * 0.05).astype(np.float32) for k, s in shapes.items()}
+
+
+def test_gguf_written_like_llama_cpp_matches_transformers(tmp_path):
+    ref = golden("llama_classic")
+    model = mlxinfer.load(write_tiny_gguf(tmp_path / "tiny.gguf"))
+    logits = model.logits(ref["input_ids"].tolist())
+    assert np.abs(logits - np.array(ref["logits"])).max() < 1e-3
+    assert model.generate(ref["input_ids"].tolist(), max_tokens=16).token_ids == ref["greedy"].tolist()
+    assert model.tokenizer.encode_chat([{"role": "user", "content": "hi"}])[0] == 257
+
+
+def test_k_quant_tensors_are_dequantized_then_requantized(tmp_path):
+    name = "model.layers.0.mlp.down_proj.weight"  # (256, 512): rows of whole 256-value K blocks
+    path = write_tiny_gguf(tmp_path / "kq.gguf", k_quant=name, hidden=256)
+    with GGUFFile(path) as f:
+        expected = f.read("blk.0.ffn_down.weight")
+    assert expected.shape == (256, 512) and np.isfinite(expected).all()
+    out = tmp_path / "kq-8bit"
+    convert(path, out, bits=8, group_size=32, evaluate=False, progress=False)
+    layer = mlxinfer.load(out, dtype="float32")._loaded.model.model.layers[0].mlp.down_proj
+    got = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32, bits=8)
+    scale = np.abs(expected).max()
+    assert np.abs(np.array(got) - expected).max() < scale / 100  # 8-bit error, not a wrong layout
+
+
+@pytest.mark.parametrize("field, value, words", [("tokenizer.ggml.model", "bert", "not supported")])
+def test_unsupported_gguf_tokenizer_is_one_clear_error(tmp_path, field, value, words):
+    from mlxinfer.errors import TokenizerError
+    from mlxinfer.tokenizer.gguf_vocab import tokenizer_from_gguf
+
+    with GGUFFile(write_tiny_gguf(tmp_path / "t.gguf")) as f:
+        metadata = {**f.metadata, field: value}
+    with pytest.raises(TokenizerError, match=words):
+        tokenizer_from_gguf(metadata)
