@@ -53,6 +53,7 @@ def test_cli_bench_compares_engines_on_the_same_files():
         assert r["decode_tps"]["min"] <= r["decode_tps"]["median"] <= r["decode_tps"]["max"]
         assert r["peak_rss_bytes"] > r["weights_bytes"] > 0 and r["engine_overhead"] > 0
     assert rows[2]["compute_dtype"] == rows[0]["compute_dtype"]
+    assert rows[0]["quantization"] is None  # the tiny fixture is unquantized
     assert report["conditions"]["versions"]["mlx-lm"] and report["conditions"]["cores"]
     assert "mlxinfer / mlx-lm (matched" in markdown(report)
 
@@ -78,6 +79,7 @@ def test_quick_harness_writes_json_markdown_and_plots(tmp_path, smol_path, defau
     report = json.loads(next(tmp_path.glob("*-quick.json")).read_text())
     assert {r["engine"] for r in report["results"]} == {"mlxinfer", "mlx-lm"}
     assert report["settings"]["prompt_tokens"] == 32 and report["bandwidth"]["best_gbps"] > 0
+    assert report["results"][0]["quantization"]["group_size"] == 64
     for png in ("decode", "prefill"):
         assert next(tmp_path.glob(f"*-quick-{png}.png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = next(tmp_path.glob("*-quick.md")).read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -80,4 +81,12 @@ def _with_ceiling(m: Measurement, gbps: float, settings: Settings) -> dict[str, 
     context = settings.prompt_tokens + settings.decode_tokens / 2
     ceiling = ceiling_tps(gbps, m.weights_bytes, kv, context)
     derived = {"kv_bytes_per_token": kv, "ceiling_tps": ceiling, "ceiling_fraction": m.decode_tps.median / ceiling}
-    return {**m.to_dict(), **derived}
+    return {**m.to_dict(), **derived, "quantization": _quantization(Path(m.model))}
+
+
+def _quantization(model: Path) -> dict[str, Any] | None:
+    """The model's quantization block (bits, group size, per-layer overrides), None if unquantized."""
+    config = model / "config.json"
+    if not config.is_file():
+        return {"source": "gguf"} if model.suffix == ".gguf" else None
+    return json.loads(config.read_text()).get("quantization")
