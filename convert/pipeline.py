@@ -147,7 +147,8 @@ def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPla
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(_output_bytes(shapes[n], layers.get(n.removesuffix(".weight")), dtype) for n in names)
     largest = max(math.prod(shapes[n]) for n in names)
-    peak = 3 * 4 * largest + settings.shard_bytes + 200 * 2**20  # float32 copies of one tensor, a shard, runtime
+    # float32 copies of the largest tensor, one pending output shard, the runtime itself
+    peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + 200 * 2**20
     params = sum(math.prod(shapes[n]) for n in names)
     return ConversionPlan(source, out, settings, config, layers, names, dtype, output_bytes, peak, params)
 
