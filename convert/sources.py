@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
@@ -105,7 +106,7 @@ class GGUFSource:
         self.config = gguf_config(self._file)
         self._names = {hf_tensor_name(name): name for name in self._file.tensors}
         self.tensors = {
-            hf: Tensor(info.shape, _GGML_NAMES.get(info.ggml_type, str(info.ggml_type)), info.nbytes)
+            hf: Tensor(info.shape, GGMLQuantizationType(info.ggml_type).name, info.nbytes)
             for hf, info in ((hf, self._file.tensors[name]) for hf, name in self._names.items())
         }
 
@@ -126,9 +127,6 @@ class GGUFSource:
 
     def close(self) -> None:
         self._file.close()
-
-
-_GGML_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
 def _itemsize(dtype: str) -> int:

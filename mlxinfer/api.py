@@ -109,7 +109,7 @@ class Model:
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return _IterableGeneration(self._loaded.model, self.tokenizer, request, stop=stops)
+        return TextGeneration(self._loaded.model, self.tokenizer, request, stop=stops)
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids for a raw string, a chat (list of messages or a string with chat=True) or ids."""
@@ -148,11 +148,6 @@ class Model:
             f"Model({loaded.path.name}: {loaded.config.model_type}, {loaded.config.num_layers} layers{quant}, "
             f"{loaded.weights_bytes / 2**20:.1f} MiB, compute {self.compute_dtype})"
         )
-
-
-class _IterableGeneration(TextGeneration):
-    def __iter__(self):
-        return self.deltas()
 
 
 def _is_token_id(value: object) -> bool:

@@ -45,15 +45,6 @@ def mixed_4_8(group_size: int) -> Recipe:
     return choose
 
 
-def from_table(table: dict[str, int], group_size: int, default_bits: int = 4) -> Recipe:
-    """Bits per layer from a precomputed table (the sensitivity allocation)."""
-
-    def choose(path: str, shape: tuple[int, ...]) -> LayerQuant | None:
-        return LayerQuant(table.get(path, default_bits), group_size) if _fits(shape, group_size) else None
-
-    return choose
-
-
 def make_recipe(name: str | None, bits: int, group_size: int, bpw: float | None) -> Recipe | None:
     """The recipe for CLI-style settings; None means no quantization (--bits 16)."""
     name = name or ("sensitivity" if bpw is not None else "uniform")

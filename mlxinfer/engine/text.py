@@ -82,6 +82,9 @@ class TextGeneration:
         if tail:
             yield tail
 
+    def __iter__(self) -> Iterator[str]:
+        return self.deltas()
+
     def text(self) -> str:
         """The whole text, decoded at once from the generated ids (after `deltas` ran)."""
         return truncate_at_stop(self.tokenizer.decode(self.ids), self.stop)

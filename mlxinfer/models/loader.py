@@ -113,10 +113,11 @@ def _kind(dtype: mx.Dtype) -> str:
 
 def _sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx.array]:
     # Precomputed rotary tables are recomputed from the config; a tied head has no weight.
-    drop = ("lm_head.",) if config.tie_word_embeddings else ()
-    return {
-        k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq") and not k.startswith(drop or ("\0",))
-    }
+    def kept(name: str) -> bool:
+        tied_head = config.tie_word_embeddings and name.startswith("lm_head.")
+        return not (tied_head or name.endswith("rotary_emb.inv_freq"))
+
+    return {k: v for k, v in weights.items() if kept(k)}
 
 
 def _cast(value: mx.array, dtype: mx.Dtype) -> mx.array:

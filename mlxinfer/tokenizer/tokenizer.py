@@ -62,6 +62,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         self.chat_template = chat_template
         self._special_pattern = "|".join(re.escape(t) for t in sorted(self._special_by_text, key=len, reverse=True))
+        self._special_re = re.compile(self._special_pattern) if self._special_pattern else None
 
     @classmethod
     def from_folder(cls, folder: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
@@ -128,7 +129,7 @@ class Tokenizer:
                 "this model has no chat template (tokenizer_config.json, chat_template.jinja or GGUF metadata); "
                 "use a raw prompt (--raw) instead"
             )
-        safe = [_escape_message(m, self._special_by_text, marker) for m in _validate(messages)]
+        safe = [_escape_message(m, self._special_re, marker) for m in _validate(messages)]
         return render_chat(
             self.chat_template,
             safe,
@@ -159,11 +160,9 @@ def _validate(messages: Sequence[Message]) -> Sequence[Message]:
     return messages
 
 
-def _escape_message(message: Message, specials: dict[str, int], marker: str) -> Message:
-    pattern = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
-
+def _escape_message(message: Message, specials: re.Pattern[str] | None, marker: str) -> Message:
     def escape(text: str) -> str:
-        return pattern.sub(lambda m: marker + m.group(0), text) if specials else text
+        return specials.sub(lambda m: marker + m.group(0), text) if specials else text
 
     content = message["content"]
     if isinstance(content, str):
