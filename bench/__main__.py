@@ -32,7 +32,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int)
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, markdown and PNGs")
     parser.add_argument("--skip-convert", action="store_true", help="leave out the converter figures")
+    parser.add_argument("--convert-only", action="store_true", help="only the converter figures")
     args = parser.parse_args()
+    if args.convert_only:
+        write_outputs({"convert": convert_figures(args.quick)}, args.out, args.quick, suffix="-convert")
+        return
 
     settings = Settings.for_backend(quick=args.quick)
     for field in ("prompt_tokens", "decode_tokens", "runs"):
@@ -46,26 +50,32 @@ def main() -> None:
     tokenizers = {label: Tokenizer.from_folder(path) for label, path in models.items()}
     report = run_suite(models, tokenizers, settings, compare=True)
     if not args.skip_convert and not args.model:
-        with tempfile.TemporaryDirectory(prefix="mlxinfer-convert-bench-") as work:
-            source = prepare_models(["bf16"])["bf16"]
-            report["convert"] = run_convert_bench(
-                source, Path(work), eval_tokens=32 if args.quick else 512, quick=args.quick
-            )
+        report["convert"] = convert_figures(args.quick)
     write_outputs(report, args.out, quick=args.quick)
 
 
-def write_outputs(report: dict, out: Path, quick: bool) -> None:
+def convert_figures(quick: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="mlxinfer-convert-bench-") as work:
+        source = prepare_models(["bf16"])["bf16"]
+        return run_convert_bench(source, Path(work), eval_tokens=32 if quick else 512, quick=quick)
+
+
+def write_outputs(report: dict, out: Path, quick: bool, suffix: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{date.today().isoformat()}-{platform.node() or 'host'}" + ("-quick" if quick else "")
-    table = markdown(report)
+    stem = f"{date.today().isoformat()}-{platform.node() or 'host'}" + ("-quick" if quick else "") + suffix
+    tables = [markdown(report)] if "results" in report else []
     if "convert" in report:
-        table += "\n\n" + convert_markdown(report["convert"])
+        tables.append(convert_markdown(report["convert"]))
+    table = "\n\n".join(tables)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / f"{stem}.md").write_text(table + "\n")
-    bar_chart(report, "decode_tps", "Decode tokens/s (higher is better)", out / f"{stem}-decode.png")
-    bar_chart(report, "prefill_tps", "Prefill tokens/s (higher is better)", out / f"{stem}-prefill.png")
+    written = [".json", ".md"]
+    if "results" in report:
+        bar_chart(report, "decode_tps", "Decode tokens/s (higher is better)", out / f"{stem}-decode.png")
+        bar_chart(report, "prefill_tps", "Prefill tokens/s (higher is better)", out / f"{stem}-prefill.png")
+        written += ["-decode.png", "-prefill.png"]
     print(table)
-    print(f"\nwrote {out / stem}.json, .md, -decode.png, -prefill.png")
+    print(f"\nwrote {out / stem}: {', '.join(written)}")
 
 
 if __name__ == "__main__":

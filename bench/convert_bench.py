@@ -24,7 +24,11 @@ CONVERTERS = {
         "from mlxinfer.convert import convert; import sys; convert(sys.argv[1], sys.argv[2], bits=4, group_size=64, "
         "evaluate=False, progress=False)"
     ),
-    "mlxinfer (sensitivity, 4.75 bpw g64)": (
+    "mlxinfer (GPTQ, 4-bit g64)": (
+        "from mlxinfer.convert import convert; import sys; convert(sys.argv[1], sys.argv[2], bits=4, group_size=64, "
+        "method='gptq', evaluate=False, progress=False)"
+    ),
+    "mlxinfer (sensitivity + GPTQ, 4.75 bpw g64)": (
         "from mlxinfer.convert import convert; import sys; convert(sys.argv[1], sys.argv[2], bits=4, group_size=64, "
         "recipe='sensitivity', bpw=4.75, evaluate=False, progress=False)"
     ),
@@ -36,6 +40,7 @@ def run_convert_bench(source: Path, work: Path, eval_tokens: int, quick: bool = 
     from mlxinfer.quantize import compare_models
 
     import mlxinfer
+    from mlxinfer.bench.conditions import conditions
     from mlxinfer.data import prose_text
 
     work.mkdir(parents=True, exist_ok=True)
@@ -54,7 +59,13 @@ def run_convert_bench(source: Path, work: Path, eval_tokens: int, quick: bool = 
     reports = [compare_models(reference, mlxinfer.load(out), ids) for out in outputs]
     for row, report in zip(rows, reports):
         row.update(ppl=report.output_ppl, ppl_gap_pct=report.ppl_change_pct, mean_kl=report.mean_kl)
-    return {"source": str(source), "eval_tokens": len(ids), "source_ppl": reports[0].source_ppl, "rows": rows}
+    return {
+        "conditions": conditions(),
+        "source": str(source),
+        "eval_tokens": len(ids),
+        "source_ppl": reports[0].source_ppl,
+        "rows": rows,
+    }
 
 
 def _timed_conversion(code: str, source: Path, out: Path) -> tuple[float, int]:
@@ -92,9 +103,12 @@ def _bits_per_weight(folder: Path) -> float:
 
 def markdown(figures: dict[str, Any]) -> str:
     base = next(r for r in figures["rows"] if r["converter"].startswith("mlx-lm"))
+    c = figures["conditions"]
     lines = [
-        f"Converter: {figures['source']} -> 4-bit; perplexity on {figures['eval_tokens']} tokens "
+        f"Converter: {figures['source']} -> 4-bit; perplexity on {figures['eval_tokens']} tokens of prose.txt "
         f"(source {figures['source_ppl']:.3f}), each conversion in its own process.",
+        f"{c['date']} · {c['chip']} ({c['cores']} cores, {c['memory_bytes'] / 2**30:.0f} GiB) · {c['os']} · "
+        f"mlx {c['versions']['mlx']} · mlx-lm {c['versions']['mlx-lm']} · mlxinfer {c['versions']['mlxinfer']}",
         "",
         "| converter | wall s | x mlx-lm | peak RSS MiB | x mlx-lm | bits/weight | ppl gap | mean KL |",
         "|---|---|---|---|---|---|---|---|",

@@ -26,8 +26,9 @@ from mlxinfer.errors import ConversionError
 from mlxinfer.memory import peak_rss_bytes
 from mlxinfer.models.config import ModelConfig, normalize_config
 from mlxinfer.models.decoder import build_model
-from mlxinfer.models.dtype import parse_dtype
+from mlxinfer.models.dtype import choose_compute_dtype, parse_dtype
 
+from .calibration import gptq_tensors, sensitivity_layers, source_path
 from .output_config import output_config
 from .sources import Quantized, Source, open_source
 from .writer import DEFAULT_SHARD_BYTES, AtomicFolder, ShardWriter, sha256_files, write_json
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "mlxinfer-manifest.json"
 BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
-SENSITIVITY_TOKENS = 64  # calibration tokens per KL measurement (one forward pass per layer group)
+METHODS = ("rtn", "gptq")
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ConvertSettings:
     group_size: int | None = None
     recipe: str | None = None
     bpw: float | None = None
+    method: str | None = None  # "rtn" (round to nearest) or "gptq"; None: gptq for the sensitivity recipe
     dtype: str | None = None  # None: the source's 16-bit float type (bfloat16 for float32 sources)
     evaluate: bool = True
     eval_tokens: int = 512
@@ -70,7 +72,7 @@ class ConversionPlan:
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
-        what = f"{self.settings.bits}-bit" if self.settings.bits != 16 else "unquantized"
+        what = f"{self.settings.bits}-bit {self.settings.method}" if self.settings.bits != 16 else "unquantized"
         return (
             f"{self.source.description} -> {self.out}: {what}, {quantized} quantized layers; "
             f"expected output {self.output_bytes / 2**20:.0f} MiB, "
@@ -141,16 +143,30 @@ def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPla
         for path, module in model.named_modules()
         if isinstance(module, (nn.Linear, nn.Embedding)) and f"{path}.weight" in shapes
     }
-    if settings.recipe == "sensitivity" or (settings.recipe is None and settings.bpw is not None):
-        layers = _sensitivity_layers(source, settings, layers)
+    sensitivity = settings.recipe == "sensitivity" or (settings.recipe is None and settings.bpw is not None)
+    settings.method = _method(settings, sensitivity)
+    if sensitivity:
+        layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers)
     layers = _keep_finer_blocks(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(_output_bytes(shapes[n], layers.get(n.removesuffix(".weight")), dtype) for n in names)
     largest = max(math.prod(shapes[n]) for n in names)
-    # float32 copies of the largest tensor, one pending output shard, the runtime itself
-    peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + 200 * 2**20
     params = sum(math.prod(shapes[n]) for n in names)
+    # float32 copies of the largest tensor, one pending output shard, the runtime itself;
+    # calibration (sensitivity, GPTQ) also holds the whole model in its compute dtype.
+    peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + 200 * 2**20
+    if sensitivity or settings.method == "gptq":
+        peak += params * choose_compute_dtype(None).size + output_bytes
     return ConversionPlan(source, out, settings, config, layers, names, dtype, output_bytes, peak, params)
+
+
+def _method(settings: ConvertSettings, sensitivity: bool) -> str:
+    method = settings.method or ("gptq" if sensitivity else "rtn")
+    if method not in METHODS:
+        raise ConversionError(f"--method {method!r} is not one of {', '.join(METHODS)}")
+    if method == "gptq" and settings.bits == 16:
+        raise ConversionError("--method gptq rounds quantized weights; pick --bits 4 or 8, or drop --method")
+    return method
 
 
 def _check_tensors(source: Source, model: nn.Module, config: ModelConfig) -> list[str]:
@@ -168,6 +184,16 @@ def _check_tensors(source: Source, model: nn.Module, config: ModelConfig) -> lis
     if problems:
         raise ConversionError(f"{source.description}: tensors do not match config.json; " + "; ".join(problems))
     return sorted(given)
+
+
+def _gptq_layers(plan: ConversionPlan) -> dict[str, LayerQuant | None]:
+    # A GGUF block copied onto the same grid is already as rounded as it will be.
+    def copies(path: str) -> bool:
+        bits = BLOCK_BITS.get(getattr(plan.source.tensors.get(f"{path}.weight"), "dtype", ""))
+        quant = plan.layers[path]
+        return quant is not None and (quant.bits, quant.group_size) == (bits, 32)
+
+    return {path: quant for path, quant in plan.layers.items() if not copies(path)}
 
 
 def _keep_finer_blocks(source: Source, layers: dict[str, LayerQuant | None]) -> dict[str, LayerQuant | None]:
@@ -197,29 +223,15 @@ def _output_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dt
     return count * quant.bits // 8 + 2 * (count // quant.group_size) * 2
 
 
-def _sensitivity_layers(source: Source, settings: ConvertSettings, layers: dict[str, LayerQuant | None]):
-    from mlxinfer.quantize.sensitivity import allocate, group_costs
-
-    from mlxinfer.api import load
-    from mlxinfer.data import prose_text
-
-    folder = getattr(source, "folder", None) or Path(source.description)
-    model = load(folder)
-    ids = model.tokenizer.encode(prose_text(), add_special_tokens=False)[:SENSITIVITY_TOKENS]
-    paths = [p for p, q in layers.items() if q is not None]
-    costs = group_costs(model._loaded.model, ids, paths, settings.group_size, model.config.tie_word_embeddings)
-    quantized = {f"{p}.weight" for p in paths}
-    fixed = [v.size for k, v in tree_flatten(model._loaded.model.parameters()) if k not in quantized]
-    table = allocate(costs, settings.bpw, settings.group_size, sum(fixed), 16.0 * sum(fixed))
-    return {p: (LayerQuant(table[p], settings.group_size) if q else None) for p, q in layers.items()}
-
-
 def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionResult:
     """Write the output folder atomically; evaluate it unless settings.evaluate is False."""
     start = time.perf_counter()
     folder = AtomicFolder(plan.out, force=True)
     try:
-        files, data_bytes = _write_tensors(plan, folder.path, progress)
+        rounded = {}
+        if plan.settings.method == "gptq":
+            rounded = gptq_tensors(plan.source, _gptq_layers(plan), plan.dtype, progress)
+        files, data_bytes = _write_tensors(plan, folder.path, progress, rounded)
         plan.source.write_tokenizer(folder.path)
         config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
         write_json(folder.path / "config.json", config)
@@ -238,12 +250,12 @@ def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionRes
     )
 
 
-def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool) -> tuple[list[str], int]:
+def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: dict) -> tuple[list[str], int]:
     writer = ShardWriter(folder, plan.settings.shard_bytes)
     total = sum(plan.source.tensors[n].nbytes for n in plan.names)
     with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress) as bar:
         for name in plan.names:
-            for out_name, array in _convert_tensor(plan, name):
+            for out_name, array in _convert_tensor(plan, name, rounded):
                 mx.eval(array)
                 writer.add(out_name, array)
             bar.update(plan.source.tensors[name].nbytes)
@@ -251,10 +263,13 @@ def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool) -> tuple[
     return writer.finish(), writer.total_bytes
 
 
-def _convert_tensor(plan: ConversionPlan, name: str):
-    value = plan.source.read(name)
+def _convert_tensor(plan: ConversionPlan, name: str, rounded: dict):
     path = name.removesuffix(".weight")
     quant = plan.layers.get(path) if name.endswith(".weight") else None
+    if quant is not None and path in rounded:
+        packed, scales, biases = rounded.pop(path)
+        return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+    value = plan.source.read(name)
     if isinstance(value, Quantized):
         if quant is not None and (quant.bits, quant.group_size) == (value.bits, value.group_size):
             # Same grid as the source (GGUF Q4_1 -> 4-bit group 32): copy, never round twice.
@@ -273,8 +288,7 @@ def _evaluate(plan: ConversionPlan, folder: Path, bpw: float) -> QualityReport:
     from mlxinfer.data import prose_text
 
     output = load(folder)
-    source_path = getattr(plan.source, "folder", None) or Path(plan.source.description)
-    source = load(source_path)
+    source = load(source_path(plan.source))
     ids = output.tokenizer.encode(prose_text(), add_special_tokens=False)[: plan.settings.eval_tokens]
     return compare_models(source, output, ids, bits_per_weight=bpw)
 

@@ -11,10 +11,11 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
-from .cache import make_cache
+from .cache import PrefixCache, PrefixCacheStats, make_cache
 from .default_model import default_model_path
 from .engine import GenerationRequest, GenerationStats, SamplingParams, TextGeneration
 from .errors import SamplingError, TokenizerError
+from .memory import default_prefix_cache_bytes
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .tokenizer import Tokenizer
@@ -50,8 +51,15 @@ class Model:
         ...     print(chunk, end="")
     """
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int | None = None):
         self._loaded = loaded
+        budget = prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes()
+        self.prefix_cache = PrefixCache(budget)
+
+    @property
+    def cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache totals: hits, cached tokens, hit rate, bytes held, evictions."""
+        return self.prefix_cache.stats
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -74,7 +82,7 @@ class Model:
     def generate(self, prompt: Prompt, *, chat: bool | None = None, **options: Any) -> GenerationResult:
         """Generate a completion. A string is a raw prompt unless `chat=True`; a list of
         messages always uses the chat template. Options: max_tokens, temperature, top_p,
-        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens."""
+        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache."""
         run = self.stream(prompt, chat=chat, **options)
         for _ in run:
             pass
@@ -92,9 +100,13 @@ class Model:
         max_tokens: int = 256,
         stop: str | Sequence[str] | None = None,
         prefill_chunk_tokens: int = 512,
+        use_cache: bool = True,
         **sampling: Any,
     ) -> TextGeneration:
-        """Iterate over text chunks as they are generated; `.stats` is filled when done."""
+        """Iterate over text chunks as they are generated; `.stats` is filled when done.
+
+        With `use_cache` (the default) a prompt that starts like an earlier one
+        (a system prompt, a document, the earlier turns of a chat) reuses its KV."""
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
@@ -109,7 +121,8 @@ class Model:
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        return TextGeneration(self._loaded.model, self.tokenizer, request, stop=stops)
+        cache = self.prefix_cache if use_cache else None
+        return TextGeneration(self._loaded.model, self.tokenizer, request, stop=stops, prefix_cache=cache)
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids for a raw string, a chat (list of messages or a string with chat=True) or ids."""
@@ -163,10 +176,13 @@ def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:
     return [int(t) for t in ids]
 
 
-def load(path: str | Path | None = None, *, dtype: str | None = None) -> Model:
+def load(path: str | Path | None = None, *, dtype: str | None = None, prefix_cache_bytes: int | None = None) -> Model:
     """Load a model folder or .gguf file; with no path, the default model (fetched once).
+
+    `prefix_cache_bytes` caps the prompt-prefix cache (default: from the memory planner; 0 turns it off).
 
     Example:
         >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
     """
-    return Model(load_model(path if path is not None else default_model_path(), dtype=dtype))
+    loaded = load_model(path if path is not None else default_model_path(), dtype=dtype)
+    return Model(loaded, prefix_cache_bytes=prefix_cache_bytes)

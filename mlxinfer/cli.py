@@ -181,6 +181,13 @@ def bench(model: str | None, compare: bool, as_json: bool, **sizes: int | None) 
 )
 @click.option("--bpw", type=float, default=None, help="Bits-per-weight budget for --recipe sensitivity.")
 @click.option(
+    "--method",
+    type=click.Choice(["rtn", "gptq"]),
+    default=None,
+    help="Rounding: rtn (nearest, streaming) or gptq (error-compensating, fitted on calibration text) "
+    "[default: gptq with --recipe sensitivity, else rtn].",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["float16", "bfloat16", "float32"]),
     default=None,
@@ -198,7 +205,8 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
       mlxinfer convert ~/hf/SmolLM2-135M-Instruct -o ~/models/SmolLM2-4bit
       mlxinfer convert Qwen/Qwen3-0.6B -o ~/models/Qwen3-0.6B-8bit --bits 8
       mlxinfer convert model.Q4_1.gguf -o ~/models/m-4bit     # Q4_1 blocks reused as-is
-      mlxinfer convert ~/hf/model -o out --recipe sensitivity --bpw 5
+      mlxinfer convert ~/hf/model -o out --recipe sensitivity --bpw 4.75
+      mlxinfer convert ~/hf/model -o out --method gptq       # same size, closer to the source
     """
     from mlxinfer.convert import ConvertSettings, plan_conversion, run_conversion
 

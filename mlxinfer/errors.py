@@ -48,3 +48,7 @@ class ConversionError(MlxInferError):
 
 class DefaultModelError(MlxInferError):
     """The default model could not be fetched or found in the cache."""
+
+
+class MemoryBudgetError(MlxInferError):
+    """A request or model needs more memory than this machine can give without swapping."""

@@ -21,6 +21,13 @@ class KVCache:
         self.values: mx.array | None = None
         self.offset = 0
 
+    @classmethod
+    def from_state(cls, keys: mx.array, values: mx.array) -> KVCache:
+        """A cache that starts with `keys`/`values` (a reused prefix); they are copied, not written, on growth."""
+        cache = cls()
+        cache.keys, cache.values, cache.offset = keys, values, keys.shape[2]
+        return cache
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start, length = self.offset, keys.shape[2]
         if self.keys is None or start + length > self.keys.shape[2]:

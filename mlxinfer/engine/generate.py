@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cache import KVCache, make_cache
+from ..cache import KVCache, PrefixCache, make_cache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from .sampling import Sampler, SamplingParams
@@ -56,27 +56,59 @@ def decode(model: DecoderLM, first_logits: mx.array, cache: list[KVCache], sampl
         token = next_token
 
 
-def generate_ids(model: DecoderLM, request: GenerationRequest, stats: GenerationStats) -> Iterator[int]:
-    """Generated ids for `request`, filling `stats` as it goes (EOS itself is not yielded)."""
+def generate_ids(
+    model: DecoderLM, request: GenerationRequest, stats: GenerationStats, prefix_cache: PrefixCache | None = None
+) -> Iterator[int]:
+    """Generated ids for `request`, filling `stats` as it goes (EOS itself is not yielded).
+
+    With a `prefix_cache`, the longest cached prefix of the prompt is reused and
+    only the rest is prefilled; when the generation ends (or is closed early) the
+    prompt and the tokens fed back while decoding are offered to the cache.
+    """
     vocab_size = model.model.embed_tokens.weight.shape[0]
     _validate(request, vocab_size)
+    prompt_ids = list(request.prompt_ids)
+    hit = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
+    cache = hit.make_cache() if hit else make_cache(len(model.layers))
+    stats.cached_tokens = hit.tokens if hit else 0
+    stats.diverged_at = hit.diverged_at if hit else None
+    drawn: list[int] = []  # every token decode() produced, each of them already fed into `cache`
+    finished = False
+    try:
+        yield from _generate(model, request, stats, cache, drawn)
+        finished = True
+    except GeneratorExit:
+        finished = True  # the caller stopped reading (a stop string, a closed stream): the cache is sound
+        raise
+    finally:
+        if prefix_cache is not None:
+            prefix_cache.release(hit)
+            if finished:
+                prefix_cache.insert((prompt_ids + drawn)[: cache[0].offset], cache)
+
+
+def _generate(
+    model: DecoderLM, request: GenerationRequest, stats: GenerationStats, cache: list[KVCache], drawn: list[int]
+) -> Iterator[int]:
     eos = set(request.eos_token_ids)
     prompt = mx.array(list(request.prompt_ids), dtype=mx.uint32)
-    sampler = Sampler(request.sampling, vocab_size=vocab_size)
+    sampler = Sampler(request.sampling, vocab_size=model.model.embed_tokens.weight.shape[0])
     sampler.observe(prompt)
-    cache = make_cache(len(model.layers))
+    cached = cache[0].offset
     mx.reset_peak_memory()
     start = time.perf_counter()
     stats.prompt_tokens = prompt.size
+    stats.prefilled_tokens = prompt.size - cached
     stats.finish_reason = "length"
-    first_logits = prefill(model, prompt, cache, request.prefill_chunk_tokens)
+    first_logits = prefill(model, prompt[cached:], cache, request.prefill_chunk_tokens)
     first_at = None
     for count, token in enumerate(decode(model, first_logits, cache, sampler)):
+        drawn.append(token)
         now = time.perf_counter()
         if first_at is None:
             first_at = now
             stats.ttft_s = now - start
-            stats.prefill_tps = prompt.size / stats.ttft_s
+            stats.prefill_tps = stats.prefilled_tokens / stats.ttft_s
         elif count > 0:
             stats.decode_tps = count / (now - first_at)
         stats.total_s = now - start

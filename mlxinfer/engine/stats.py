@@ -11,6 +11,9 @@ class GenerationStats:
     """Timings and sizes of one generation. Rates are tokens per second."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefilled_tokens: int = 0  # prompt tokens run through the model
+    diverged_at: int | None = None  # on a partial hit, where the prompt left the best cached entry
     generated_tokens: int = 0
     ttft_s: float = 0.0
     prefill_tps: float = 0.0
@@ -23,8 +26,9 @@ class GenerationStats:
         return asdict(self)
 
     def summary(self) -> str:
+        cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""
         return (
-            f"{self.prompt_tokens} prompt tokens, {self.generated_tokens} generated; "
+            f"{self.prompt_tokens} prompt tokens{cached}, {self.generated_tokens} generated; "
             f"TTFT {self.ttft_s:.2f} s, prefill {self.prefill_tps:.1f} tok/s, "
             f"decode {self.decode_tps:.1f} tok/s, peak {self.peak_memory_bytes / 2**20:.0f} MiB"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..cache import PrefixCache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
@@ -51,6 +52,7 @@ class TextGeneration:
     tokenizer: Tokenizer
     request: GenerationRequest
     stop: Sequence[str] = ()
+    prefix_cache: PrefixCache | None = None
     ids: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
 
@@ -67,7 +69,7 @@ class TextGeneration:
         self.started = True
         detok = IncrementalDetokenizer(self.tokenizer.decode)
         matcher = StopMatcher(self.stop)
-        for token in generate_ids(self.model, self.request, self.stats):
+        for token in generate_ids(self.model, self.request, self.stats, self.prefix_cache):
             self.ids.append(token)
             text = matcher.feed(detok.add(token))
             if text:

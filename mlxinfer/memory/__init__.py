@@ -1,5 +1,16 @@
-"""Memory: what this process and this machine use and can use."""
+"""Memory: what this machine has, what a model needs, and one budget for all of it."""
 
+from .machine import MachineMemory, machine_memory
+from .planner import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, fit_prefill_chunk, plan_memory
 from .process import peak_rss_bytes
 
-__all__ = ["peak_rss_bytes"]
+__all__ = [
+    "MachineMemory",
+    "MemoryPlan",
+    "ModelFootprint",
+    "default_prefix_cache_bytes",
+    "fit_prefill_chunk",
+    "machine_memory",
+    "peak_rss_bytes",
+    "plan_memory",
+]

@@ -46,15 +46,20 @@ class DecoderLM(nn.Module):
 
     def hidden(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
         """Final-norm hidden states, shape (B, L, hidden)."""
-        h = self.model.embed_tokens(tokens)
-        if self.layout.embed_scale is not None:
-            h = h * mx.array(self.layout.embed_scale, dtype=h.dtype)
+        h = self.embed(tokens)
         caches = cache if cache is not None else [None] * len(self.layers)
         offset = caches[0].offset if caches[0] is not None else 0
-        masks = {kind: self._mask(h.shape[1], offset, kind) for kind in set(self.layout.layer_types)}
+        masks = {kind: self.mask(h.shape[1], offset, kind) for kind in set(self.layout.layer_types)}
         for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
             h = layer(h, masks[kind], layer_cache)
         return self.model.norm(h)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Input embeddings of `tokens`, scaled where the architecture does."""
+        h = self.model.embed_tokens(tokens)
+        if self.layout.embed_scale is not None:
+            h = h * mx.array(self.layout.embed_scale, dtype=h.dtype)
+        return h
 
     def head(self, h: mx.array) -> mx.array:
         """Logits for hidden states `h`, shape (..., vocab)."""
@@ -70,7 +75,8 @@ class DecoderLM(nn.Module):
     def __call__(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
         return self.head(self.hidden(tokens, cache))
 
-    def _mask(self, length: int, offset: int, kind: str) -> mx.array | None:
+    def mask(self, length: int, offset: int, kind: str) -> mx.array | None:
+        """Attention mask for `length` queries after `offset` cached positions in a `kind` layer."""
         # Keys cover positions [0, offset + length); query i sits at offset + i.
         window = self.layout.sliding_window if kind == SLIDING else None
         if length == 1 and (window is None or offset < window):

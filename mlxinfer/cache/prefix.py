@@ -1,0 +1,208 @@
+"""Prompt-prefix cache: prompts that start like an earlier one skip that part of the prefill.
+
+Entries are the keys and values of a token sequence that was run through the
+model (a prompt and the answer tokens fed back while decoding). They hang off
+a trie over token ids, so finding the longest cached prefix of a prompt walks
+the prompt once, however many entries there are. A hit hands out slices of the
+stored arrays (MLX arrays are immutable: the new request's cache copies them
+once when it first grows, the entry itself is never written).
+
+The cache holds at most `budget_bytes`. Inserting evicts the least recently
+used entries that no running request holds; an entry that is a prefix of a
+newer one (the previous turn of a chat) is dropped, since the newer one covers it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .kv import KVCache
+
+log = logging.getLogger(__name__)
+
+LayerState = tuple[mx.array, mx.array]  # keys, values: (1, kv_heads, tokens, head_dim)
+
+
+@dataclass
+class PrefixHit:
+    """What a lookup found: the first `tokens` positions of a cached entry."""
+
+    tokens: int
+    diverged_at: int | None  # where the prompt left the best entry; None if the entry ended first
+    entry_id: int
+    layers: list[LayerState]
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache.from_state(k[..., : self.tokens, :], v[..., : self.tokens, :]) for k, v in self.layers]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Running totals; `hit_rate` is the share of looked-up prompt tokens that came from the cache."""
+
+    lookups: int = 0
+    hits: int = 0
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes_held: int = 0
+    budget_bytes: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class _Entry:
+    ids: tuple[int, ...]
+    layers: list[LayerState]
+    nbytes: int
+    pins: int = 0
+
+
+@dataclass
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    entries: set[int] = field(default_factory=set)  # entries whose ids pass through this node
+
+
+class PrefixCache:
+    """Longest-prefix reuse of KV state under a byte budget."""
+
+    def __init__(self, budget_bytes: int):
+        self._root = _Node()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._ids = itertools.count()
+        self.stats = PrefixCacheStats(budget_bytes=max(0, int(budget_bytes)))
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.stats.budget_bytes
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Change the budget, evicting at once if it shrank."""
+        self.stats.budget_bytes = max(0, int(budget_bytes))
+        self._evict_until(self.stats.budget_bytes)
+
+    def lookup(self, ids: Sequence[int]) -> PrefixHit | None:
+        """The longest cached prefix of `ids`, leaving at least one token to prefill; pins its entry."""
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += len(ids)
+        node, depth = self._root, 0
+        for token in ids[:-1]:  # the last prompt token is always run: its logits start decoding
+            child = node.children.get(token)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        if depth == 0 or not node.entries:
+            return None
+        entry_id = max(node.entries)  # any entry through this node holds the same prefix
+        entry = self._entries[entry_id]
+        self._entries.move_to_end(entry_id)
+        entry.pins += 1
+        self.stats.hits += 1
+        self.stats.cached_tokens += depth
+        diverged = depth if depth < len(entry.ids) and depth < len(ids) - 1 else None
+        return PrefixHit(depth, diverged, entry_id, entry.layers)
+
+    def release(self, hit: PrefixHit | None) -> None:
+        """The request that looked `hit` up is done with it."""
+        entry = self._entries.get(hit.entry_id) if hit else None
+        if entry is not None:
+            entry.pins -= 1
+
+    def insert(self, ids: Sequence[int], cache: Sequence[KVCache]) -> bool:
+        """Keep the KV of `ids` (the first len(ids) positions of `cache`); False if it cannot fit."""
+        ids = tuple(ids)
+        if not ids or any(c.offset < len(ids) for c in cache):
+            return False
+        node = self._walk(ids)
+        if node is not None and node.entries:  # an entry already covers all of ids
+            self._entries.move_to_end(max(node.entries))
+            return True
+        layers = [_copy_prefix(c, len(ids)) for c in cache]
+        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        if nbytes > self.stats.budget_bytes:
+            return False
+        for entry_id in self._prefixes_of(ids):
+            self._remove(entry_id)
+        if not self._evict_until(self.stats.budget_bytes - nbytes):
+            return False
+        entry_id = next(self._ids)
+        self._entries[entry_id] = _Entry(ids, layers, nbytes)
+        node = self._root
+        for token in ids:
+            node.entries.add(entry_id)
+            node = node.children.setdefault(token, _Node())
+        node.entries.add(entry_id)
+        self._account(+1, nbytes)
+        return True
+
+    def evict(self, bytes_wanted: int) -> int:
+        """Free at least `bytes_wanted` if entries not in use allow it (memory pressure); returns bytes freed."""
+        before = self.stats.bytes_held
+        self._evict_until(max(0, before - bytes_wanted))
+        return before - self.stats.bytes_held
+
+    def clear(self) -> None:
+        for entry_id in [i for i, e in self._entries.items() if e.pins == 0]:
+            self._remove(entry_id)
+
+    def _walk(self, ids: tuple[int, ...]) -> _Node | None:
+        node = self._root
+        for token in ids:
+            node = node.children.get(token)
+            if node is None:
+                return None
+        return node
+
+    def _prefixes_of(self, ids: tuple[int, ...]) -> list[int]:
+        """Unpinned entries whose whole token sequence is a prefix of `ids`."""
+        found, node = [], self._root
+        for depth, token in enumerate(ids):
+            node = node.children.get(token)
+            if node is None:
+                break
+            found += [i for i in node.entries if len(self._entries[i].ids) == depth + 1 and self._entries[i].pins == 0]
+        return found
+
+    def _evict_until(self, limit: int) -> bool:
+        for entry_id in [i for i, e in self._entries.items() if e.pins == 0]:
+            if self.stats.bytes_held <= limit:
+                break
+            self._remove(entry_id)
+            self.stats.evictions += 1
+        return self.stats.bytes_held <= limit
+
+    def _remove(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        node = self._root
+        node.entries.discard(entry_id)
+        for token in entry.ids:
+            child = node.children[token]
+            child.entries.discard(entry_id)
+            if not child.entries:
+                del node.children[token]  # nothing else passes below here
+                break
+            node = child
+        self._account(-1, -entry.nbytes)
+
+    def _account(self, entries: int, nbytes: int) -> None:
+        self.stats.entries += entries
+        self.stats.bytes_held += nbytes
+
+
+def _copy_prefix(cache: KVCache, tokens: int) -> LayerState:
+    # A contiguous copy: a slice would keep the request's whole (larger) buffer alive.
+    keys, values = cache.state
+    copied = mx.contiguous(keys[..., :tokens, :]), mx.contiguous(values[..., :tokens, :])
+    mx.eval(copied)
+    return copied

@@ -1,0 +1,178 @@
+"""One memory budget for weights, KV cache, prefill activations and the prefix cache.
+
+Everything here is arithmetic on sizes, so a plan costs nothing to make and can
+be checked before every request. The activation model counts what one prefill
+chunk keeps alive inside one block (MLX frees a block's temporaries before the
+next block runs): hidden-state copies, q/k/v, the attention scores and their
+softmax, and the MLP's three intermediate tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..errors import MemoryBudgetError
+from .machine import MachineMemory
+
+KV_STEP = 256  # the KV cache grows in steps of this many positions (cache/kv.py)
+PREFIX_CACHE_FRACTION = 0.1  # of usable memory, for the prompt-prefix cache
+PREFIX_CACHE_MAX_BYTES = 4 << 30
+RUNTIME_BYTES = 64 << 20  # MLX's own buffers, the sampler, the tokenizer's arrays
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Sizes that follow from a model's config and the dtype it computes in."""
+
+    weights_bytes: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    heads: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    compute_bytes: int  # bytes per activation element
+    kv_bytes: float  # bytes per stored K or V element (fractional for quantized KV)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return int(2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes)
+
+    def kv_cache_bytes(self, tokens: int) -> int:
+        """The KV cache's allocation for `tokens` positions, growth steps included."""
+        return self.kv_bytes_per_token * KV_STEP * math.ceil(tokens / KV_STEP)
+
+    def activation_bytes(self, chunk: int, context: int) -> int:
+        """Peak temporaries of one prefill chunk of `chunk` tokens ending at position `context`."""
+        per_block = (
+            4 * chunk * self.hidden
+            + 2 * chunk * (self.heads + 2 * self.kv_heads) * self.head_dim
+            + 2 * self.heads * chunk * context
+            + 3 * chunk * self.intermediate
+        )
+        return self.compute_bytes * (per_block + self.vocab)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a model at `context` tokens needs against what this machine can give."""
+
+    machine: MachineMemory
+    footprint: ModelFootprint
+    context: int
+    prefill_chunk: int
+    usable_bytes: int
+    prefix_cache_bytes: int
+
+    @property
+    def parts(self) -> dict[str, int]:
+        f = self.footprint
+        return {
+            "weights": f.weights_bytes,
+            "kv cache": f.kv_cache_bytes(self.context),
+            "prefill activations": f.activation_bytes(min(self.prefill_chunk, self.context), self.context),
+            "prefix cache": self.prefix_cache_bytes,
+            "runtime": RUNTIME_BYTES,
+        }
+
+    @property
+    def needed_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def verdict(self) -> str:
+        if self.needed_bytes > self.usable_bytes + self.machine.headroom_bytes:
+            return "does not fit"
+        if self.needed_bytes > self.usable_bytes or self.machine.swap_used_bytes > self.machine.total_bytes // 10:
+            return "fits but risks swap"
+        return "fits"
+
+    def max_context(self) -> int:
+        """The longest context whose plan still fits without risking swap."""
+        low, high = 0, 1 << 24
+        while low < high:
+            mid = (low + high + 1) // 2
+            if _with(self, context=mid).needed_bytes <= self.usable_bytes:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def suggestions(self) -> list[str]:
+        if self.verdict == "fits":
+            return []
+        f, tips = self.footprint, []
+        longest = self.max_context()
+        if longest > 0:
+            tips.append(f"use a context of at most {longest} tokens")
+        if f.kv_bytes >= 1:
+            tips.append("quantize the KV cache (--kv-bits 8 or 4)")
+        tips.append("convert the model to fewer bits (mlxinfer convert --bits 4)")
+        tips.append("close memory-hungry apps, or lower the prefix cache (prefix_cache_bytes=0)")
+        return tips
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "machine": asdict(self.machine),
+            "context": self.context,
+            "prefill_chunk": self.prefill_chunk,
+            "parts": self.parts,
+            "needed_bytes": self.needed_bytes,
+            "usable_bytes": self.usable_bytes,
+            "verdict": self.verdict,
+            "max_context": self.max_context(),
+            "suggestions": self.suggestions(),
+        }
+
+    def check(self) -> None:
+        """Raise MemoryBudgetError, with the numbers and the fixes, unless the plan fits."""
+        if self.needed_bytes > self.usable_bytes:
+            raise MemoryBudgetError(
+                f"{self.context} tokens need {_gib(self.needed_bytes)} (weights {_gib(self.footprint.weights_bytes)}, "
+                f"KV {_gib(self.parts['kv cache'])}) but {_gib(self.usable_bytes)} can be used; "
+                + "; ".join(self.suggestions())
+            )
+
+
+def plan_memory(
+    machine: MachineMemory,
+    footprint: ModelFootprint,
+    context: int,
+    prefill_chunk: int = 512,
+    prefix_cache_bytes: int | None = None,
+    already_ours: int = 0,
+) -> MemoryPlan:
+    """The plan for `context` tokens; `already_ours` is memory this process already holds (loaded weights)."""
+    usable = machine.usable_bytes(already_ours)
+    if prefix_cache_bytes is None:
+        prefix_cache_bytes = default_prefix_cache_bytes(machine)
+    return MemoryPlan(machine, footprint, context, prefill_chunk, usable, prefix_cache_bytes)
+
+
+def default_prefix_cache_bytes(machine: MachineMemory | None = None) -> int:
+    """A tenth of usable memory, at most 4 GiB: room for many system prompts and chats, never the lion's share."""
+    from .machine import machine_memory
+
+    machine = machine or machine_memory()
+    return min(PREFIX_CACHE_MAX_BYTES, int(PREFIX_CACHE_FRACTION * machine.usable_bytes()))
+
+
+def fit_prefill_chunk(plan: MemoryPlan) -> int:
+    """The largest prefill chunk (halving from the plan's) whose activations fit; raises if none does."""
+    chunk = plan.prefill_chunk
+    while chunk > 16 and _with(plan, prefill_chunk=chunk).needed_bytes > plan.usable_bytes:
+        chunk //= 2
+    _with(plan, prefill_chunk=chunk).check()
+    return chunk
+
+
+def _with(plan: MemoryPlan, **changes: Any) -> MemoryPlan:
+    fields = {k: getattr(plan, k) for k in ("machine", "footprint", "context", "prefill_chunk", "usable_bytes")}
+    return MemoryPlan(**{**fields, "prefix_cache_bytes": plan.prefix_cache_bytes, **changes})
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
