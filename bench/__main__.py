@@ -33,9 +33,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON, markdown and PNGs")
     parser.add_argument("--skip-convert", action="store_true", help="leave out the converter figures")
     parser.add_argument("--convert-only", action="store_true", help="only the converter figures")
+    parser.add_argument("--prefix-only", action="store_true", help="only the prefix-cache and KV figures")
     args = parser.parse_args()
     if args.convert_only:
         write_outputs({"convert": convert_figures(args.quick)}, args.out, args.quick, suffix="-convert")
+        return
+    if args.prefix_only:
+        write_prefix_outputs(args.model or prepare_models(["4"])["4"], args.out, args.quick)
         return
 
     settings = Settings.for_backend(quick=args.quick)
@@ -58,6 +62,21 @@ def convert_figures(quick: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="mlxinfer-convert-bench-") as work:
         source = prepare_models(["bf16"])["bf16"]
         return run_convert_bench(source, Path(work), eval_tokens=32 if quick else 512, quick=quick)
+
+
+def write_prefix_outputs(model: Path, out: Path, quick: bool) -> None:
+    from .prefix_bench import markdown as prefix_markdown
+    from .prefix_bench import run_prefix_bench, ttft_plot
+
+    figures = run_prefix_bench(model, quick=quick)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{date.today().isoformat()}-{platform.node() or 'host'}" + ("-quick" if quick else "") + "-prefix"
+    table = prefix_markdown(figures)
+    (out / f"{stem}.json").write_text(json.dumps(figures, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
+    ttft_plot(figures, out / f"{stem}-ttft.png")
+    print(table)
+    print(f"\nwrote {out / stem}: .json, .md, -ttft.png")
 
 
 def write_outputs(report: dict, out: Path, quick: bool, suffix: str = "") -> None:

@@ -11,13 +11,14 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
-from .cache import PrefixCache, PrefixCacheStats, make_cache
-from .default_model import default_model_path
-from .engine import GenerationRequest, GenerationStats, SamplingParams, TextGeneration
-from .errors import SamplingError, TokenizerError
-from .memory import default_prefix_cache_bytes
+from .cache import PrefixCache, PrefixCacheStats, PrefixStore, fingerprint, make_cache
+from .default_model import cache_dir, default_model_path
+from .engine import GenerationRequest, GenerationStats, SamplingParams, TextGeneration, prefill
+from .errors import MemoryBudgetError, SamplingError, TokenizerError
+from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
+from .models.footprint import check_kv_bits, footprint
 from .tokenizer import Tokenizer
 
 Message = dict[str, Any]
@@ -51,10 +52,80 @@ class Model:
         ...     print(chunk, end="")
     """
 
-    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int | None = None):
+    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int | None = None, kv_bits: int | None = None):
         self._loaded = loaded
+        self.kv_bits = check_kv_bits(kv_bits, loaded.config)
+        self.footprint = footprint(loaded, kv_bits)
         budget = prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes()
-        self.prefix_cache = PrefixCache(budget)
+        store = (
+            PrefixStore(cache_dir() / "prefixes", self._fingerprint(), label=loaded.path.name)
+            if loaded.tokenizer
+            else None
+        )
+        self.prefix_cache = PrefixCache(budget, store=store, num_layers=len(loaded.model.layers))
+        self.memory_limits = apply_limits(self.memory_plan())
+
+    def memory_plan(self, context: int | None = None, prefill_chunk: int = 512) -> MemoryPlan:
+        """What this model needs at `context` tokens (default: its trained length, at most 32k) on this machine."""
+        if context is None:
+            context = min(int(self.config.args.get("max_position_embeddings") or 4096), 32768)
+        return plan_memory(
+            machine_memory(),
+            self.footprint,
+            context,
+            prefill_chunk=prefill_chunk,
+            prefix_cache_bytes=self.prefix_cache.budget_bytes,
+            already_ours=mx.get_active_memory(),
+        )
+
+    def warm(self, prefix: Prompt, *, chat: bool | None = None) -> int:
+        """Prefill `prefix` once and keep its KV in memory and on disk, for every later prompt that starts with it.
+
+        A list of messages (a system prompt, a document to ask about) is rendered
+        without the assistant's turn, so later chats that continue it match. Returns
+        the number of tokens warmed.
+
+        Example:
+            >>> model.warm([{"role": "system", "content": open("manual.txt").read()}])
+        """
+        if isinstance(prefix, (list, tuple)) and prefix and isinstance(prefix[0], dict):
+            ids = self.tokenizer.encode_chat(prefix, add_generation_prompt=False)
+        else:
+            ids = self.encode_prompt(prefix, chat=chat)
+        hit = self.prefix_cache.lookup(ids + [ids[-1]])  # the whole prefix may be reused
+        kv = make_cache(len(self._loaded.model.layers), self.kv_bits)
+        if hit:
+            hit.restore(kv)
+        self.prefix_cache.release(hit)
+        start = kv[0].offset
+        chunk = self._fit_request(len(ids), 512)
+        if start < len(ids):
+            prefill(self._loaded.model, mx.array(ids[start:], dtype=mx.uint32), kv, chunk)
+        if not self.prefix_cache.insert(ids, kv, persist=True):
+            raise MemoryBudgetError(f"a {len(ids)}-token prefix does not fit the prefix cache's budget")
+        return len(ids)
+
+    def _fingerprint(self) -> str:
+        loaded, tokenizer = self._loaded, self.tokenizer
+        path = loaded.path
+        files = [path] if path.is_file() else [*path.glob("*.safetensors"), path / "config.json"]
+        settings = [dtype_name(loaded.compute_dtype), f"kv{self.kv_bits or 16}"]
+        return fingerprint(files, tokenizer.backend.to_str(), tokenizer.chat_template or "", *settings)
+
+    def _fit_request(self, tokens: int, prefill_chunk: int) -> int:
+        """The prefill chunk a request of `tokens` positions can run with; evicts cached prefixes if short."""
+        plan = plan_memory(
+            machine_memory(),
+            self.footprint,
+            tokens,
+            prefill_chunk=prefill_chunk,
+            prefix_cache_bytes=self.prefix_cache.stats.bytes_held,
+            already_ours=mx.get_active_memory(),
+        )
+        shortfall = plan.needed_bytes - plan.usable_bytes
+        if shortfall > 0 and self.prefix_cache.evict(shortfall):
+            return self._fit_request(tokens, prefill_chunk)
+        return fit_prefill_chunk(plan)
 
     @property
     def cache_stats(self) -> PrefixCacheStats:
@@ -111,12 +182,16 @@ class Model:
             params = SamplingParams(**sampling)
         except TypeError as e:
             raise SamplingError(f"unknown generation option: {e}") from None
+        ids = self.encode_prompt(prompt, chat=chat)
+        if isinstance(max_tokens, int) and isinstance(prefill_chunk_tokens, int) and prefill_chunk_tokens > 0:
+            prefill_chunk_tokens = self._fit_request(len(ids) + max(0, max_tokens), prefill_chunk_tokens)
         request = GenerationRequest(
-            prompt_ids=self.encode_prompt(prompt, chat=chat),
+            prompt_ids=ids,
             max_tokens=max_tokens,
             sampling=params,
             eos_token_ids=self.tokenizer.eos_token_ids + self.config.eos_token_ids,
             prefill_chunk_tokens=prefill_chunk_tokens,
+            kv_bits=self.kv_bits,
         )
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}")
@@ -146,7 +221,7 @@ class Model:
         if isinstance(token_ids, np.ndarray):
             token_ids = token_ids.tolist()
         ids = mx.array(_check_ids(list(token_ids), self.config.vocab_size), dtype=mx.uint32)
-        cache = make_cache(len(self._loaded.model.layers))
+        cache = make_cache(len(self._loaded.model.layers), self.kv_bits)
         parts = []
         for start in range(0, ids.size, chunk_tokens):
             part = self._loaded.model(ids[None, start : start + chunk_tokens], cache)[0].astype(mx.float32)
@@ -176,13 +251,20 @@ def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:
     return [int(t) for t in ids]
 
 
-def load(path: str | Path | None = None, *, dtype: str | None = None, prefix_cache_bytes: int | None = None) -> Model:
+def load(
+    path: str | Path | None = None,
+    *,
+    dtype: str | None = None,
+    prefix_cache_bytes: int | None = None,
+    kv_bits: int | None = None,
+) -> Model:
     """Load a model folder or .gguf file; with no path, the default model (fetched once).
 
     `prefix_cache_bytes` caps the prompt-prefix cache (default: from the memory planner; 0 turns it off).
+    `kv_bits` 8 or 4 stores the KV cache quantized (about 2x / 3.5x less memory per token).
 
     Example:
         >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
     """
     loaded = load_model(path if path is not None else default_model_path(), dtype=dtype)
-    return Model(loaded, prefix_cache_bytes=prefix_cache_bytes)
+    return Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits)

@@ -17,7 +17,7 @@ import click
 
 from . import __version__
 from .api import Model, load
-from .default_model import default_model_path
+from .default_model import cache_dir, default_model_path
 from .errors import MlxInferError
 from .models import load_tokenizer
 
@@ -217,6 +217,94 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
     click.echo(plan.summary(), err=True)
     result = run_conversion(plan)
     click.echo(result.summary())
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--context", type=click.IntRange(1), default=None, help="Tokens to plan for [default: the model's].")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@_errors_as_one_line
+def plan(model: str | None, context: int | None, dtype: str | None, as_json: bool) -> None:
+    """What MODEL needs in memory at a context length, against what this Mac can give.
+
+    \b
+    Examples:
+      mlxinfer plan                                  # the default model at its trained context
+      mlxinfer plan ~/models/Qwen3-0.6B-4bit --context 32768 --json
+    """
+    llm = _load(model, dtype, quiet=True)
+    memory_plan = llm.memory_plan(context)
+    if as_json:
+        click.echo(json.dumps(memory_plan.to_dict(), indent=1))
+        return
+    m = memory_plan.machine
+    click.echo(
+        f"{llm.path.name} at {memory_plan.context} tokens ({llm.compute_dtype}) on {m.backend}: "
+        f"{_mib(m.total_bytes)} total, {_mib(m.available_bytes)} available, {_mib(m.swap_used_bytes)} swap used"
+    )
+    for part, size in memory_plan.parts.items():
+        click.echo(f"  {part:<22}{_mib(size):>14}")
+    click.echo(f"  {'needed':<22}{_mib(memory_plan.needed_bytes):>14}")
+    click.echo(f"  {'usable':<22}{_mib(memory_plan.usable_bytes):>14}")
+    click.echo(f"verdict: {memory_plan.verdict}; the largest context that fits is {memory_plan.max_context()} tokens")
+    for tip in memory_plan.suggestions():
+        click.echo(f"  - {tip}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+@main.group()
+def cache() -> None:
+    """Warmed prompt prefixes kept on disk (a system prompt, a document)."""
+
+
+@cache.command("warm")
+@click.argument("model", required=False)
+@click.option(
+    "--prefix-file",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="UTF-8 text to warm.",
+)
+@click.option("--raw", is_flag=True, help="Warm the text as a raw prompt instead of a chat's system message.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@_errors_as_one_line
+def cache_warm(model: str | None, prefix_file: Path, raw: bool, dtype: str | None) -> None:
+    """Prefill a prefix once and keep its KV on disk for every later prompt that starts with it.
+
+    \b
+    Examples:
+      mlxinfer cache warm --prefix-file system_prompt.txt      # as the chat's system message
+      mlxinfer cache warm ~/models/m-4bit --prefix-file doc.txt --raw
+    """
+    text = prefix_file.read_text(encoding="utf-8")
+    if not text.strip():
+        raise click.ClickException(f"{prefix_file}: is empty; give the text to warm")
+    llm = _load(model, dtype, quiet=True)
+    tokens = llm.warm(text if raw else [{"role": "system", "content": text}])
+    click.echo(f"warmed {tokens} tokens of {prefix_file} for {llm.path.name}")
+
+
+@cache.command("ls")
+def cache_ls() -> None:
+    """List warmed prefixes: model, tokens, size."""
+    from .cache import list_prefixes
+
+    rows = list_prefixes(cache_dir() / "prefixes")
+    for row in rows:
+        click.echo(f"{row['model']:<40} {row['tokens']:>8} tokens {_mib(int(row['bytes'])):>10}  {row['path']}")
+    click.echo(f"{len(rows)} warmed prefixes in {cache_dir() / 'prefixes'}", err=True)
+
+
+@cache.command("clear")
+def cache_clear() -> None:
+    """Delete every warmed prefix."""
+    from .cache import clear_prefixes
+
+    click.echo(f"removed {clear_prefixes(cache_dir() / 'prefixes')} warmed prefixes")
 
 
 @main.command("eval")

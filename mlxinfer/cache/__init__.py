@@ -1,6 +1,20 @@
-"""Attention caches: the per-layer KV cache and the prompt-prefix cache over it."""
+"""Attention caches: the per-layer KV cache, the prompt-prefix cache over it, and its disk store."""
 
-from .kv import KVCache, make_cache
+from .kv import KV_BITS, Cache, KVCache, QuantizedKVCache, make_cache
 from .prefix import PrefixCache, PrefixCacheStats, PrefixHit
+from .store import PrefixStore, clear_prefixes, fingerprint, list_prefixes
 
-__all__ = ["KVCache", "PrefixCache", "PrefixCacheStats", "PrefixHit", "make_cache"]
+__all__ = [
+    "KV_BITS",
+    "Cache",
+    "QuantizedKVCache",
+    "KVCache",
+    "PrefixCache",
+    "PrefixCacheStats",
+    "PrefixHit",
+    "PrefixStore",
+    "clear_prefixes",
+    "fingerprint",
+    "list_prefixes",
+    "make_cache",
+]

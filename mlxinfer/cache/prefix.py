@@ -10,6 +10,10 @@ once when it first grows, the entry itself is never written).
 The cache holds at most `budget_bytes`. Inserting evicts the least recently
 used entries that no running request holds; an entry that is a prefix of a
 newer one (the previous turn of a chat) is dropped, since the newer one covers it.
+
+With a PrefixStore, warmed prefixes (`insert(..., persist=True)`) are also on
+disk. Entries found there at start-up join the trie with their KV still on
+disk; a hit loads it, and evicting one only drops the loaded copy.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .kv import KVCache
+from .kv import Cache
+from .store import PrefixStore, StoredPrefix
 
 log = logging.getLogger(__name__)
 
-LayerState = tuple[mx.array, mx.array]  # keys, values: (1, kv_heads, tokens, head_dim)
+LayerState = tuple[mx.array, ...]  # a cache's `state`: arrays with positions on axis 2
 
 
 @dataclass
@@ -38,8 +43,11 @@ class PrefixHit:
     entry_id: int
     layers: list[LayerState]
 
-    def make_cache(self) -> list[KVCache]:
-        return [KVCache.from_state(k[..., : self.tokens, :], v[..., : self.tokens, :]) for k, v in self.layers]
+    def restore(self, caches: list[Cache]) -> list[Cache]:
+        """`caches` (empty, of the kind the entry was made with) starting from the reused positions."""
+        for cache, state in zip(caches, self.layers):
+            cache.load_state(tuple(a[..., : self.tokens, :] for a in state))
+        return caches
 
 
 @dataclass
@@ -63,9 +71,10 @@ class PrefixCacheStats:
 @dataclass
 class _Entry:
     ids: tuple[int, ...]
-    layers: list[LayerState]
-    nbytes: int
+    layers: list[LayerState] | None  # None: on disk only
+    nbytes: int  # bytes held in memory
     pins: int = 0
+    stored: StoredPrefix | None = None
 
 
 @dataclass
@@ -77,11 +86,14 @@ class _Node:
 class PrefixCache:
     """Longest-prefix reuse of KV state under a byte budget."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, store: PrefixStore | None = None, num_layers: int = 0):
         self._root = _Node()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
         self.stats = PrefixCacheStats(budget_bytes=max(0, int(budget_bytes)))
+        self.store, self._num_layers = store, num_layers
+        for stored in store.scan() if store else []:
+            self._add(_Entry(stored.token_ids, None, 0, stored=stored))
 
     @property
     def budget_bytes(self) -> int:
@@ -104,13 +116,19 @@ class PrefixCache:
             node, depth = child, depth + 1
         if depth == 0 or not node.entries:
             return None
-        entry_id = max(node.entries)  # any entry through this node holds the same prefix
+        entry_id = max(node.entries, key=lambda i: self._entries[i].layers is not None)  # in memory first
         entry = self._entries[entry_id]
+        if entry.layers is None and not self._load(entry_id):
+            if entry_id in self._entries:
+                return None  # no room for it within the budget
+            self.stats.lookups -= 1
+            self.stats.prompt_tokens -= len(ids)
+            return self.lookup(ids)  # that file was bad and is gone: the next best entry
         self._entries.move_to_end(entry_id)
         entry.pins += 1
         self.stats.hits += 1
         self.stats.cached_tokens += depth
-        diverged = depth if depth < len(entry.ids) and depth < len(ids) - 1 else None
+        diverged = depth if depth < len(entry.ids) and ids[depth] != entry.ids[depth] else None
         return PrefixHit(depth, diverged, entry_id, entry.layers)
 
     def release(self, hit: PrefixHit | None) -> None:
@@ -119,31 +137,31 @@ class PrefixCache:
         if entry is not None:
             entry.pins -= 1
 
-    def insert(self, ids: Sequence[int], cache: Sequence[KVCache]) -> bool:
-        """Keep the KV of `ids` (the first len(ids) positions of `cache`); False if it cannot fit."""
+    def insert(self, ids: Sequence[int], cache: Sequence[Cache], persist: bool = False) -> bool:
+        """Keep the KV of `ids` (the first len(ids) positions of `cache`); False if it cannot fit.
+
+        `persist` also writes it to the store, where it outlives this process."""
         ids = tuple(ids)
         if not ids or any(c.offset < len(ids) for c in cache):
             return False
         node = self._walk(ids)
-        if node is not None and node.entries:  # an entry already covers all of ids
-            self._entries.move_to_end(max(node.entries))
+        covering = [i for i in node.entries if self._entries[i].stored or not persist] if node else []
+        if covering:  # an entry already covers all of ids
+            self._entries.move_to_end(max(covering))
             return True
         layers = [_copy_prefix(c, len(ids)) for c in cache]
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-        if nbytes > self.stats.budget_bytes:
-            return False
+        stored = None
+        if persist and self.store is not None:
+            path = self.store.save(ids, layers)
+            stored = StoredPrefix(path, ids, _nbytes(layers))
+        nbytes = _nbytes(layers)
         for entry_id in self._prefixes_of(ids):
             self._remove(entry_id)
-        if not self._evict_until(self.stats.budget_bytes - nbytes):
-            return False
-        entry_id = next(self._ids)
-        self._entries[entry_id] = _Entry(ids, layers, nbytes)
-        node = self._root
-        for token in ids:
-            node.entries.add(entry_id)
-            node = node.children.setdefault(token, _Node())
-        node.entries.add(entry_id)
-        self._account(+1, nbytes)
+        if nbytes > self.stats.budget_bytes or not self._evict_until(self.stats.budget_bytes - nbytes):
+            if stored:
+                self._add(_Entry(ids, None, 0, stored=stored))  # on disk for the next hit
+            return stored is not None
+        self._add(_Entry(ids, layers, nbytes, stored=stored))
         return True
 
     def evict(self, bytes_wanted: int) -> int:
@@ -153,8 +171,36 @@ class PrefixCache:
         return before - self.stats.bytes_held
 
     def clear(self) -> None:
-        for entry_id in [i for i, e in self._entries.items() if e.pins == 0]:
+        """Free every entry no request holds (warmed ones stay findable on disk)."""
+        self._evict_until(0)
+
+    def _add(self, entry: _Entry) -> None:
+        entry_id = next(self._ids)
+        self._entries[entry_id] = entry
+        node = self._root
+        for token in entry.ids:
+            node.entries.add(entry_id)
+            node = node.children.setdefault(token, _Node())
+        node.entries.add(entry_id)
+        self._account(+1, entry.nbytes)
+
+    def _load(self, entry_id: int) -> bool:
+        """Bring a disk-only entry's KV into memory within the budget; a bad file drops the entry."""
+        entry = self._entries[entry_id]
+        assert self.store is not None and entry.stored is not None
+        layers = self.store.load(entry.stored, self._num_layers)
+        if layers is None:
             self._remove(entry_id)
+            return False
+        nbytes = _nbytes(layers)
+        entry.pins += 1  # not evictable while making room for itself
+        fits = self._evict_until(self.stats.budget_bytes - nbytes)
+        entry.pins -= 1
+        if not fits:
+            return False
+        entry.layers, entry.nbytes = layers, nbytes
+        self._account(0, nbytes)
+        return True
 
     def _walk(self, ids: tuple[int, ...]) -> _Node | None:
         node = self._root
@@ -171,14 +217,24 @@ class PrefixCache:
             node = node.children.get(token)
             if node is None:
                 break
-            found += [i for i in node.entries if len(self._entries[i].ids) == depth + 1 and self._entries[i].pins == 0]
+            found += [
+                i
+                for i in node.entries
+                if len(self._entries[i].ids) == depth + 1 and not self._entries[i].pins and not self._entries[i].stored
+            ]
         return found
 
     def _evict_until(self, limit: int) -> bool:
-        for entry_id in [i for i, e in self._entries.items() if e.pins == 0]:
+        for entry_id, entry in list(self._entries.items()):
             if self.stats.bytes_held <= limit:
                 break
-            self._remove(entry_id)
+            if entry.pins or entry.layers is None:
+                continue
+            if entry.stored:  # keep knowing it is on disk; free the memory
+                self._account(0, -entry.nbytes)
+                entry.layers, entry.nbytes = None, 0
+            else:
+                self._remove(entry_id)
             self.stats.evictions += 1
         return self.stats.bytes_held <= limit
 
@@ -200,9 +256,12 @@ class PrefixCache:
         self.stats.bytes_held += nbytes
 
 
-def _copy_prefix(cache: KVCache, tokens: int) -> LayerState:
+def _copy_prefix(cache: Cache, tokens: int) -> LayerState:
     # A contiguous copy: a slice would keep the request's whole (larger) buffer alive.
-    keys, values = cache.state
-    copied = mx.contiguous(keys[..., :tokens, :]), mx.contiguous(values[..., :tokens, :])
+    copied = tuple(mx.contiguous(a[..., :tokens, :]) for a in cache.state)
     mx.eval(copied)
     return copied
+
+
+def _nbytes(layers: list[LayerState]) -> int:
+    return sum(a.nbytes for state in layers for a in state)

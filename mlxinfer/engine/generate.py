@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cache import KVCache, PrefixCache, make_cache
+from ..cache import Cache, PrefixCache, make_cache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from .sampling import Sampler, SamplingParams
@@ -32,9 +32,10 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: Iterable[int] = ()
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    kv_bits: int | None = None  # 8 or 4: keys and values stored quantized
 
 
-def prefill(model: DecoderLM, prompt: mx.array, cache: list[KVCache], chunk_tokens: int) -> mx.array:
+def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens: int) -> mx.array:
     """Run `prompt` (1-D ids) into `cache`; returns logits of its last position, shape (vocab,)."""
     for start in range(0, prompt.size, chunk_tokens):
         hidden = model.hidden(prompt[None, start : start + chunk_tokens], cache)  # (1, chunk, hidden)
@@ -44,7 +45,7 @@ def prefill(model: DecoderLM, prompt: mx.array, cache: list[KVCache], chunk_toke
     return model.head(hidden[:, -1])[0]
 
 
-def decode(model: DecoderLM, first_logits: mx.array, cache: list[KVCache], sampler: Sampler) -> Iterator[int]:
+def decode(model: DecoderLM, first_logits: mx.array, cache: list[Cache], sampler: Sampler) -> Iterator[int]:
     """Yield sampled tokens forever; the caller decides when to stop."""
     token = sampler(first_logits)
     mx.async_eval(token)
@@ -69,7 +70,9 @@ def generate_ids(
     _validate(request, vocab_size)
     prompt_ids = list(request.prompt_ids)
     hit = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
-    cache = hit.make_cache() if hit else make_cache(len(model.layers))
+    cache = make_cache(len(model.layers), request.kv_bits)
+    if hit:
+        hit.restore(cache)
     stats.cached_tokens = hit.tokens if hit else 0
     stats.diverged_at = hit.diverged_at if hit else None
     drawn: list[int] = []  # every token decode() produced, each of them already fed into `cache`
@@ -88,7 +91,7 @@ def generate_ids(
 
 
 def _generate(
-    model: DecoderLM, request: GenerationRequest, stats: GenerationStats, cache: list[KVCache], drawn: list[int]
+    model: DecoderLM, request: GenerationRequest, stats: GenerationStats, cache: list[Cache], drawn: list[int]
 ) -> Iterator[int]:
     eos = set(request.eos_token_ids)
     prompt = mx.array(list(request.prompt_ids), dtype=mx.uint32)

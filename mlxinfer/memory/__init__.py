@@ -1,10 +1,12 @@
 """Memory: what this machine has, what a model needs, and one budget for all of it."""
 
+from .limits import apply_limits
 from .machine import MachineMemory, machine_memory
 from .planner import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, fit_prefill_chunk, plan_memory
 from .process import peak_rss_bytes
 
 __all__ = [
+    "apply_limits",
     "MachineMemory",
     "MemoryPlan",
     "ModelFootprint",

@@ -55,6 +55,16 @@ class ModelFootprint:
         )
         return self.compute_bytes * (per_block + self.vocab)
 
+    def request_peak_bytes(self, prompt: int, total: int, chunk: int) -> int:
+        """Weights plus the fullest moment of a request: some prefill chunk, or decoding at `total` positions."""
+        moments = [
+            self.kv_cache_bytes(end) + self.activation_bytes(end - start, end)
+            for start in range(0, prompt, chunk)
+            for end in (min(start + chunk, prompt),)
+        ]
+        moments.append(self.kv_cache_bytes(total) + self.activation_bytes(1, total))
+        return self.weights_bytes + max(moments)
+
 
 @dataclass(frozen=True)
 class MemoryPlan:
@@ -70,10 +80,12 @@ class MemoryPlan:
     @property
     def parts(self) -> dict[str, int]:
         f = self.footprint
+        kv = f.kv_cache_bytes(self.context)
+        peak = f.request_peak_bytes(self.context, self.context, self.prefill_chunk)
         return {
             "weights": f.weights_bytes,
-            "kv cache": f.kv_cache_bytes(self.context),
-            "prefill activations": f.activation_bytes(min(self.prefill_chunk, self.context), self.context),
+            "kv cache": kv,
+            "prefill activations": peak - f.weights_bytes - kv,  # beyond the final KV, at the fullest moment
             "prefix cache": self.prefix_cache_bytes,
             "runtime": RUNTIME_BYTES,
         }

@@ -1,0 +1,72 @@
+"""The memory planner: predictions against measured peaks, verdicts, and requests that cannot fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import mlxinfer
+from mlxinfer.cli import main
+from mlxinfer.errors import MemoryBudgetError
+from mlxinfer.memory import MachineMemory, plan_memory
+from tests.conftest import TINY
+
+GIB = 1 << 30
+
+
+def machine(available: int, total: int = 4 * GIB, swap: int = 0) -> MachineMemory:
+    return MachineMemory(total, available, swap, "cpu", None, None)
+
+
+@pytest.mark.parametrize(("prompt", "chunk"), [(16, 8), (100, 32), (260, 512)])  # 260 crosses a KV growth step
+def test_predicted_peak_is_within_ten_percent_of_the_measured_one(smol, prompt, chunk):
+    ids = [100 + i % 900 for i in range(prompt)]
+    result = smol.generate(ids, max_tokens=2, prefill_chunk_tokens=chunk, use_cache=False)
+    predicted = smol.footprint.request_peak_bytes(prompt, prompt + 2, chunk) + smol.cache_stats.bytes_held
+    measured = result.stats.peak_memory_bytes
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+
+
+def test_kv_bytes_per_token_follow_the_config(smol):
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K and V) x float32 on the CPU backend
+    expected = 30 * 3 * 64 * 2 * smol.footprint.compute_bytes
+    assert smol.footprint.kv_bytes_per_token == expected
+    assert smol.footprint.kv_cache_bytes(1) == smol.footprint.kv_cache_bytes(256) == 256 * expected
+
+
+def test_verdicts_and_suggestions():
+    model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=0)
+    roomy = plan_memory(machine(6 * GIB), model.footprint, context=4096, prefix_cache_bytes=0)
+    assert roomy.verdict == "fits" and roomy.suggestions() == [] and roomy.max_context() > 4096
+    tight = plan_memory(machine(GIB + 64 * 2**20 + 20 * 2**20), model.footprint, context=200_000, prefix_cache_bytes=0)
+    assert tight.verdict in ("does not fit", "fits but risks swap")
+    assert 0 < tight.max_context() < 200_000
+    assert any(f"at most {tight.max_context()} tokens" in tip for tip in tight.suggestions())
+    with pytest.raises(MemoryBudgetError, match=r"200000 tokens need .* GiB.*use a context of at most"):
+        tight.check()
+    assert plan_memory(machine(6 * GIB, swap=2 * GIB), model.footprint, 4096, prefix_cache_bytes=0).verdict == (
+        "fits but risks swap"
+    )
+
+
+def test_a_request_that_cannot_fit_is_refused_and_a_tight_one_is_rechunked(monkeypatch):
+    model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=0)
+    headroom = GIB  # MachineMemory keeps at least 1 GiB for the rest of the machine
+    monkeypatch.setattr("mlxinfer.api.machine_memory", lambda: machine(headroom + 70 * 2**20))
+    with pytest.raises(MemoryBudgetError, match="use a context of at most"):
+        model.generate(list(range(3, 200)), max_tokens=500_000)
+    long_prompt = [3 + i % 250 for i in range(2000)]  # one 2000-token chunk's attention scores alone: 128 MiB
+    run = model.stream(long_prompt, max_tokens=2, prefill_chunk_tokens=2000)
+    assert 16 <= run.request.prefill_chunk_tokens < 2000  # halved until it fit
+    assert len(list(run)) > 0
+    assert run.ids == model.generate(long_prompt, max_tokens=2, prefill_chunk_tokens=64, use_cache=False).token_ids
+
+
+def test_plan_command_prints_a_table_and_json():
+    result = CliRunner().invoke(main, ["plan", str(TINY / "qwen2"), "--context", "2048"])
+    assert result.exit_code == 0, result.output
+    assert "kv cache" in result.output and "verdict: fits" in result.output
+    data = json.loads(CliRunner().invoke(main, ["plan", str(TINY / "qwen2"), "--context", "2048", "--json"]).output)
+    assert data["context"] == 2048 and data["parts"]["kv cache"] > 0 and data["verdict"] == "fits"
