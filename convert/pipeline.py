@@ -153,10 +153,11 @@ def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPla
     largest = max(math.prod(shapes[n]) for n in names)
     params = sum(math.prod(shapes[n]) for n in names)
     # float32 copies of the largest tensor, one pending output shard, the runtime itself;
-    # calibration (sensitivity, GPTQ) also holds the whole model in its compute dtype.
+    # calibration (sensitivity, GPTQ) also holds the whole model in its compute dtype (twice,
+    # with MLX's buffer cache), numpy working copies of the largest tensor, and the output.
     peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + 200 * 2**20
     if sensitivity or settings.method == "gptq":
-        peak += params * choose_compute_dtype(None).size + output_bytes
+        peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * largest + output_bytes
     return ConversionPlan(source, out, settings, config, layers, names, dtype, output_bytes, peak, params)
 
 

@@ -67,8 +67,12 @@ def _group_grid(group: np.ndarray, levels: int, dtype: mx.Dtype) -> tuple[np.nda
     return np.where(scale == 0, 1e-8, scale), bias
 
 
-def pack(q: np.ndarray, bits: int) -> np.ndarray:
+def pack(q: np.ndarray, bits: int, rows_per_block: int = 2048) -> np.ndarray:
     """MLX's packing: each row's values as one little-endian bit stream in uint32 words."""
-    values = q.astype(np.uint32)
-    bit_planes = ((values[..., None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)
-    return np.packbits(bit_planes.reshape(q.shape[0], -1), axis=-1, bitorder="little").view(np.uint32)
+    shifts = np.arange(bits, dtype=np.uint8)
+    blocks = []
+    for start in range(0, q.shape[0], rows_per_block):  # the bit planes take 8x the codes' memory
+        values = q[start : start + rows_per_block].astype(np.uint8)
+        planes = (values[..., None] >> shifts) & 1
+        blocks.append(np.packbits(planes.reshape(values.shape[0], -1), axis=-1, bitorder="little").view(np.uint32))
+    return np.concatenate(blocks, axis=0)

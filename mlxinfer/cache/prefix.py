@@ -19,7 +19,6 @@ disk; a hit loads it, and evicting one only drops the loaded copy.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,8 +27,6 @@ import mlx.core as mx
 
 from .kv import Cache
 from .store import PrefixStore, StoredPrefix
-
-log = logging.getLogger(__name__)
 
 LayerState = tuple[mx.array, ...]  # a cache's `state`: arrays with positions on axis 2
 
