@@ -70,3 +70,13 @@ def test_plan_command_prints_a_table_and_json():
     assert "kv cache" in result.output and "verdict: fits" in result.output
     data = json.loads(CliRunner().invoke(main, ["plan", str(TINY / "qwen2"), "--context", "2048", "--json"]).output)
     assert data["context"] == 2048 and data["parts"]["kv cache"] > 0 and data["verdict"] == "fits"
+
+
+def test_plan_with_quantized_kv_needs_less_kv_memory(smol_path):
+    runner = CliRunner()
+    plans = [
+        json.loads(runner.invoke(main, ["plan", str(smol_path), "--context", "8192", "--json", *extra]).output)
+        for extra in ([], ["--kv-bits", "8"])
+    ]
+    assert plans[1]["parts"]["kv cache"] < 0.3 * plans[0]["parts"]["kv cache"]
+    assert plans[1]["max_context"] > plans[0]["max_context"]
