@@ -10,6 +10,8 @@ large enough that the noise of this machine does not decide them.
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,19 @@ import mlx.core as mx
 
 
 def run_prefix_bench(model_path: Path, prefix_tokens: int = 1000, quick: bool = False) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="mlxinfer-prefix-bench-") as store:
+        # A private prefix store: the user's warmed prefixes (or an earlier run's) must not give free hits.
+        os.environ["MLXINFER_CACHE_DIR"], saved = store, os.environ.get("MLXINFER_CACHE_DIR")
+        try:
+            return _run(model_path, prefix_tokens, quick)
+        finally:
+            if saved is None:
+                os.environ.pop("MLXINFER_CACHE_DIR")
+            else:
+                os.environ["MLXINFER_CACHE_DIR"] = saved
+
+
+def _run(model_path: Path, prefix_tokens: int, quick: bool) -> dict[str, Any]:
     import mlxinfer
     from mlxinfer.bench.conditions import conditions
     from mlxinfer.data import calibration_text, prose_text

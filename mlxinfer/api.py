@@ -75,7 +75,7 @@ class Model:
             context,
             prefill_chunk=prefill_chunk,
             prefix_cache_bytes=self.prefix_cache.budget_bytes,
-            already_ours=mx.get_active_memory(),
+            already_ours=mx.get_active_memory() + mx.get_cache_memory(),
         )
 
     def warm(self, prefix: Prompt, *, chat: bool | None = None) -> int:
@@ -92,13 +92,15 @@ class Model:
             ids = self.tokenizer.encode_chat(prefix, add_generation_prompt=False)
         else:
             ids = self.encode_prompt(prefix, chat=chat)
+        if not ids:
+            raise SamplingError("the prefix to warm is empty; give some text, messages or token ids")
         hit = self.prefix_cache.lookup(ids + [ids[-1]])  # the whole prefix may be reused
         kv = make_cache(len(self._loaded.model.layers), self.kv_bits)
         if hit:
             hit.restore(kv)
         self.prefix_cache.release(hit)
         start = kv[0].offset
-        chunk = self._fit_request(len(ids), 512)
+        chunk = self._fit_request(len(ids), len(ids), 512)
         if start < len(ids):
             prefill(self._loaded.model, mx.array(ids[start:], dtype=mx.uint32), kv, chunk)
         if not self.prefix_cache.insert(ids, kv, persist=True):
@@ -112,19 +114,21 @@ class Model:
         settings = [dtype_name(loaded.compute_dtype), f"kv{self.kv_bits or 16}"]
         return fingerprint(files, tokenizer.backend.to_str(), tokenizer.chat_template or "", *settings)
 
-    def _fit_request(self, tokens: int, prefill_chunk: int) -> int:
-        """The prefill chunk a request of `tokens` positions can run with; evicts cached prefixes if short."""
+    def _fit_request(self, prompt: int, total: int, prefill_chunk: int) -> int:
+        """The prefill chunk a request can run with; evicts cached prefixes first if memory is short."""
         plan = plan_memory(
             machine_memory(),
             self.footprint,
-            tokens,
+            total,
             prefill_chunk=prefill_chunk,
             prefix_cache_bytes=self.prefix_cache.stats.bytes_held,
-            already_ours=mx.get_active_memory(),
+            already_ours=mx.get_active_memory() + mx.get_cache_memory(),
+            prompt=prompt,
         )
         shortfall = plan.needed_bytes - plan.usable_bytes
         if shortfall > 0 and self.prefix_cache.evict(shortfall):
-            return self._fit_request(tokens, prefill_chunk)
+            mx.clear_cache()  # freed entries sit in MLX's buffer cache until released
+            return self._fit_request(prompt, total, prefill_chunk)
         return fit_prefill_chunk(plan)
 
     @property
@@ -184,7 +188,7 @@ class Model:
             raise SamplingError(f"unknown generation option: {e}") from None
         ids = self.encode_prompt(prompt, chat=chat)
         if isinstance(max_tokens, int) and isinstance(prefill_chunk_tokens, int) and prefill_chunk_tokens > 0:
-            prefill_chunk_tokens = self._fit_request(len(ids) + max(0, max_tokens), prefill_chunk_tokens)
+            prefill_chunk_tokens = self._fit_request(len(ids), len(ids) + max(0, max_tokens), prefill_chunk_tokens)
         request = GenerationRequest(
             prompt_ids=ids,
             max_tokens=max_tokens,

@@ -273,9 +273,10 @@ def cache() -> None:
     help="UTF-8 text to warm.",
 )
 @click.option("--raw", is_flag=True, help="Warm the text as a raw prompt instead of a chat's system message.")
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="For runs that use --kv-bits.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
 @_errors_as_one_line
-def cache_warm(model: str | None, prefix_file: Path, raw: bool, dtype: str | None) -> None:
+def cache_warm(model: str | None, prefix_file: Path, raw: bool, kv_bits: str | None, dtype: str | None) -> None:
     """Prefill a prefix once and keep its KV on disk for every later prompt that starts with it.
 
     \b
@@ -286,7 +287,7 @@ def cache_warm(model: str | None, prefix_file: Path, raw: bool, dtype: str | Non
     text = prefix_file.read_text(encoding="utf-8")
     if not text.strip():
         raise click.ClickException(f"{prefix_file}: is empty; give the text to warm")
-    llm = _load(model, dtype, quiet=True)
+    llm = _load(model, dtype, quiet=True, kv_bits=kv_bits)
     tokens = llm.warm(text if raw else [{"role": "system", "content": text}])
     click.echo(f"warmed {tokens} tokens of {prefix_file} for {llm.path.name}")
 

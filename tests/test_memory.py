@@ -39,7 +39,8 @@ def test_kv_bytes_per_token_follow_the_config(smol):
 def test_verdicts_and_suggestions():
     model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=0)
     roomy = plan_memory(machine(6 * GIB), model.footprint, context=4096, prefix_cache_bytes=0)
-    assert roomy.verdict == "fits" and roomy.suggestions() == [] and roomy.max_context() > 4096
+    assert roomy.verdict == "fits" and roomy.suggestions() == []
+    assert roomy.max_context() == 256  # the fixture's max_position_embeddings: never more than it was trained for
     tight = plan_memory(machine(GIB + 64 * 2**20 + 20 * 2**20), model.footprint, context=200_000, prefix_cache_bytes=0)
     assert tight.verdict in ("does not fit", "fits but risks swap")
     assert 0 < tight.max_context() < 200_000
@@ -55,6 +56,9 @@ def test_a_request_that_cannot_fit_is_refused_and_a_tight_one_is_rechunked(monke
     model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=0)
     headroom = GIB  # MachineMemory keeps at least 1 GiB for the rest of the machine
     monkeypatch.setattr("mlxinfer.api.machine_memory", lambda: machine(headroom + 70 * 2**20))
+    # What this test process already holds (other tests' models, MLX's buffer cache) would count as ours.
+    monkeypatch.setattr("mlxinfer.api.mx.get_active_memory", lambda: model.footprint.weights_bytes)
+    monkeypatch.setattr("mlxinfer.api.mx.get_cache_memory", lambda: 0)
     with pytest.raises(MemoryBudgetError, match="use a context of at most"):
         model.generate(list(range(3, 200)), max_tokens=500_000)
     long_prompt = [3 + i % 250 for i in range(2000)]  # one 2000-token chunk's attention scores alone: 128 MiB
@@ -79,4 +83,4 @@ def test_plan_with_quantized_kv_needs_less_kv_memory(smol_path):
         for extra in ([], ["--kv-bits", "8"])
     ]
     assert plans[1]["parts"]["kv cache"] < 0.3 * plans[0]["parts"]["kv cache"]
-    assert plans[1]["max_context"] > plans[0]["max_context"]
+    assert plans[1]["max_context"] >= plans[0]["max_context"]

@@ -14,7 +14,7 @@ import mlxinfer
 from mlxinfer.cache import PrefixCache, make_cache
 from mlxinfer.cli import main
 from mlxinfer.engine.generate import prefill
-from mlxinfer.errors import ConfigError
+from mlxinfer.errors import ConfigError, SamplingError
 from tests.conftest import TINY
 
 PROMPT = list(range(40, 80))
@@ -182,3 +182,14 @@ def test_quantized_kv_is_refused_where_attention_cannot_read_it():
         mlxinfer.load(TINY / "gemma2", kv_bits=8)
     with pytest.raises(ConfigError, match="kv_bits must be 4 or 8"):
         mlxinfer.load(TINY / "qwen2", kv_bits=3)
+
+
+def test_an_entry_larger_than_the_budget_is_refused_without_touching_the_others():
+    model = mlxinfer.load(TINY / "qwen2")
+    small = model.generate(PROMPT[:10], max_tokens=1)
+    per_token = model.cache_stats.bytes_held // (small.stats.prompt_tokens + 1)
+    model.prefix_cache.set_budget(20 * per_token)
+    model.generate(PROMPT, max_tokens=1)  # 41 tokens: over budget, refused before any copy
+    assert model.cache_stats.entries == 1 and model.generate(PROMPT[:10] + [7], max_tokens=1).stats.cached_tokens == 10
+    with pytest.raises(SamplingError, match="prefix to warm is empty"):
+        model.warm("")

@@ -146,17 +146,19 @@ class PrefixCache:
         if covering:  # an entry already covers all of ids
             self._entries.move_to_end(max(covering))
             return True
+        # Sized from shapes, before copying anything or folding the entries it would replace.
+        nbytes = sum(a.nbytes // a.shape[2] * len(ids) for c in cache for a in c.state)
+        if nbytes > self.stats.budget_bytes:
+            return False
         layers = [_copy_prefix(c, len(ids)) for c in cache]
         stored = None
         if persist and self.store is not None:
-            path = self.store.save(ids, layers)
-            stored = StoredPrefix(path, ids, _nbytes(layers))
-        nbytes = _nbytes(layers)
+            stored = StoredPrefix(self.store.save(ids, layers), ids, nbytes)
         for entry_id in self._prefixes_of(ids):
             self._remove(entry_id)
-        if nbytes > self.stats.budget_bytes or not self._evict_until(self.stats.budget_bytes - nbytes):
+        if not self._evict_until(self.stats.budget_bytes - nbytes):  # others in use: keep it on disk only
             if stored:
-                self._add(_Entry(ids, None, 0, stored=stored))  # on disk for the next hit
+                self._add(_Entry(ids, None, 0, stored=stored))
             return stored is not None
         self._add(_Entry(ids, layers, nbytes, stored=stored))
         return True
@@ -185,6 +187,8 @@ class PrefixCache:
         """Bring a disk-only entry's KV into memory within the budget; a bad file drops the entry."""
         entry = self._entries[entry_id]
         assert self.store is not None and entry.stored is not None
+        if entry.stored.nbytes > self.stats.budget_bytes:
+            return False  # it could never fit: leave the others alone
         layers = self.store.load(entry.stored, self._num_layers)
         if layers is None:
             self._remove(entry_id)

@@ -88,7 +88,7 @@ class PrefixStore:
     def scan(self) -> list[StoredPrefix]:
         """Every stored prefix's token ids (the KV itself stays on disk until a hit)."""
         found = []
-        for path in sorted(self.folder.glob("*.safetensors")) if self.folder.is_dir() else []:
+        for path in _prefix_files(self.folder.glob("*.safetensors")) if self.folder.is_dir() else []:
             try:
                 ids, nbytes = _read_ids(path, self.fingerprint)
                 found.append(StoredPrefix(path, ids, nbytes))
@@ -127,7 +127,7 @@ def list_prefixes(root: Path) -> list[dict[str, object]]:
     from safetensors import safe_open
 
     rows = []
-    for path in sorted(root.glob("*/*.safetensors")) if root.is_dir() else []:
+    for path in _prefix_files(root.glob("*/*.safetensors")) if root.is_dir() else []:
         try:
             with safe_open(str(path), framework="numpy") as f:
                 meta = f.metadata() or {}
@@ -146,9 +146,14 @@ def list_prefixes(root: Path) -> list[dict[str, object]]:
 
 def clear_prefixes(root: Path) -> int:
     """Delete every stored prefix of every model (and the quarantine); returns how many files went."""
-    files = list(root.glob("*/*.safetensors")) if root.is_dir() else []
+    files = _prefix_files(root.glob("*/*.safetensors")) if root.is_dir() else []
     shutil.rmtree(root, ignore_errors=True)
     return len(files)
+
+
+def _prefix_files(paths: Iterable[Path]) -> list[Path]:
+    # Names starting with "." are other processes' writes in progress.
+    return sorted(p for p in paths if not p.name.startswith(".") and p.parent.name != "quarantine")
 
 
 def _ids_hash(token_ids: Sequence[int]) -> str:

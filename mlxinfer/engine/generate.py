@@ -69,15 +69,15 @@ def generate_ids(
     vocab_size = model.model.embed_tokens.weight.shape[0]
     _validate(request, vocab_size)
     prompt_ids = list(request.prompt_ids)
-    hit = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
     cache = make_cache(len(model.layers), request.kv_bits)
-    if hit:
-        hit.restore(cache)
-    stats.cached_tokens = hit.tokens if hit else 0
-    stats.diverged_at = hit.diverged_at if hit else None
     drawn: list[int] = []  # every token decode() produced, each of them already fed into `cache`
-    finished = False
+    hit, finished = None, False
     try:
+        hit = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
+        if hit:
+            hit.restore(cache)
+        stats.cached_tokens = hit.tokens if hit else 0
+        stats.diverged_at = hit.diverged_at if hit else None
         yield from _generate(model, request, stats, cache, drawn)
         finished = True
     except GeneratorExit:

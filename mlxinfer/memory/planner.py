@@ -9,6 +9,7 @@ softmax, and the MLP's three intermediate tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -36,6 +37,7 @@ class ModelFootprint:
     vocab: int
     compute_bytes: int  # bytes per activation element
     kv_bytes: float  # bytes per stored K or V element (fractional for quantized KV)
+    max_positions: int | None = None  # the context the model was trained for
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -56,13 +58,17 @@ class ModelFootprint:
         return self.compute_bytes * (per_block + self.vocab)
 
     def request_peak_bytes(self, prompt: int, total: int, chunk: int) -> int:
-        """Weights plus the fullest moment of a request: some prefill chunk, or decoding at `total` positions."""
-        moments = [
-            self.kv_cache_bytes(end) + self.activation_bytes(end - start, end)
-            for start in range(0, prompt, chunk)
-            for end in (min(start + chunk, prompt),)
-        ]
-        moments.append(self.kv_cache_bytes(total) + self.activation_bytes(1, total))
+        """Weights plus the fullest moment of a request: some prefill chunk, or decoding at `total` positions.
+
+        KV and temporaries both grow with a chunk's end, so only the last full chunk
+        and the final partial one can be the fullest prefill moment.
+        """
+        full_end = prompt // chunk * chunk
+        moments = [self.kv_cache_bytes(total) + self.activation_bytes(1, total)]
+        if full_end:
+            moments.append(self.kv_cache_bytes(full_end) + self.activation_bytes(chunk, full_end))
+        if prompt > full_end:
+            moments.append(self.kv_cache_bytes(prompt) + self.activation_bytes(prompt - full_end, prompt))
         return self.weights_bytes + max(moments)
 
 
@@ -72,16 +78,18 @@ class MemoryPlan:
 
     machine: MachineMemory
     footprint: ModelFootprint
-    context: int
+    context: int  # positions in the KV cache at the end: prompt + generated tokens
     prefill_chunk: int
     usable_bytes: int
     prefix_cache_bytes: int
+    prompt: int | None = None  # tokens to prefill; None: the whole context is prompt
 
     @property
     def parts(self) -> dict[str, int]:
         f = self.footprint
         kv = f.kv_cache_bytes(self.context)
-        peak = f.request_peak_bytes(self.context, self.context, self.prefill_chunk)
+        prompt = self.context if self.prompt is None else min(self.prompt, self.context)
+        peak = f.request_peak_bytes(prompt, self.context, self.prefill_chunk)
         return {
             "weights": f.weights_bytes,
             "kv cache": kv,
@@ -103,8 +111,8 @@ class MemoryPlan:
         return "fits"
 
     def max_context(self) -> int:
-        """The longest context whose plan still fits without risking swap."""
-        low, high = 0, 1 << 24
+        """The longest context (up to the trained one) whose plan still fits without risking swap."""
+        low, high = 0, self.footprint.max_positions or 1 << 24
         while low < high:
             mid = (low + high + 1) // 2
             if _with(self, context=mid).needed_bytes <= self.usable_bytes:
@@ -118,7 +126,7 @@ class MemoryPlan:
             return []
         f, tips = self.footprint, []
         longest = self.max_context()
-        if longest > 0:
+        if 0 < longest < self.context:
             tips.append(f"use a context of at most {longest} tokens")
         if f.kv_bytes >= 1:
             tips.append("quantize the KV cache (--kv-bits 8 or 4)")
@@ -156,12 +164,14 @@ def plan_memory(
     prefill_chunk: int = 512,
     prefix_cache_bytes: int | None = None,
     already_ours: int = 0,
+    prompt: int | None = None,
 ) -> MemoryPlan:
-    """The plan for `context` tokens; `already_ours` is memory this process already holds (loaded weights)."""
+    """The plan for `context` positions of which `prompt` are prefilled (default: all);
+    `already_ours` is memory this process already holds (loaded weights, cached prefixes)."""
     usable = machine.usable_bytes(already_ours)
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(machine)
-    return MemoryPlan(machine, footprint, context, prefill_chunk, usable, prefix_cache_bytes)
+    return MemoryPlan(machine, footprint, context, prefill_chunk, usable, prefix_cache_bytes, prompt)
 
 
 def default_prefix_cache_bytes(machine: MachineMemory | None = None) -> int:
@@ -182,8 +192,7 @@ def fit_prefill_chunk(plan: MemoryPlan) -> int:
 
 
 def _with(plan: MemoryPlan, **changes: Any) -> MemoryPlan:
-    fields = {k: getattr(plan, k) for k in ("machine", "footprint", "context", "prefill_chunk", "usable_bytes")}
-    return MemoryPlan(**{**fields, "prefix_cache_bytes": plan.prefix_cache_bytes, **changes})
+    return dataclasses.replace(plan, **changes)
 
 
 def _gib(n: int) -> str:

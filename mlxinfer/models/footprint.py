@@ -43,4 +43,5 @@ def footprint(loaded: LoadedModel, kv_bits: int | None = None) -> ModelFootprint
         vocab=config.vocab_size,
         compute_bytes=size,
         kv_bytes=kv_bytes,
+        max_positions=int(args.get("max_position_embeddings") or 0) or None,
     )
