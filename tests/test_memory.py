@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.errors import MemoryBudgetError
-from mlxinfer.memory import MachineMemory, plan_memory
+from mlxinfer.memory import MachineMemory, apply_limits, plan_memory
 from tests.conftest import TINY
 
 GIB = 1 << 30
@@ -84,3 +85,22 @@ def test_plan_with_quantized_kv_needs_less_kv_memory(smol_path):
     ]
     assert plans[1]["parts"]["kv cache"] < 0.3 * plans[0]["parts"]["kv cache"]
     assert plans[1]["max_context"] >= plans[0]["max_context"]
+
+
+def test_limits_wire_only_what_the_model_needs_on_metal(monkeypatch):
+    model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=0)
+    calls = {}
+    monkeypatch.setattr("mlxinfer.memory.limits.mx.set_wired_limit", lambda n: calls.setdefault("wired", n))
+    monkeypatch.setattr("mlxinfer.memory.limits.mx.set_cache_limit", lambda n: calls.setdefault("cache", n))
+    mac = MachineMemory(16 * GIB, 10 * GIB, 0, "metal", working_set_bytes=11 * GIB, max_buffer_bytes=8 * GIB)
+    plan = plan_memory(mac, model.footprint, context=4096, prefix_cache_bytes=0)
+    limits = apply_limits(plan)
+    assert calls["wired"] == limits["wired_limit"] == plan.parts["weights"] + plan.parts["kv cache"]
+    assert calls["cache"] == limits["cache_limit"] >= 256 << 20
+    huge = dataclasses.replace(model.footprint, weights_bytes=20 * GIB)
+    calls.clear()
+    apply_limits(plan_memory(mac, huge, context=4096, prefix_cache_bytes=0))
+    assert calls["wired"] == int(0.7 * 11 * GIB)  # never the whole working set
+    calls.clear()
+    apply_limits(plan_memory(machine(6 * GIB), model.footprint, context=4096, prefix_cache_bytes=0))
+    assert "wired" not in calls  # nothing to wire on the CPU backend

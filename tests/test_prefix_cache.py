@@ -73,7 +73,9 @@ def test_byte_budget_holds_under_distinct_prompts_and_evicts_least_recent():
     stats = model.cache_stats
     assert stats.entries == 3 and stats.evictions >= 8
     assert model.generate(list(range(210, 242)), max_tokens=1).stats.cached_tokens == 31  # recent: kept
-    assert model.generate(list(range(50, 82)), max_tokens=1).stats.cached_tokens == 0  # oldest: evicted
+    evicted = model.generate(list(range(50, 82)), max_tokens=4)
+    assert evicted.stats.cached_tokens == 0  # oldest: evicted, and recomputed the same
+    assert evicted.token_ids == model.generate(list(range(50, 82)), max_tokens=4, use_cache=False).token_ids
 
 
 def test_entries_in_use_are_never_evicted_and_shorter_turns_are_folded():
