@@ -265,7 +265,7 @@ def load(
     """Load a model folder or .gguf file; with no path, the default model (fetched once).
 
     `prefix_cache_bytes` caps the prompt-prefix cache (default: from the memory planner; 0 turns it off).
-    `kv_bits` 8 or 4 stores the KV cache quantized (about 2x / 3.5x less memory per token).
+    `kv_bits` 8 or 4 stores the KV cache quantized (about 2x / 3.5x less memory per token than 16 bits).
 
     Example:
         >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
