@@ -3,8 +3,9 @@
 prose.txt: the opening of Jane Austen's *Pride and Prejudice* (1813, public domain),
 used as the benchmark prompt and as evaluation text for quantization.
 calibration.txt: openings of other public-domain works (Dickens, Melville, Lincoln,
-Conan Doyle, Carroll, the Declaration of Independence, Thoreau, Wells), the text
-quantization is fitted on, kept apart from the text it is judged on.
+Conan Doyle, Carroll, the Declaration of Independence, Thoreau, Wells; typed from memory,
+so wording may differ slightly from any edition), the text quantization is fitted on,
+kept apart from the text it is judged on.
 """
 
 from importlib import resources
