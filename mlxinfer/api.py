@@ -69,13 +69,17 @@ class Model:
         """What this model needs at `context` tokens (default: its trained length, at most 32k) on this machine."""
         if context is None:
             context = min(int(self.config.args.get("max_position_embeddings") or 4096), 32768)
+        return self._plan(context, prefill_chunk, self.prefix_cache.budget_bytes)
+
+    def _plan(self, total: int, prefill_chunk: int, prefix_bytes: int, prompt: int | None = None) -> MemoryPlan:
         return plan_memory(
             machine_memory(),
             self.footprint,
-            context,
+            total,
             prefill_chunk=prefill_chunk,
-            prefix_cache_bytes=self.prefix_cache.budget_bytes,
+            prefix_cache_bytes=prefix_bytes,
             already_ours=mx.get_active_memory() + mx.get_cache_memory(),
+            prompt=prompt,
         )
 
     def warm(self, prefix: Prompt, *, chat: bool | None = None) -> int:
@@ -94,7 +98,7 @@ class Model:
             ids = self.encode_prompt(prefix, chat=chat)
         if not ids:
             raise SamplingError("the prefix to warm is empty; give some text, messages or token ids")
-        hit = self.prefix_cache.lookup(ids + [ids[-1]])  # the whole prefix may be reused
+        hit = self.prefix_cache.lookup(ids, reuse_all=True)
         kv = make_cache(len(self._loaded.model.layers), self.kv_bits)
         if hit:
             hit.restore(kv)
@@ -116,15 +120,7 @@ class Model:
 
     def _fit_request(self, prompt: int, total: int, prefill_chunk: int) -> int:
         """The prefill chunk a request can run with; evicts cached prefixes first if memory is short."""
-        plan = plan_memory(
-            machine_memory(),
-            self.footprint,
-            total,
-            prefill_chunk=prefill_chunk,
-            prefix_cache_bytes=self.prefix_cache.stats.bytes_held,
-            already_ours=mx.get_active_memory() + mx.get_cache_memory(),
-            prompt=prompt,
-        )
+        plan = self._plan(total, prefill_chunk, self.prefix_cache.stats.bytes_held, prompt)
         shortfall = plan.needed_bytes - plan.usable_bytes
         if shortfall > 0 and self.prefix_cache.evict(shortfall):
             mx.clear_cache()  # freed entries sit in MLX's buffer cache until released

@@ -101,12 +101,15 @@ class PrefixCache:
         self.stats.budget_bytes = max(0, int(budget_bytes))
         self._evict_until(self.stats.budget_bytes)
 
-    def lookup(self, ids: Sequence[int]) -> PrefixHit | None:
-        """The longest cached prefix of `ids`, leaving at least one token to prefill; pins its entry."""
+    def lookup(self, ids: Sequence[int], reuse_all: bool = False) -> PrefixHit | None:
+        """The longest cached prefix of `ids`; pins its entry.
+
+        A prompt's last token is always left to prefill (its logits start decoding)
+        unless `reuse_all`, for warming a prefix that may already be cached whole."""
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(ids)
         node, depth = self._root, 0
-        for token in ids[:-1]:  # the last prompt token is always run: its logits start decoding
+        for token in ids if reuse_all else ids[:-1]:
             child = node.children.get(token)
             if child is None:
                 break
@@ -120,12 +123,12 @@ class PrefixCache:
                 return None  # no room for it within the budget
             self.stats.lookups -= 1
             self.stats.prompt_tokens -= len(ids)
-            return self.lookup(ids)  # that file was bad and is gone: the next best entry
+            return self.lookup(ids, reuse_all)  # that file was bad and is gone: the next best entry
         self._entries.move_to_end(entry_id)
         entry.pins += 1
         self.stats.hits += 1
         self.stats.cached_tokens += depth
-        diverged = depth if depth < len(entry.ids) and ids[depth] != entry.ids[depth] else None
+        diverged = depth if depth < min(len(entry.ids), len(ids)) and ids[depth] != entry.ids[depth] else None
         return PrefixHit(depth, diverged, entry_id, entry.layers)
 
     def release(self, hit: PrefixHit | None) -> None:

@@ -40,7 +40,7 @@ def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens
     for start in range(0, prompt.size, chunk_tokens):
         hidden = model.hidden(prompt[None, start : start + chunk_tokens], cache)  # (1, chunk, hidden)
         if start + chunk_tokens < prompt.size:
-            mx.eval([c.keys for c in cache])
+            mx.eval([c.arrays for c in cache])
     # Only the last position's logits are needed: skip the vocab projection for the rest.
     return model.head(hidden[:, -1])[0]
 
