@@ -13,7 +13,7 @@ import numpy as np
 
 from .cache import PrefixCache, PrefixCacheStats, PrefixStore, fingerprint, make_cache
 from .default_model import cache_dir, default_model_path
-from .engine import GenerationRequest, GenerationStats, SamplingParams, TextGeneration, prefill
+from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
 from .errors import MemoryBudgetError, SamplingError, TokenizerError
 from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
 from .models import LoadedModel, load_model
@@ -68,7 +68,7 @@ class Model:
     def memory_plan(self, context: int | None = None, prefill_chunk: int = 512) -> MemoryPlan:
         """What this model needs at `context` tokens (default: its trained length, at most 32k) on this machine."""
         if context is None:
-            context = min(int(self.config.args.get("max_position_embeddings") or 4096), 32768)
+            context = min(self.context_tokens, 32768)
         return self._plan(context, prefill_chunk, self.prefix_cache.budget_bytes)
 
     def _plan(self, total: int, prefill_chunk: int, prefix_bytes: int, prompt: int | None = None) -> MemoryPlan:
@@ -103,7 +103,7 @@ class Model:
         if hit:
             hit.restore(kv)
         self.prefix_cache.release(hit)
-        start = kv[0].offset
+        start = kv[0].length
         chunk = self._fit_request(len(ids), len(ids), 512)
         if start < len(ids):
             prefill(self._loaded.model, mx.array(ids[start:], dtype=mx.uint32), kv, chunk)
@@ -126,6 +126,24 @@ class Model:
             mx.clear_cache()  # freed entries sit in MLX's buffer cache until released
             return self._fit_request(prompt, total, prefill_chunk)
         return fit_prefill_chunk(plan)
+
+    @property
+    def runtime(self) -> ModelRuntime:
+        """The parts a Scheduler serves requests with (this model's weights, tokenizer and prefix cache)."""
+        return ModelRuntime(
+            decoder=self._loaded.model,
+            tokenizer=self.tokenizer,
+            prefix_cache=self.prefix_cache,
+            footprint=self.footprint,
+            kv_bits=self.kv_bits,
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids + self.config.eos_token_ids),
+            context_tokens=self.context_tokens,
+        )
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence (prompt + answer) this model was trained for."""
+        return int(self.config.args.get("max_position_embeddings") or 4096)
 
     @property
     def cache_stats(self) -> PrefixCacheStats:

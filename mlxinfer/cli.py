@@ -255,6 +255,72 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
         click.echo(f"  - {tip}")
 
 
+@main.command()
+@click.argument("model", required=False)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to bind (loopback unless --allow-remote)."
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0 picks a free port.")
+@click.option("--allow-remote", is_flag=True, help="Allow a non-loopback --host; needs --api-key.")
+@click.option(
+    "--api-key",
+    envvar="MLXINFER_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' [env: MLXINFER_API_KEY].",
+)
+@click.option(
+    "--cors-origin", multiple=True, help="A browser origin allowed to call the API (repeatable; no wildcards)."
+)
+@click.option(
+    "--max-batch", type=click.IntRange(1, 256), default=8, show_default=True, help="Requests decoding together."
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(0),
+    default=64,
+    show_default=True,
+    help="Requests waiting beyond that; more get 429.",
+)
+@click.option(
+    "--request-timeout",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    help="Seconds per request, queueing included.",
+)
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Store KV caches quantized.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@_errors_as_one_line
+def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: Any) -> None:
+    """Serve MODEL over an OpenAI-compatible API (chat and text completions, streaming, /metrics).
+
+    \b
+    Examples:
+      mlxinfer serve                                   # the default model on http://127.0.0.1:8080
+      mlxinfer serve ~/models/Qwen3-0.6B-4bit --port 9000
+      curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+           -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    from .engine import SchedulerConfig
+    from .server import ModelSet, ServerSettings
+    from .server import serve as run_server
+
+    o = options
+    settings = ServerSettings(
+        host=o["host"],
+        port=o["port"],
+        allow_remote=o["allow_remote"],
+        api_key=o["api_key"],
+        cors_origins=o["cors_origin"],
+        request_timeout_s=o["request_timeout"],
+        scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"]),
+    )
+    models = ModelSet()
+    served = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits), settings.scheduler)
+    click.echo(f"Serving {served.id} on http://{settings.host}:{settings.port}/v1 (Ctrl-C to stop)", err=True)
+    run_server(models, settings)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 

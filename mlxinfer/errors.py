@@ -52,3 +52,23 @@ class DefaultModelError(MlxInferError):
 
 class MemoryBudgetError(MlxInferError):
     """A request or model needs more memory than this machine can give without swapping."""
+
+
+class BusyError(MlxInferError):
+    """Every slot and queue place is taken; the request may be retried after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTimeoutError(MlxInferError):
+    """A request waited in the queue past its time limit."""
+
+
+class ShutdownError(MlxInferError):
+    """The engine is stopping; the request was ended or not started."""
+
+
+class ServerConfigError(MlxInferError):
+    """Server settings are unsafe or invalid (an exposed address without a key, a wildcard CORS origin)."""

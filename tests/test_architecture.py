@@ -12,14 +12,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # room -> rooms it must never import
 FORBIDDEN = {
-    "models": {"engine", "cache", "api", "bench", "cli", "convert", "quantize"},
-    "tokenizer": {"models", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
-    "cache": {"engine", "models", "api", "bench", "cli", "convert", "quantize"},
-    "engine": {"api", "bench", "cli", "convert", "quantize"},
-    "api": {"bench", "cli", "convert", "quantize"},
+    "models": {"server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
+    "tokenizer": {"server", "models", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
+    "cache": {"server", "engine", "models", "api", "bench", "cli", "convert", "quantize"},
+    "engine": {"server", "api", "bench", "cli", "convert", "quantize"},
+    "api": {"server", "bench", "cli", "convert", "quantize"},
+    "server": {"bench", "cli", "convert", "quantize"},
     "bench": {"cli", "convert", "quantize"},
-    "memory": {"models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
-    "data": {"models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
+    "memory": {"server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
+    "data": {"server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
 }
 
 
@@ -88,5 +89,7 @@ def test_wheel_installs_convert_and_quantize_under_mlxinfer(tmp_path):
     top_level = {n.split("/")[0] for n in names if not n.startswith("mlxinfer-")}
     assert top_level == {"mlxinfer"}
     assert "mlxinfer/convert/__init__.py" in names and "mlxinfer/quantize/__init__.py" in names
+    subpackages = {f"mlxinfer/{p.parent.name}/__init__.py" for p in (ROOT / "mlxinfer").glob("*/__init__.py")}
+    assert subpackages <= set(names), f"missing from the wheel: {sorted(subpackages - set(names))}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "mlxinfer = mlxinfer.cli:main" in zipfile.ZipFile(next(tmp_path.glob("*.whl"))).read(entry_points).decode()

@@ -8,6 +8,10 @@ history and are masked (models/decoder.py), which keeps every cache trimmable.
 
 `state` is a tuple of arrays whose axis 2 is the position, so the prefix cache
 can slice, store and restore any cache kind the same way.
+
+A cache may hold several sequences as rows (cache/batch.py builds such batches
+for continuous batching): rows are right-aligned, a shorter row starting after
+`left_padding[row]` unused positions, and `offset` is then one position per row.
 """
 
 from __future__ import annotations
@@ -26,33 +30,48 @@ class _PositionCache:
 
     def __init__(self) -> None:
         self.arrays: list[mx.array] = []
-        self.offset = 0
+        self.length = 0  # positions written (in a batch: by the longest row, padding included)
+        self.left_padding: list[int] | None = None  # per row, in a batch
+        self._row_offsets: mx.array | None = None
+
+    @property
+    def offset(self) -> int | mx.array:
+        """Where the next token sits: what RoPE rotates by (an array of one position per row in a batch)."""
+        if self.left_padding is None:
+            return self.length
+        if self._row_offsets is None:
+            self._row_offsets = mx.array([self.length - pad for pad in self.left_padding])
+        return self._row_offsets
+
+    def set_rows(self, arrays: list[mx.array], length: int, left_padding: list[int] | None) -> None:
+        """Replace the contents (cache/batch.py reshapes batches with this)."""
+        self.arrays, self.length, self.left_padding, self._row_offsets = arrays, length, left_padding, None
 
     def _append(self, parts: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
         """Write `parts` after the current positions; returns every array up to the new end."""
-        start, end = self.offset, self.offset + parts[0].shape[2]
+        start, end = self.length, self.length + parts[0].shape[2]
         if not self.arrays or end > self.arrays[0].shape[2]:
             capacity = _capacity(end)
             olds = self.arrays or [None] * len(parts)
             self.arrays = [_grown(old, start, capacity, part) for old, part in zip(olds, parts)]
         for stored, part in zip(self.arrays, parts):
             stored[..., start:end, :] = part
-        self.offset = end
+        self.length, self._row_offsets = end, None
         return self.state
 
     def trim(self, n: int) -> int:
         """Forget the last `n` positions; returns how many were dropped."""
-        n = min(self.offset, n)
-        self.offset -= n
+        n = min(self.length, n)
+        self.length, self._row_offsets = self.length - n, None
         return n
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        return tuple(a[..., : self.offset, :] for a in self.arrays)
+        return tuple(a[..., : self.length, :] for a in self.arrays)
 
     def load_state(self, state: tuple[mx.array, ...]) -> None:
         """Start from `state` (a reused prefix); it is copied, never written, when the cache grows."""
-        self.arrays, self.offset = list(state), state[0].shape[2]
+        self.set_rows(list(state), state[0].shape[2], None)
 
     @property
     def nbytes(self) -> int:

@@ -142,7 +142,7 @@ class PrefixCache:
 
         `persist` also writes it to the store, where it outlives this process."""
         ids = tuple(ids)
-        if not ids or any(c.offset < len(ids) for c in cache):
+        if not ids or any(c.length < len(ids) for c in cache):
             return False
         node = self._walk(ids)
         covering = [i for i in node.entries if self._entries[i].stored or not persist] if node else []

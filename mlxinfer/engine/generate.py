@@ -66,8 +66,9 @@ def generate_ids(
     only the rest is prefilled; when the generation ends (or is closed early) the
     prompt and the tokens fed back while decoding are offered to the cache.
     """
-    vocab_size = model.model.embed_tokens.weight.shape[0]
-    _validate(request, vocab_size)
+    check_request(request.prompt_ids, request.max_tokens, model.model.embed_tokens.weight.shape[0])
+    if not isinstance(request.prefill_chunk_tokens, int) or request.prefill_chunk_tokens < 1:
+        raise SamplingError(f"prefill_chunk_tokens must be a positive integer, got {request.prefill_chunk_tokens!r}")
     prompt_ids = list(request.prompt_ids)
     cache = make_cache(len(model.layers), request.kv_bits)
     drawn: list[int] = []  # every token decode() produced, each of them already fed into `cache`
@@ -87,7 +88,7 @@ def generate_ids(
         if prefix_cache is not None:
             prefix_cache.release(hit)
             if finished:
-                prefix_cache.insert((prompt_ids + drawn)[: cache[0].offset], cache)
+                prefix_cache.insert((prompt_ids + drawn)[: cache[0].length], cache)
 
 
 def _generate(
@@ -97,7 +98,7 @@ def _generate(
     prompt = mx.array(list(request.prompt_ids), dtype=mx.uint32)
     sampler = Sampler(request.sampling, vocab_size=model.model.embed_tokens.weight.shape[0])
     sampler.observe(prompt)
-    cached = cache[0].offset
+    cached = cache[0].length
     mx.reset_peak_memory()
     start = time.perf_counter()
     stats.prompt_tokens = prompt.size
@@ -125,17 +126,16 @@ def _generate(
             return
 
 
-def _validate(request: GenerationRequest, vocab_size: int) -> None:
-    if not request.prompt_ids:
+def check_request(prompt_ids: Sequence[int], max_tokens: object, vocab_size: int) -> None:
+    """A SamplingError unless the prompt is non-empty ids of this vocabulary and max_tokens is sane."""
+    if not prompt_ids:
         raise SamplingError("the prompt is empty; give at least one token")
-    low, high = min(request.prompt_ids), max(request.prompt_ids)
+    low, high = min(prompt_ids), max(prompt_ids)
     if low < 0 or high >= vocab_size:
         # An id past the embedding table would read out of bounds on the device.
         raise SamplingError(
             f"prompt token id {high if high >= vocab_size else low} is outside the model's vocabulary "
             f"[0, {vocab_size}); the tokenizer does not match the weights"
         )
-    if not isinstance(request.max_tokens, int) or not 1 <= request.max_tokens <= 1_000_000:
-        raise SamplingError(f"max_tokens must be an integer in [1, 1000000], got {request.max_tokens!r}")
-    if not isinstance(request.prefill_chunk_tokens, int) or request.prefill_chunk_tokens < 1:
-        raise SamplingError(f"prefill_chunk_tokens must be a positive integer, got {request.prefill_chunk_tokens!r}")
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1_000_000:
+        raise SamplingError(f"max_tokens must be an integer in [1, 1000000], got {max_tokens!r}")

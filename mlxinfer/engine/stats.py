@@ -15,12 +15,13 @@ class GenerationStats:
     prefilled_tokens: int = 0  # prompt tokens run through the model
     diverged_at: int | None = None  # on a partial hit, where the prompt left the best cached entry
     generated_tokens: int = 0
+    queued_s: float = 0.0  # waiting for a place in the batch (served requests only)
     ttft_s: float = 0.0
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
     total_s: float = 0.0
     peak_memory_bytes: int = 0
-    finish_reason: str = ""  # "stop" (EOS or stop string) or "length"
+    finish_reason: str = ""  # "stop" (EOS or stop string), "length" (max_tokens or time limit) or "cancelled"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..cache import PrefixCache
@@ -39,6 +39,34 @@ class StopMatcher:
         return text
 
 
+class TextStream:
+    """Token ids in, text out: never half a character, never part of a stop string."""
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], stops: Sequence[str] = ()):
+        self._detok = IncrementalDetokenizer(decode)
+        self._matcher = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was seen: the text ends before it, and generation should end."""
+        return self._matcher.stopped
+
+    def add(self, token: int) -> str:
+        return self._matcher.feed(self._detok.add(token))
+
+    def finish(self) -> str:
+        """The text held back at the end of the stream (incomplete characters, possible stop starts)."""
+        tail = self._matcher.feed(self._detok.flush())
+        return tail + ("" if self._matcher.stopped else self._matcher.flush())
+
+
+def check_stops(stop: Sequence[str]) -> list[str]:
+    """`stop` as a list, or a SamplingError saying what is allowed."""
+    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stop):
+        raise SamplingError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {stop!r}")
+    return list(stop)
+
+
 def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
     hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
     return text[: min(hits)] if hits else text
@@ -59,27 +87,24 @@ class TextGeneration:
     started: bool = False
 
     def __post_init__(self) -> None:
-        if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in self.stop):
-            raise SamplingError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {self.stop!r}")
+        check_stops(self.stop)
 
     def deltas(self) -> Iterator[str]:
         """Yield text as it is produced: never half a character, never part of a stop string."""
         if self.started:
             raise SamplingError("this generation was already consumed; start a new one")
         self.started = True
-        detok = IncrementalDetokenizer(self.tokenizer.decode)
-        matcher = StopMatcher(self.stop)
+        stream = TextStream(self.tokenizer.decode, self.stop)
         for token in generate_ids(self.model, self.request, self.stats, self.prefix_cache):
             self.ids.append(token)
-            text = matcher.feed(detok.add(token))
+            text = stream.add(token)
             if text:
                 yield text
-            if matcher.stopped:
+            if stream.stopped:
                 self.stats.finish_reason = "stop"
                 return
-        tail = matcher.feed(detok.flush())
-        tail += "" if matcher.stopped else matcher.flush()
-        if matcher.stopped:
+        tail = stream.finish()
+        if stream.stopped:
             self.stats.finish_reason = "stop"
         if tail:
             yield tail

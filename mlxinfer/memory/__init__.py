@@ -2,11 +2,19 @@
 
 from .limits import apply_limits
 from .machine import MachineMemory, machine_memory
-from .planner import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, fit_prefill_chunk, plan_memory
+from .planner import (
+    MemoryPlan,
+    ModelFootprint,
+    batch_peak_bytes,
+    default_prefix_cache_bytes,
+    fit_prefill_chunk,
+    plan_memory,
+)
 from .process import peak_rss_bytes
 
 __all__ = [
     "apply_limits",
+    "batch_peak_bytes",
     "MachineMemory",
     "MemoryPlan",
     "ModelFootprint",

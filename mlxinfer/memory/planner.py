@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -172,6 +173,21 @@ def plan_memory(
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(machine)
     return MemoryPlan(machine, footprint, context, prefill_chunk, usable, prefix_cache_bytes, prompt)
+
+
+def batch_peak_bytes(footprint: ModelFootprint, rows: Sequence[int], prompt: int, chunk: int) -> int:
+    """Weights, `rows` sequences decoding together and one prefill chunk of a `prompt`-token request.
+
+    `rows` are the positions each sequence may reach (prompt + max_tokens, the one
+    being prefilled included). Rows are right-aligned in one cache, so each takes
+    as many positions as the longest; joining a row copies the batch once.
+    """
+    if not rows:
+        return footprint.weights_bytes
+    batch_kv = len(rows) * footprint.kv_cache_bytes(max(rows))
+    prefill = footprint.kv_cache_bytes(prompt) + footprint.activation_bytes(min(chunk, prompt), prompt)
+    joining = batch_kv  # old and new batch arrays exist together while a row joins
+    return footprint.weights_bytes + batch_kv + max(prefill, joining) + RUNTIME_BYTES
 
 
 def default_prefix_cache_bytes(machine: MachineMemory | None = None) -> int:

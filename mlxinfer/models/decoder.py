@@ -28,6 +28,9 @@ class Layout:
     sliding_window: int | None
     embed_scale: float | None
     final_logit_softcapping: float | None
+    # gemma2's attention folds grouped query heads into an extra axis, so a
+    # per-row mask needs one more axis to broadcast there.
+    grouped_query_mask: bool = False
 
 
 class DecoderLM(nn.Module):
@@ -48,8 +51,10 @@ class DecoderLM(nn.Module):
         """Final-norm hidden states, shape (B, L, hidden)."""
         h = self.embed(tokens)
         caches = cache if cache is not None else [None] * len(self.layers)
-        offset = caches[0].offset if caches[0] is not None else 0
-        masks = {kind: self.mask(h.shape[1], offset, kind) for kind in set(self.layout.layer_types)}
+        first = caches[0]
+        offset = first.length if first is not None else 0
+        padding = first.left_padding if first is not None else None
+        masks = {kind: self.mask(h.shape[1], offset, kind, padding) for kind in set(self.layout.layer_types)}
         for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
             h = layer(h, masks[kind], layer_cache)
         return self.model.norm(h)
@@ -75,17 +80,24 @@ class DecoderLM(nn.Module):
     def __call__(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
         return self.head(self.hidden(tokens, cache))
 
-    def mask(self, length: int, offset: int, kind: str) -> mx.array | None:
-        """Attention mask for `length` queries after `offset` cached positions in a `kind` layer."""
+    def mask(self, length: int, offset: int, kind: str, left_padding: Sequence[int] | None = None) -> mx.array | None:
+        """Attention mask for `length` queries after `offset` cached positions in a `kind` layer.
+
+        With `left_padding` (a batch of right-aligned rows) the mask is per row,
+        shape (rows, 1, length, offset + length), and hides each row's padding."""
         # Keys cover positions [0, offset + length); query i sits at offset + i.
         window = self.layout.sliding_window if kind == SLIDING else None
-        if length == 1 and (window is None or offset < window):
+        if left_padding is None and length == 1 and (window is None or offset < window):
             return None
         query = mx.arange(offset, offset + length)[:, None]
         key = mx.arange(offset + length)[None]
         mask = query >= key
         if window is not None:
             mask = mask & (query < key + window)
+        if left_padding is not None:
+            mask = (mask[None] & (key[None] >= mx.array(left_padding)[:, None, None]))[:, None]
+            if self.layout.grouped_query_mask:
+                mask = mask[:, None]
         return mask
 
 
@@ -104,6 +116,8 @@ def build_model(config: ModelConfig) -> DecoderLM:
         sliding_window=config.sliding_window,
         embed_scale=math.sqrt(config.hidden_size) if config.spec.scales_embeddings else None,
         final_logit_softcapping=config.args.get("final_logit_softcapping"),
+        grouped_query_mask=config.model_type == "gemma2"
+        and config.args["num_attention_heads"] != config.args["num_key_value_heads"],
     )
     return DecoderLM(backbone, lm_head, layout)
 

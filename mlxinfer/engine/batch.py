@@ -1,0 +1,75 @@
+"""Running sequences decoding together: one forward pass per step for all of them.
+
+Each row keeps its own sampler (temperature, seed, repetition penalty), text
+stream and stop rules; only the model call is shared. A row joins once its
+prompt is prefilled and leaves the moment it finishes, so the next waiting
+request can take its place (continuous batching).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..cache import Cache, PrefixHit
+from ..cache.batch import add_row, drop_rows, row_cache
+from ..models.decoder import DecoderLM
+from .job import Job
+from .sampling import Sampler
+from .text import TextStream
+
+
+@dataclass
+class Running:
+    """A request past its prefill: the tokens it drew and what to feed next."""
+
+    job: Job
+    sampler: Sampler
+    text: TextStream
+    hit: PrefixHit | None  # the prefix-cache entry it reused, pinned until it ends
+    drawn: list[int] = field(default_factory=list)  # sampled tokens; all but the last are in the cache
+    first_token_at: float = 0.0
+
+    @property
+    def token(self) -> int:
+        return self.drawn[-1]
+
+    def ids_in_cache(self, cached: int) -> list[int]:
+        return (self.job.prompt_ids + self.drawn)[:cached]
+
+
+class DecodeBatch:
+    """The sequences now decoding and their shared KV cache (rows in the same order)."""
+
+    def __init__(self, model: DecoderLM, kv_bits: int | None):
+        self.model, self.kv_bits = model, kv_bits
+        self.rows: list[Running] = []
+        self.cache: list[Cache] | None = None
+
+    def join(self, sequence: Running, cache: list[Cache]) -> None:
+        """Add a prefilled sequence whose single-sequence cache is `cache`."""
+        self.cache = add_row(self.cache, cache)
+        self.rows.append(sequence)
+
+    def leave(self, rows: list[int]) -> None:
+        if rows:
+            self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
+            self.rows = [s for i, s in enumerate(self.rows) if i not in set(rows)]
+
+    def row_cache(self, row: int) -> list[Cache]:
+        """Row `row`'s keys and values as a single-sequence cache (for the prefix cache)."""
+        assert self.cache is not None
+        return row_cache(self.cache, row, self.kv_bits)
+
+    def step(self) -> list[int]:
+        """Feed every row its last drawn token; returns the next token of each row."""
+        assert self.cache is not None
+        tokens = mx.array([[s.token] for s in self.rows], dtype=mx.uint32)
+        logits = self.model(tokens, self.cache)[:, -1]
+        picked = mx.stack([s.sampler(logits[i]) for i, s in enumerate(self.rows)])
+        mx.eval(picked)
+        return picked.tolist()
+
+    def clear(self) -> None:
+        self.rows, self.cache = [], None

@@ -1,0 +1,81 @@
+"""One request as the scheduler sees it: what to generate, and where its events go.
+
+The scheduler runs on its own thread and reports through `on_event`, called on
+that thread; a server hands the events to its event loop from there.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+from .stats import GenerationStats
+from .text import check_stops
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One generated token's text (maybe "", held back) or, with tokens=0, text held back until the end."""
+
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The generation ended normally; `stats.finish_reason` says why."""
+
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The generation could not run or was cut off; `error` says why."""
+
+    error: Exception
+
+
+Event = Delta | Finished | Failed
+
+
+@dataclass
+class Job:
+    """A generation request queued on a Scheduler."""
+
+    prompt_ids: list[int]
+    on_event: Callable[[Event], None]
+    max_tokens: int = 256
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: Sequence[str] = ()
+    time_limit_s: float = math.inf  # from submission, queueing included
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    submitted_at: float = 0.0
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop = check_stops(self.stop)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Positions this request may occupy in the KV cache at its end."""
+        return len(self.prompt_ids) + self.max_tokens
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating (the client went away); the scheduler frees the slot at its next step.
+
+        Call it through `Scheduler.cancel`, which also wakes an idle scheduler."""
+        self._cancelled.set()
+
+    def expired(self, now: float) -> bool:
+        return now - self.submitted_at > self.time_limit_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.submitted_at

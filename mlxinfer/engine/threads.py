@@ -1,0 +1,38 @@
+"""Threads for device work that last as long as the process.
+
+mlx.nn's activations are compiled functions, and MLX keeps per-thread state for
+them; on MLX 0.32 a thread that ran one and then ends makes the whole process
+abort at exit ("terminate called without an active exception"). So a thread
+that ran model code is never ended: when its work returns it parks, and the
+next piece of device work (a new Scheduler, after an unload) reuses it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+_parked: queue.SimpleQueue[queue.SimpleQueue] = queue.SimpleQueue()
+
+
+def run_on_device_thread(work: Callable[[], None], name: str = "mlxinfer-device") -> threading.Event:
+    """Run `work` on a parked (or new) daemon thread; the returned event is set when it returns."""
+    done = threading.Event()
+    try:
+        inbox = _parked.get_nowait()
+    except queue.Empty:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_serve, args=(inbox,), name=name, daemon=True).start()
+    inbox.put((work, done))
+    return done
+
+
+def _serve(inbox: queue.SimpleQueue) -> None:
+    while True:
+        work, done = inbox.get()
+        try:
+            work()
+        finally:
+            done.set()
+            _parked.put(inbox)

@@ -1,0 +1,237 @@
+"""The ASGI app: routes, the guard in front of them, and the bridge from scheduler threads to HTTP.
+
+A request is parsed and validated, tokenized off the event loop, and queued on
+its model's Scheduler as a Job. The scheduler's thread reports each event with
+`call_soon_threadsafe`; the handler streams them as server-sent events or
+gathers them into one body. A client that goes away cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..engine import Delta, Event, Finished, Job
+from ..errors import MlxInferError
+from .errors import APIError, as_api_error
+from .guard import GuardMiddleware
+from .metrics import Metrics
+from .models import ModelSet, ServedModel
+from .replies import Reply, event
+from .schema import GenerationParams, parse_chat, parse_completion, parse_json
+from .settings import ServerSettings
+
+log = logging.getLogger("mlxinfer.server")
+
+
+class JobEvents:
+    """A job's events, carried from the scheduler's thread onto this event loop."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._metrics = metrics
+
+    def put(self, item: Event) -> None:  # called on the scheduler's thread
+        if isinstance(item, Finished):  # counted here: a client that left no longer reads its events
+            self._metrics.record(item.stats)
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is listening
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            item = await self._queue.get()
+            yield item
+            if not isinstance(item, Delta):
+                return
+
+
+class API:
+    """The endpoints, sharing the loaded models, the settings and the metrics."""
+
+    def __init__(self, models: ModelSet, settings: ServerSettings):
+        self.models, self.settings = models, settings
+        self.metrics = Metrics(models.schedulers)
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/chat/completions", self._counted("chat", self.chat_completions), methods=["POST"]),
+            Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
+            Route("/v1/models", self._counted("models", self.list_models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.render_metrics, methods=["GET"]),
+        ]
+
+    def _counted(self, endpoint: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+        async def run(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except (APIError, MlxInferError) as error:
+                response = as_api_error(error).response()
+            self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            return response
+
+        return run
+
+    async def chat_completions(self, request: Request) -> Response:
+        messages, params = parse_chat(parse_json(await read_body(request, self.settings.max_body_bytes)))
+        served = self.models.get(params.model)
+        ids = await run_in_threadpool(served.model.tokenizer.encode_chat, messages)
+        return await self._generate(request, served, ids, params, Reply(served.id, chat=True))
+
+    async def completions(self, request: Request) -> Response:
+        prompt, params = parse_completion(parse_json(await read_body(request, self.settings.max_body_bytes)))
+        served = self.models.get(params.model)
+        ids = prompt if isinstance(prompt, list) else await run_in_threadpool(served.model.tokenizer.encode, prompt)
+        return await self._generate(request, served, ids, params, Reply(served.id, chat=False))
+
+    async def _generate(
+        self, request: Request, served: ServedModel, ids: list[int], params: GenerationParams, reply: Reply
+    ) -> Response:
+        room = served.model.context_tokens - len(ids)
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; the model's context is {served.model.context_tokens}",
+                "messages",
+                "context_length_exceeded",
+            )
+        max_tokens = params.max_tokens or min(self.settings.default_max_tokens, room)
+        events = JobEvents(self.metrics)
+        job = Job(ids, events.put, max_tokens, params.sampling, params.stop, self.settings.request_timeout_s)
+        served.scheduler.submit(job)
+        if params.stream:
+            body = self._stream(served, job, events, reply, params.include_usage)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        return await self._whole(request, served, job, events, reply)
+
+    async def _stream(
+        self, served: ServedModel, job: Job, events: JobEvents, reply: Reply, include_usage: bool
+    ) -> AsyncIterator[str]:
+        clock = _TokenClock(self.metrics)
+        try:
+            if reply.chat:
+                yield event(reply.chunk(role=True, text=""))
+            async for item in events:
+                if isinstance(item, Delta):
+                    clock.tick(item.tokens)
+                    if item.text:
+                        yield event(reply.chunk(item.text))
+                elif isinstance(item, Finished):
+                    yield event(reply.chunk(finish_reason=item.stats.finish_reason))
+                    if include_usage:
+                        yield event(reply.usage_chunk(item.stats))
+                else:
+                    yield event(as_api_error(item.error).body())
+            yield event("[DONE]")
+        finally:
+            served.scheduler.cancel(job)  # a no-op once it finished; frees the slot if the client left
+
+    async def _whole(
+        self, request: Request, served: ServedModel, job: Job, events: JobEvents, reply: Reply
+    ) -> Response:
+        clock = _TokenClock(self.metrics)
+
+        async def gather() -> Response:
+            texts = []
+            async for item in events:
+                if isinstance(item, Delta):
+                    clock.tick(item.tokens)
+                    texts.append(item.text)
+                elif isinstance(item, Finished):
+                    return JSONResponse(reply.whole("".join(texts), item.stats))
+                else:
+                    return as_api_error(item.error).response()
+            raise AssertionError("the event stream ended without a final event")
+
+        answer, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not answer.done():
+            served.scheduler.cancel(job)
+            answer.cancel()
+            return Response(status_code=499)  # never sent: the client is gone
+        return answer.result()
+
+    async def list_models(self, request: Request) -> Response:
+        data = [{"id": s.id, "object": "model", "created": s.created, "owned_by": "mlxinfer"} for s in self.models]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": [s.id for s in self.models]})
+
+    async def render_metrics(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+class _TokenClock:
+    """Feeds time-to-first-token and time-per-token histograms from a stream of deltas."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics, self.last, self.start = metrics, None, time.perf_counter()
+
+    def tick(self, tokens: int) -> None:
+        if not tokens:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.token_latency.observe((now - self.last) / tokens)
+        self.last = now
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 (before reading, when Content-Length says so) past `limit` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(models: ModelSet, settings: ServerSettings) -> Starlette:
+    """The server's ASGI app; the models' schedulers are stopped when the app shuts down."""
+    api = API(models, settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await run_in_threadpool(models.close)
+
+    middleware = [Middleware(GuardMiddleware, settings=settings)]
+    if settings.cors_origins:
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
+    app = Starlette(routes=api.routes(), middleware=middleware, lifespan=lifespan)
+    app.state.api = api
+    return app

@@ -1,0 +1,71 @@
+"""OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+from ..errors import (
+    BusyError,
+    ChatTemplateError,
+    MemoryBudgetError,
+    RequestTimeoutError,
+    SamplingError,
+    ShutdownError,
+    TokenizerError,
+)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
+
+
+class APIError(Exception):
+    """A request the server refuses, with the status and OpenAI error object to send."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        kind = ERROR_TYPES.get(self.status, "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def as_api_error(error: Exception) -> APIError:
+    """The response for an error raised while taking or running a request."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, SamplingError):
+        return APIError(400, str(error), param=str(error).split(" ", 1)[0])
+    if isinstance(error, (ChatTemplateError, TokenizerError)):
+        return APIError(400, str(error), param="messages")
+    if isinstance(error, BusyError):
+        return APIError(
+            429, f"the server is busy: {error}; retry later", code="busy", retry_after_s=error.retry_after_s
+        )
+    if isinstance(error, MemoryBudgetError):
+        return APIError(503, str(error), code="insufficient_memory", retry_after_s=30)
+    if isinstance(error, RequestTimeoutError):
+        return APIError(503, str(error), code="timeout", retry_after_s=10)
+    if isinstance(error, ShutdownError):
+        return APIError(503, f"{error}; retry when it is back", code="shutting_down")
+    return APIError(500, f"generation failed: {type(error).__name__}: {error}", code="internal_error")

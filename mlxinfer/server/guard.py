@@ -1,0 +1,64 @@
+"""Who may talk to the server: loopback Host names, same-origin or listed browser origins, the API key.
+
+A web page the user visits can make the browser send requests to 127.0.0.1. The
+Host check stops DNS rebinding (a page's own name resolving to 127.0.0.1), the
+Origin check stops other sites' pages from starting generations, and no
+response ever carries a wildcard CORS header.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .errors import APIError
+from .settings import ServerSettings, is_loopback
+
+PROTECTED = ("/v1/", "/metrics")
+
+
+class GuardMiddleware:
+    def __init__(self, app: ASGIApp, settings: ServerSettings):
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self.check(scope["method"], scope["path"], Headers(scope=scope))
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def check(self, method: str, path: str, headers: Headers) -> APIError | None:
+        host = headers.get("host", "")
+        if not self.settings.allow_remote and not is_loopback(host_name(host)):
+            return APIError(
+                403,
+                f"Host {host!r} is not a loopback name; use http://127.0.0.1 or http://localhost "
+                "(requests for other names are refused against DNS rebinding)",
+                code="forbidden_host",
+            )
+        origin = headers.get("origin")
+        if origin is not None and origin != f"http://{host}" and origin not in self.settings.cors_origins:
+            return APIError(
+                403,
+                f"origin {origin!r} may not call this server; start it with --cors-origin {origin}",
+                code="forbidden_origin",
+            )
+        key = self.settings.api_key
+        if key and method != "OPTIONS" and path.startswith(PROTECTED):
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return APIError(
+                    401, "a valid API key is needed: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
+        return None
+
+
+def host_name(host: str) -> str:
+    """The name part of a Host header: 'localhost:8080' -> 'localhost', '[::1]:8080' -> '::1'."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host

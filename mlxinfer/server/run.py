@@ -1,0 +1,85 @@
+"""Running the app on uvicorn: in the foreground (`mlxinfer serve`) or on a background thread.
+
+On SIGTERM or Ctrl-C every scheduler is told to stop first, so each in-flight
+stream gets a final error event and ends; uvicorn then finds its connections
+closing and exits instead of waiting out long generations.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import FrameType
+
+import uvicorn
+
+from .app import create_app
+from .models import ModelSet
+from .settings import ServerSettings
+
+GRACEFUL_SHUTDOWN_S = 10
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, models: ModelSet):
+        super().__init__(config)
+        self.models = models
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.models.request_stop("the server is shutting down")
+        super().handle_exit(sig, frame)
+
+
+def _server(models: ModelSet, settings: ServerSettings, log_level: str) -> _Server:
+    config = uvicorn.Config(
+        create_app(models, settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        server_header=False,
+    )
+    return _Server(config, models)
+
+
+def serve(models: ModelSet, settings: ServerSettings, log_level: str = "info") -> None:
+    """Serve until SIGTERM / Ctrl-C; the models' schedulers are stopped on the way out."""
+    _server(models, settings, log_level).run()
+
+
+class BackgroundServer:
+    """The server on a daemon thread (for tests, notebooks and the menubar helper).
+
+    Example:
+        >>> with BackgroundServer(models, ServerSettings(port=0)) as server:
+        ...     print(server.url)
+    """
+
+    def __init__(self, models: ModelSet, settings: ServerSettings, log_level: str = "warning"):
+        self._server = _server(models, settings, log_level)
+        self._thread = threading.Thread(target=self._server.run, name="mlxinfer-server", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (is the port taken?)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._server.models.request_stop("the server is shutting down")
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,168 @@
+"""Request bodies in, validated parameters out; every refusal is a 400 naming the field.
+
+Follows OpenAI's chat and completions APIs with n=1. Fields the engine cannot
+honour (logprobs, tools, non-zero presence/frequency penalties) are refused
+rather than ignored, so a client never gets an answer it did not ask for.
+Unknown fields are ignored, as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import SamplingParams
+from ..engine.text import MAX_STOP_STRINGS
+from ..errors import SamplingError
+from .errors import APIError
+
+ROLES = frozenset({"system", "developer", "user", "assistant"})
+UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "functions",
+    "logit_bias",
+    "response_format",
+    "suffix",
+)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What a chat or completion request asks of the engine."""
+
+    model: str | None
+    max_tokens: int | None  # None: the server's default, at most the context left
+    sampling: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; NaN and Infinity literals are refused (they are not JSON)."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a valid JSON number")
+
+
+def parse_chat(body: dict[str, Any]) -> tuple[list[dict[str, str]], GenerationParams]:
+    return _messages(body.get("messages")), _params(body)
+
+
+def parse_completion(body: dict[str, Any]) -> tuple[str | list[int], GenerationParams]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str) and prompt:
+        return prompt, _params(body)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return [int(t) for t in prompt], _params(body)
+    raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise APIError(400, f"messages[{i}] needs a role among {sorted(ROLES)}", f"messages[{i}].role")
+        out.append({"role": message["role"], "content": _content(message.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: only text can be read by a text model
+        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _params(body: dict[str, Any]) -> GenerationParams:
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, False, [], {}):
+            raise APIError(400, f"{name} is not supported by this server; leave it out", name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise APIError(400, f"{name} is not supported; use repetition_penalty (e.g. 1.1) instead", name)
+    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
+        raise APIError(400, "n must be 1: one choice per request", "n")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise APIError(400, "model must be a string naming a loaded model (see GET /v1/models)", "model")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
+    stream = _flag(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIError(400, "stream_options must be an object", "stream_options")
+    return GenerationParams(
+        model=model,
+        max_tokens=max_tokens,
+        sampling=_sampling(body),
+        stop=_stop(body.get("stop")),
+        stream=stream,
+        include_usage=stream and _flag(options, "include_usage"),
+    )
+
+
+def _sampling(body: dict[str, Any]) -> SamplingParams:
+    temperature = body.get("temperature", 1.0)
+    # OpenAI's range; SamplingParams itself allows more for library callers.
+    if not _is_number(temperature) or not 0 <= temperature <= 2:
+        raise APIError(400, f"temperature must be a number in [0, 2], got {temperature!r}", "temperature")
+    fields = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "seed": None}
+    values = {name: body.get(name, default) for name, default in fields.items()}
+    values = {name: fields[name] if value is None and name != "seed" else value for name, value in values.items()}
+    for name, value in values.items():
+        if value is not None and not _is_number(value):
+            raise APIError(400, f"{name} must be a number, got {value!r}", name)
+    try:
+        return SamplingParams(temperature=temperature, **values)
+    except SamplingError as e:
+        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, "stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    return stops
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false, got {value!r}", name)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

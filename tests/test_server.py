@@ -1,0 +1,380 @@
+"""The OpenAI-compatible server over HTTP: the official client, bad input, safety, load, disconnects, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+import mlxinfer
+from mlxinfer.engine import Delta, Job, SchedulerConfig
+from mlxinfer.errors import ServerConfigError
+from mlxinfer.server import ModelSet, ServerSettings
+from mlxinfer.server.run import BackgroundServer
+from tests.conftest import TINY
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+ANSWER = "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def server(smol):
+    models = ModelSet()
+    served = models.add(smol, SchedulerConfig(max_batch=8, max_queue=64))
+    with BackgroundServer(models, ServerSettings(port=0)) as running:
+        running.model_id = served.id
+        running.served = served
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(url + "/metrics").text
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_openai_client_chat_and_completions_stream_and_not(server, client, smol):
+    chat = client.chat.completions.create(model=server.model_id, messages=QUESTION, temperature=0, max_tokens=20)
+    assert chat.choices[0].message.content == ANSWER
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.prompt_tokens == len(smol.tokenizer.encode_chat(QUESTION))
+    assert chat.usage.completion_tokens == len(smol.tokenizer.encode(ANSWER)) and chat.usage.total_tokens > 0
+
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model_id,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ANSWER
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0  # the same prompt a second time
+
+    ids = smol.tokenizer.encode_chat(QUESTION)
+    whole = client.completions.create(model=server.model_id, prompt=ids, temperature=0, max_tokens=20)
+    assert whole.choices[0].text == ANSWER
+    streamed = client.completions.create(model=server.model_id, prompt=ids, temperature=0, max_tokens=20, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == ANSWER
+
+    text_prompt = client.completions.create(model=server.model_id, prompt="1, 2, 3,", temperature=0, max_tokens=4)
+    assert text_prompt.choices[0].text.startswith(" 4,")
+    assert text_prompt.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_and_seeded_sampling(server, client):
+    stopped = client.chat.completions.create(
+        model=server.model_id, messages=QUESTION, temperature=0, max_tokens=20, stop=[" Paris"]
+    )
+    assert stopped.choices[0].message.content == "The capital of France is"
+    assert stopped.choices[0].finish_reason == "stop"
+    sampled = [
+        client.chat.completions.create(
+            model=server.model_id, messages=QUESTION, temperature=0.9, top_p=0.9, seed=7, max_tokens=12
+        )
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+def test_models_health_and_metrics(server):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [server.model_id]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "mlxinfer_requests_total",
+        "mlxinfer_prompt_tokens_total",
+        "mlxinfer_completion_tokens_total",
+        "mlxinfer_cached_prompt_tokens_total",
+        "mlxinfer_time_to_first_token_seconds_bucket",
+        "mlxinfer_time_per_output_token_seconds_bucket",
+        "mlxinfer_queue_depth",
+        "mlxinfer_prefix_cache_hit_rate",
+        "mlxinfer_memory_in_use_bytes",
+    ):
+        assert name in text
+    assert metric(server.url, "mlxinfer_memory_in_use_bytes") > 50e6  # the model's weights at least
+
+
+def good_chat(**extra) -> dict:
+    return {"messages": QUESTION, "max_tokens": 2, "temperature": 0, **extra}
+
+
+BAD_REQUESTS = [
+    ("not json", b"{'messages': ", 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("NaN temperature", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None),
+    ("infinite temperature", b'{"messages": [{"role": "user", "content": "x"}], "temperature": Infinity}', 400, None),
+    ("huge temperature", good_chat(temperature=1e300), 400, "temperature"),
+    ("string temperature", good_chat(temperature="0.5"), 400, "temperature"),
+    ("negative max_tokens", good_chat(max_tokens=-1), 400, "max_tokens"),
+    ("float max_tokens", good_chat(max_tokens=2.5), 400, "max_tokens"),
+    ("huge max_tokens", good_chat(max_tokens=10**9), 400, "max_tokens"),
+    ("top_p zero", good_chat(top_p=0), 400, "top_p"),
+    ("top_p above one", good_chat(top_p=1.5), 400, "top_p"),
+    ("string seed", good_chat(seed="7"), 400, "seed"),
+    ("n two", good_chat(n=2), 400, "n"),
+    ("too many stops", good_chat(stop=[str(i) for i in range(17)]), 400, "stop"),
+    ("stop not strings", good_chat(stop=[1]), 400, "stop"),
+    ("no messages", {"max_tokens": 2}, 400, "messages"),
+    ("bad role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("image content", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+    ("logprobs", good_chat(logprobs=True), 400, "logprobs"),
+    ("frequency penalty", good_chat(frequency_penalty=0.5), 400, "frequency_penalty"),
+    ("stream not bool", good_chat(stream="yes"), 400, "stream"),
+    ("unknown model", good_chat(model="gpt-4o"), 404, "model"),
+    ("a path as model", good_chat(model="/etc/passwd"), 404, "model"),
+    ("a hub id as model", good_chat(model="Qwen/Qwen3-0.6B"), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("case,body,status,param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_input_gets_its_status_and_an_openai_error(server, case, body, status, param):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(
+        server.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param:
+        assert error["param"] == param
+
+
+def test_other_refusals_and_the_server_keeps_serving(server):
+    url = server.url
+    huge = b"x" * (5 << 20)
+    response = httpx.post(url + "/v1/chat/completions", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert httpx.get(url + "/v1/chat/completions").status_code == 405
+    prompt_too_long = {"prompt": list(range(10, 8300)), "max_tokens": 2}
+    response = httpx.post(url + "/v1/completions", json=prompt_too_long)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.post(url + "/v1/completions", json={"prompt": [10**7], "max_tokens": 2}).status_code == 400
+    assert httpx.post(url + "/v1/completions", json={"prompt": "", "max_tokens": 2}).status_code == 400
+    # After all of that (and the parametrized cases), a good request still works.
+    response = httpx.post(url + "/v1/chat/completions", json=good_chat(max_tokens=20), timeout=300)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == ANSWER
+
+
+def test_host_and_origin_checks(server):
+    url = server.url
+    assert httpx.get(url + "/health", headers={"host": "evil.example:8080"}).status_code == 403
+    assert httpx.get(url + "/v1/models", headers={"host": "localhost"}).status_code == 200
+    port = url.rsplit(":", 1)[1]
+    same_origin = {"origin": f"http://127.0.0.1:{port}"}
+    assert httpx.get(url + "/v1/models", headers=same_origin).status_code == 200
+    response = httpx.post(url + "/v1/chat/completions", json=good_chat(), headers={"origin": "https://evil.example"})
+    assert response.status_code == 403
+    assert "access-control-allow-origin" not in response.headers
+
+
+def test_unsafe_settings_are_refused():
+    with pytest.raises(ServerConfigError, match="allow-remote"):
+        ServerSettings(host="0.0.0.0")
+    with pytest.raises(ServerConfigError, match="api-key"):
+        ServerSettings(host="0.0.0.0", allow_remote=True)
+    with pytest.raises(ServerConfigError, match="wildcard"):
+        ServerSettings(cors_origins=("*",))
+    assert ServerSettings(host="0.0.0.0", allow_remote=True, api_key="a-long-key").host == "0.0.0.0"
+    assert ServerSettings(host="::1").host == "::1"
+
+
+def test_the_cli_refuses_a_public_address_before_loading_anything():
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxinfer.cli", "serve", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert "--allow-remote" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Loading" not in result.stderr
+
+
+def test_api_key_and_listed_cors_origin():
+    model = mlxinfer.load(TINY / "llama_classic")
+    models = ModelSet()
+    models.add(model)
+    settings = ServerSettings(port=0, api_key="s3cret-key", cors_origins=("http://localhost:3000",))
+    with BackgroundServer(models, settings) as running:
+        url = running.url
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"authorization": "Bearer wrong-key"}).status_code == 401
+        assert httpx.get(url + "/metrics").status_code == 401
+        assert httpx.get(url + "/health").status_code == 200
+        ok = httpx.get(url + "/v1/models", headers={"authorization": "Bearer s3cret-key"})
+        assert ok.status_code == 200
+        preflight = httpx.options(
+            url + "/v1/chat/completions",
+            headers={"origin": "http://localhost:3000", "access-control-request-method": "POST"},
+        )
+        assert preflight.headers["access-control-allow-origin"] == "http://localhost:3000"
+        key = openai.OpenAI(base_url=url + "/v1", api_key="s3cret-key", max_retries=0)
+        assert key.completions.create(model="llama_classic", prompt=[3, 4, 5], max_tokens=3).usage.completion_tokens
+
+
+def test_full_queue_gets_429_with_retry_after(smol):
+    models = ModelSet()
+    served = models.add(smol, SchedulerConfig(max_batch=1, max_queue=1))
+    release = threading.Event()
+
+    def hold(event):  # runs on the scheduler's thread: while it waits, the only place stays taken
+        if isinstance(event, Delta):
+            release.wait(60)
+
+    with BackgroundServer(models, ServerSettings(port=0)) as running:
+        served.scheduler.submit(Job(smol.encode_prompt("Hi", chat=True), hold, max_tokens=2))
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(
+                httpx.post, running.url + "/v1/chat/completions", json=good_chat(max_tokens=20), timeout=300
+            )
+            deadline = time.monotonic() + 30
+            while served.scheduler.queued + len(served.scheduler._inbox) < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            refused = httpx.post(running.url + "/v1/chat/completions", json=good_chat())
+            release.set()
+            assert refused.status_code == 429
+            assert 1 <= int(refused.headers["retry-after"]) <= 60
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert queued.result().json()["choices"][0]["message"]["content"] == ANSWER
+
+
+CANCELLED = ("mlxinfer_generations_total", '{reason="cancelled"}')
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    url = server.url
+    cancelled = metric(url, *CANCELLED)
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as response:
+        lines = response.iter_lines()
+        seen = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in seen)
+        assert metric(url, "mlxinfer_running_requests") == 1
+    deadline = time.monotonic() + 60
+    while metric(url, "mlxinfer_running_requests") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(url, "mlxinfer_running_requests") == 0
+    assert metric(url, *CANCELLED) == cancelled + 1
+
+
+def test_non_streaming_client_that_leaves_is_cancelled_too(server):
+    url = server.url
+    cancelled = metric(url, "mlxinfer_generations_total", '{reason="cancelled"}')
+    body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=2.0))
+    deadline = time.monotonic() + 60
+    while (
+        metric(url, "mlxinfer_generations_total", '{reason="cancelled"}') == cancelled and time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    assert metric(url, "mlxinfer_generations_total", '{reason="cancelled"}') == cancelled + 1
+    assert metric(url, "mlxinfer_running_requests") == 0
+
+
+LOAD_QUESTIONS = [
+    "What is the capital of France?",
+    "What is 2+2?",
+    "Name a primary color.",
+    "What is the opposite of hot?",
+    "How many legs does a cat have?",
+    "What color is the sky?",
+    "Say hello in Spanish.",
+    "What is the largest planet?",
+]
+
+
+def test_load_eight_clients_ten_requests_each_match_serial_runs(server):
+    url = server.url
+    requests_before = metric(url, "mlxinfer_requests_total", '{endpoint="chat",status="200"}')
+
+    def ask(question: str) -> dict:
+        body = {"messages": [{"role": "user", "content": question}], "max_tokens": 12, "temperature": 0}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    serial = {q: ask(q)["choices"][0]["message"]["content"] for q in LOAD_QUESTIONS}
+
+    def client_run(client: int) -> list[tuple[str, dict]]:
+        return [(q, ask(q)) for i in range(10) for q in [LOAD_QUESTIONS[(client + i) % len(LOAD_QUESTIONS)]]]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [item for run in pool.map(client_run, range(8)) for item in run]
+    assert len(results) == 80
+    assert len({body["id"] for _, body in results}) == 80  # none lost, none answered twice
+    mismatched = [
+        (q, b["choices"][0]["message"]["content"])
+        for q, b in results
+        if b["choices"][0]["message"]["content"] != serial[q]
+    ]
+    assert not mismatched, mismatched[:3]
+    after = metric(url, "mlxinfer_requests_total", '{endpoint="chat",status="200"}')
+    assert after - requests_before == 88
+    assert metric(url, "mlxinfer_prefix_cache_hit_rate") > 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_ends_streams_with_a_final_event_and_exits(smol_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxinfer.cli", "serve", str(smol_path), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": "1, 2, 3, 4, 5,", "max_tokens": 1000, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"]
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        final = json.loads(rest[-2][6:])
+        assert "shutting down" in final["error"]["message"]
+        # uvicorn re-raises the signal once it has shut down cleanly, so the exit status says SIGTERM.
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        output = process.stdout.read() if process.stdout else ""
+    assert "Traceback" not in output, output
