@@ -1,4 +1,5 @@
-"""python -m bench [--quick] [--model PATH]: mlxinfer vs mlx-lm, side by side, one run."""
+"""python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only]:
+mlxinfer vs mlx-lm, side by side, one run."""
 
 from __future__ import annotations
 
@@ -34,12 +35,16 @@ def main() -> None:
     parser.add_argument("--skip-convert", action="store_true", help="leave out the converter figures")
     parser.add_argument("--convert-only", action="store_true", help="only the converter figures")
     parser.add_argument("--prefix-only", action="store_true", help="only the prefix-cache and KV figures")
+    parser.add_argument("--server-only", action="store_true", help="only the server figures (against mlx_lm.server)")
     args = parser.parse_args()
     if args.convert_only:
         write_outputs({"convert": convert_figures(args.quick)}, args.out, args.quick, suffix="-convert")
         return
     if args.prefix_only:
         write_prefix_outputs(args.model or prepare_models(["4"])["4"], args.out, args.quick)
+        return
+    if args.server_only:
+        write_server_outputs(args.model or prepare_models(["4"])["4"], args.out, args.quick)
         return
 
     settings = Settings.for_backend(quick=args.quick)
@@ -69,14 +74,28 @@ def write_prefix_outputs(model: Path, out: Path, quick: bool) -> None:
     from .prefix_bench import run_prefix_bench, ttft_plot
 
     figures = run_prefix_bench(model, quick=quick)
+    stem = write_figures(figures, prefix_markdown(figures), out, quick, "-prefix")
+    ttft_plot(figures, out / f"{stem}-ttft.png")
+    print(f"and {stem}-ttft.png")
+
+
+def write_server_outputs(model: Path, out: Path, quick: bool) -> None:
+    from .server_bench import markdown as server_markdown
+    from .server_bench import run_server_bench
+
+    figures = run_server_bench(model, quick=quick)
+    write_figures(figures, server_markdown(figures), out, quick, "-server")
+
+
+def write_figures(figures: dict, table: str, out: Path, quick: bool, suffix: str) -> str:
+    """Write figures as JSON and their table as markdown; returns the file stem."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{date.today().isoformat()}-{platform.node() or 'host'}" + ("-quick" if quick else "") + "-prefix"
-    table = prefix_markdown(figures)
+    stem = f"{date.today().isoformat()}-{platform.node() or 'host'}" + ("-quick" if quick else "") + suffix
     (out / f"{stem}.json").write_text(json.dumps(figures, indent=1) + "\n")
     (out / f"{stem}.md").write_text(table + "\n")
-    ttft_plot(figures, out / f"{stem}-ttft.png")
     print(table)
-    print(f"\nwrote {out / stem}: .json, .md, -ttft.png")
+    print(f"\nwrote {out / stem}: .json, .md")
+    return stem
 
 
 def write_outputs(report: dict, out: Path, quick: bool, suffix: str = "") -> None:
