@@ -225,9 +225,11 @@ def test_bad_requests_are_refused_before_queueing(tiny_llama, scheduler_for):
 
 
 def small_machine(total: int):
+    """A machine of `total` bytes where all memory MLX does not hold is free (usable = total - 1 GiB headroom)."""
+
     def machine() -> MachineMemory:
-        # `usable` = available + ours - headroom; headroom is at least 1 GiB.
-        return MachineMemory(total, total, 0, "cpu", None, None)
+        available = max(0, total - mx.get_active_memory() - mx.get_cache_memory())
+        return MachineMemory(total, available, 0, "cpu", None, None)
 
     return machine
 
@@ -241,7 +243,7 @@ def test_requests_wait_for_memory_instead_of_failing(tiny_llama):
     one = batch_peak_bytes(footprint, [3 + 200], 3, 256)
     two = batch_peak_bytes(footprint, [3 + 200, 3 + 200], 3, 256)
     assert two - one > 50 << 20
-    budget = (1 << 30) + (one + two) // 2 - mx.get_active_memory() - mx.get_cache_memory()  # room for one
+    budget = (1 << 30) + (one + two) // 2  # room for one
     scheduler = Scheduler(runtime, SchedulerConfig(max_batch=4), machine=small_machine(budget))
     timeline = []
 

@@ -193,7 +193,11 @@ class Scheduler:
             if chunk is None:
                 return  # wait for running sequences to finish
             self._waiting.popleft()
-            self._prefill = self._start_prefill(job, chunk)
+            try:
+                self._prefill = self._start_prefill(job, chunk)
+            except Exception as error:  # noqa: BLE001 - reported to the request, logged here
+                log.exception("could not start a request")
+                job.on_event(Failed(error))
 
     def _fit(self, job: Job) -> int | None:
         """The prefill chunk `job` can run with now, None to wait, MemoryBudgetError if it never fits."""
@@ -288,8 +292,11 @@ class Scheduler:
     def _keep_prefix(self, sequence: Running, cache: list[Cache]) -> None:
         """Offer the sequence's keys and values to the prefix cache, then unpin what it reused."""
         prefix = self.runtime.prefix_cache
-        if prefix is not None:
-            prefix.insert(sequence.ids_in_cache(cache[0].length), cache)
+        try:
+            if prefix is not None:
+                prefix.insert(sequence.ids_in_cache(cache[0].length), cache)
+        except Exception:  # noqa: BLE001 - a cache that cannot keep this prefix must not fail the answer
+            log.warning("could not keep a finished request's prefix", exc_info=True)
         self._release(sequence)
 
     def _release(self, sequence: Running) -> None:
