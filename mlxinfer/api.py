@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import numpy as np
 
 from .cache import PrefixCache, PrefixCacheStats, PrefixStore, fingerprint, make_cache
 from .default_model import cache_dir, default_model_path
+from .display import html_table, mib
 from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
 from .errors import MemoryBudgetError, SamplingError, TokenizerError
 from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
@@ -39,6 +41,9 @@ class GenerationResult:
 
     def __str__(self) -> str:
         return self.text
+
+    def _repr_html_(self) -> str:
+        return f"<p>{html.escape(self.text)}</p>{self.stats._repr_html_()}"
 
 
 class Model:
@@ -254,6 +259,19 @@ class Model:
             f"Model({loaded.path.name}: {loaded.config.model_type}, {loaded.config.num_layers} layers{quant}, "
             f"{loaded.weights_bytes / 2**20:.1f} MiB, compute {self.compute_dtype})"
         )
+
+    def _repr_html_(self) -> str:
+        loaded = self._loaded
+        rows = [
+            ("path", loaded.path),
+            ("architecture", f"{loaded.config.model_type}, {loaded.config.num_layers} layers"),
+            ("weights", f"{mib(loaded.weights_bytes)}, {loaded.quantized_layers} quantized layers"),
+            ("compute dtype", self.compute_dtype),
+            ("KV cache", f"{self.kv_bits}-bit" if self.kv_bits else self.compute_dtype),
+            ("context", f"{self.context_tokens} tokens"),
+            ("prefix cache", f"{mib(self.cache_stats.bytes_held)} of {mib(self.cache_stats.budget_bytes)}"),
+        ]
+        return html_table(f"Model {loaded.path.name}", rows)
 
 
 def _is_token_id(value: object) -> bool:

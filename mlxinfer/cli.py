@@ -18,7 +18,7 @@ import click
 from . import __version__
 from .api import Model, load
 from .default_model import cache_dir, default_model_path
-from .errors import MlxInferError
+from .errors import DefaultModelError, MlxInferError
 from .models import load_tokenizer
 
 
@@ -316,9 +316,55 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"]),
     )
     models = ModelSet()
-    served = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits), settings.scheduler)
-    click.echo(f"Serving {served.id} on http://{settings.host}:{settings.port}/v1 (Ctrl-C to stop)", err=True)
+    name = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits), settings.scheduler).id
+    click.echo(f"Serving {name} on http://{settings.host}:{settings.port}/v1 (Ctrl-C to stop)", err=True)
     run_server(models, settings)
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="Port of the chat page and API."
+)
+@click.option(
+    "--models-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Folder whose models Switch Model offers [default: $MLXINFER_MODELS_DIR or ~/models].",
+)
+@click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Store KV caches quantized.")
+@_errors_as_one_line
+def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str | None) -> None:  # fmt: skip
+    """A menubar (macOS) / tray (Linux) icon that serves MODEL and opens its chat page.
+
+    \b
+    The menu shows the model and its memory and the last answer's speed, and has
+    Open Chat, Switch Model, Unload, Start/Stop Server and Quit.
+    """
+    from .models import models_dir as default_models_dir
+    from .server import ServerSettings
+    from .ui import MenubarController
+    from .ui.tray import run_tray
+
+    bits = int(kv_bits) if kv_bits else None
+    if model is None:
+        path = default = default_model_path()
+    else:
+        path = Path(model).expanduser()
+        try:  # offered under Switch Model if it was fetched before
+            default = default_model_path(download=False)
+        except DefaultModelError:
+            default = None
+    controller = MenubarController(
+        ServerSettings(port=port),
+        models_dir=models_dir or default_models_dir(),
+        loader=lambda path: load(path, kv_bits=bits),
+        default_model=default,
+    )
+    click.echo(f"Loading {path.name}...", err=True)
+    controller.start(path)
+    click.echo(f"Serving on {controller.url} (chat page at {controller.url}/); Quit from the icon's menu", err=True)
+    run_tray(controller)
 
 
 def _mib(n: int) -> str:

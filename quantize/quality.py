@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from mlxinfer.display import html_table
+
 
 @dataclass
 class QualityReport:
@@ -35,17 +37,16 @@ class QualityReport:
         )
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{k}</td><td>{v}</td></tr>"
-            for k, v in (
+        return html_table(
+            "Quantization quality",
+            [
                 ("tokens", self.tokens),
                 ("source perplexity", f"{self.source_ppl:.3f}"),
                 ("output perplexity", f"{self.output_ppl:.3f} ({self.ppl_change_pct:+.2f}%)"),
                 ("mean KL (nats)", f"{self.mean_kl:.4f}"),
                 ("bits per weight", f"{self.bits_per_weight:.2f}" if self.bits_per_weight else "-"),
-            )
+            ],
         )
-        return f"<table><caption>Quantization quality</caption>{rows}</table>"
 
 
 def log_probs(logits: np.ndarray) -> np.ndarray:

@@ -12,15 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # room -> rooms it must never import
 FORBIDDEN = {
-    "models": {"server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
-    "tokenizer": {"server", "models", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
-    "cache": {"server", "engine", "models", "api", "bench", "cli", "convert", "quantize"},
-    "engine": {"server", "api", "bench", "cli", "convert", "quantize"},
-    "api": {"server", "bench", "cli", "convert", "quantize"},
-    "server": {"bench", "cli", "convert", "quantize"},
+    "models": {"ui", "server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
+    "tokenizer": {"ui", "server", "models", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
+    "cache": {"ui", "server", "engine", "models", "api", "bench", "cli", "convert", "quantize"},
+    "engine": {"ui", "server", "api", "bench", "cli", "convert", "quantize"},
+    "api": {"ui", "server", "bench", "cli", "convert", "quantize"},
+    "server": {"ui", "bench", "cli", "convert", "quantize"},
+    "ui": {"bench", "cli", "convert", "quantize"},
     "bench": {"cli", "convert", "quantize"},
-    "memory": {"server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
-    "data": {"server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
+    "memory": {"ui", "server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
+    "display": {"models", "tokenizer", "cache", "memory", "engine", "api", "server", "ui", "bench", "cli", "data"},
+    "data": {"ui", "server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
 }
 
 

@@ -132,6 +132,7 @@ BAD_REQUESTS = [
     ("negative max_tokens", good_chat(max_tokens=-1), 400, "max_tokens"),
     ("float max_tokens", good_chat(max_tokens=2.5), 400, "max_tokens"),
     ("huge max_tokens", good_chat(max_tokens=10**9), 400, "max_tokens"),
+    ("max_tokens past the context", good_chat(max_tokens=8190), 400, "max_tokens"),
     ("top_p zero", good_chat(top_p=0), 400, "top_p"),
     ("top_p above one", good_chat(top_p=1.5), 400, "top_p"),
     ("string seed", good_chat(seed="7"), 400, "seed"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..display import html_table, mib
+
 
 @dataclass
 class GenerationStats:
@@ -25,6 +27,17 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def _repr_html_(self) -> str:
+        rows = [
+            ("prompt tokens", f"{self.prompt_tokens} ({self.cached_tokens} from the prefix cache)"),
+            ("generated tokens", f"{self.generated_tokens} (finish: {self.finish_reason or '-'})"),
+            ("time to first token", f"{self.ttft_s:.3f} s"),
+            ("prefill", f"{self.prefill_tps:.1f} tokens/s"),
+            ("decode", f"{self.decode_tps:.1f} tokens/s"),
+            ("peak memory", mib(self.peak_memory_bytes)),
+        ]
+        return html_table("Generation", rows)
 
     def summary(self) -> str:
         cached = f" ({self.cached_tokens} cached)" if self.cached_tokens else ""

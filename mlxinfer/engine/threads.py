@@ -12,6 +12,9 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _parked: queue.SimpleQueue[queue.SimpleQueue] = queue.SimpleQueue()
 
@@ -34,5 +37,22 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         try:
             work()
         finally:
+            work = None  # a parked thread must not keep the finished work (a Scheduler, its model) alive
             done.set()
             _parked.put(inbox)
+
+
+def call_on_device_thread(work: Callable[[], T], name: str = "mlxinfer-device") -> T:
+    """Run `work` on a device thread and wait for its result (or its exception)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # noqa: BLE001 - handed back to the caller
+            outcome["error"] = error
+
+    run_on_device_thread(run, name).wait()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..display import html_table, mib
 from ..errors import MemoryBudgetError
 from .machine import MachineMemory
 
@@ -134,6 +135,13 @@ class MemoryPlan:
         tips.append("convert the model to fewer bits (mlxinfer convert --bits 4)")
         tips.append("close memory-hungry apps, or lower the prefix cache (prefix_cache_bytes=0)")
         return tips
+
+    def _repr_html_(self) -> str:
+        rows = [(part, mib(size)) for part, size in self.parts.items()]
+        rows += [("needed", mib(self.needed_bytes)), ("usable", mib(self.usable_bytes)), ("verdict", self.verdict)]
+        rows += [("largest context that fits", f"{self.max_context()} tokens")]
+        rows += [("suggestion", tip) for tip in self.suggestions()]
+        return html_table(f"Memory plan: {self.context} tokens on {self.machine.backend}", rows)
 
     def to_dict(self) -> dict[str, Any]:
         return {

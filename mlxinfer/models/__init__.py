@@ -1,6 +1,15 @@
 """Model loading: config normalization, checkpoint files, architectures."""
 
+from .catalog import local_models, models_dir
 from .config import ModelConfig, normalize_config
 from .loader import LoadedModel, load_model, load_tokenizer
 
-__all__ = ["LoadedModel", "ModelConfig", "load_model", "load_tokenizer", "normalize_config"]
+__all__ = [
+    "LoadedModel",
+    "ModelConfig",
+    "load_model",
+    "load_tokenizer",
+    "local_models",
+    "models_dir",
+    "normalize_config",
+]

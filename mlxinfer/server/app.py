@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,10 +21,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine import Delta, Event, Finished, Job
+from ..engine import Delta, Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
 from .errors import APIError, as_api_error
 from .guard import GuardMiddleware
@@ -34,19 +35,24 @@ from .schema import GenerationParams, parse_chat, parse_completion, parse_json
 from .settings import ServerSettings
 
 log = logging.getLogger("mlxinfer.server")
+PAGE = Path(__file__).parent / "page"
+PAGE_ASSETS = {"chat.js": "text/javascript", "chat.css": "text/css"}
+# The page runs only its own files: no inline script, nothing fetched from elsewhere.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'", "Cache-Control": "no-cache"}
+MAX_TOKENS = 1_000_000  # above this, the engine's own check answers (max_tokens out of range)
 
 
 class JobEvents:
     """A job's events, carried from the scheduler's thread onto this event loop."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, on_finished: Callable[[GenerationStats], None]) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._metrics = metrics
+        self._on_finished = on_finished
 
     def put(self, item: Event) -> None:  # called on the scheduler's thread
-        if isinstance(item, Finished):  # counted here: a client that left no longer reads its events
-            self._metrics.record(item.stats)
+        if isinstance(item, Finished):  # here, not in the handler: a client that left no longer reads its events
+            self._on_finished(item.stats)
         with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is listening
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
@@ -61,9 +67,13 @@ class JobEvents:
 class API:
     """The endpoints, sharing the loaded models, the settings and the metrics."""
 
-    def __init__(self, models: ModelSet, settings: ServerSettings):
+    def __init__(
+        self, models: ModelSet, settings: ServerSettings, on_finished: Callable[[GenerationStats], None] | None = None
+    ):
         self.models, self.settings = models, settings
         self.metrics = Metrics(models.schedulers)
+        self._on_finished = on_finished
+        self.started = int(time.time())
 
     def routes(self) -> list[Route]:
         return [
@@ -71,6 +81,8 @@ class API:
             Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
             Route("/v1/models", self._counted("models", self.list_models), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/", self.page, methods=["GET"]),
+            Route("/page/{name}", self.page_asset, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
         ]
 
@@ -80,6 +92,9 @@ class API:
                 response = await handler(request)
             except (APIError, MlxInferError) as error:
                 response = as_api_error(error).response()
+            except Exception as error:  # noqa: BLE001 - a bug answers 500 in the API's shape; the server goes on
+                log.exception("%s failed", endpoint)
+                response = as_api_error(error).response()
             self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
             return response
 
@@ -87,13 +102,13 @@ class API:
 
     async def chat_completions(self, request: Request) -> Response:
         messages, params = parse_chat(parse_json(await read_body(request, self.settings.max_body_bytes)))
-        served = self.models.get(params.model)
+        served = await run_in_threadpool(self.models.get, params.model)  # may load an unloaded model
         ids = await run_in_threadpool(served.model.tokenizer.encode_chat, messages)
         return await self._generate(request, served, ids, params, Reply(served.id, chat=True))
 
     async def completions(self, request: Request) -> Response:
         prompt, params = parse_completion(parse_json(await read_body(request, self.settings.max_body_bytes)))
-        served = self.models.get(params.model)
+        served = await run_in_threadpool(self.models.get, params.model)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(served.model.tokenizer.encode, prompt)
         return await self._generate(request, served, ids, params, Reply(served.id, chat=False))
 
@@ -109,7 +124,15 @@ class API:
                 "context_length_exceeded",
             )
         max_tokens = params.max_tokens or min(self.settings.default_max_tokens, room)
-        events = JobEvents(self.metrics)
+        if max_tokens > room and max_tokens <= MAX_TOKENS:
+            raise APIError(
+                400,
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
+                f"{served.model.context_tokens} tokens; lower max_tokens to at most {room}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        events = JobEvents(self._finished)
         job = Job(ids, events.put, max_tokens, params.sampling, params.stop, self.settings.request_timeout_s)
         served.scheduler.submit(job)
         if params.stream:
@@ -166,12 +189,38 @@ class API:
             return Response(status_code=499)  # never sent: the client is gone
         return answer.result()
 
+    def _finished(self, stats: GenerationStats) -> None:
+        self.metrics.record(stats)
+        if self._on_finished is not None:
+            self._on_finished(stats)
+
     async def list_models(self, request: Request) -> Response:
-        data = [{"id": s.id, "object": "model", "created": s.created, "owned_by": "mlxinfer"} for s in self.models]
+        data = [
+            {"id": name, "object": "model", "created": self.started, "owned_by": "mlxinfer"} for name in self.models.ids
+        ]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "models": [s.id for s in self.models]})
+        loaded = {s.id: s for s in self.models}
+        models = [
+            {
+                "id": name,
+                "loaded": name in loaded,
+                "weights_bytes": loaded[name].model.footprint.weights_bytes if name in loaded else 0,
+            }
+            for name in self.models.ids
+        ]
+        memory = max((s.memory_in_use for s in self.models.schedulers()), default=0)
+        return JSONResponse({"status": "ok", "models": models, "memory_in_use_bytes": memory})
+
+    async def page(self, request: Request) -> Response:
+        return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)
+
+    async def page_asset(self, request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in PAGE_ASSETS:  # a fixed list: no path from the request ever reaches the file system
+            return APIError(404, f"no page asset {name!r}").response()
+        return FileResponse(PAGE / name, media_type=PAGE_ASSETS[name], headers=PAGE_HEADERS)
 
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -213,9 +262,13 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(models: ModelSet, settings: ServerSettings) -> Starlette:
-    """The server's ASGI app; the models' schedulers are stopped when the app shuts down."""
-    api = API(models, settings)
+def create_app(
+    models: ModelSet, settings: ServerSettings, on_finished: Callable[[GenerationStats], None] | None = None
+) -> Starlette:
+    """The server's ASGI app; the models' schedulers are stopped when the app shuts down.
+
+    `on_finished` is called (on a scheduler's thread) with the stats of every generation that ends."""
+    api = API(models, settings, on_finished)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

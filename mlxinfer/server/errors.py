@@ -14,6 +14,7 @@ from ..errors import (
     TokenizerError,
 )
 
+PARAMS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens", "stop"})
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -55,7 +56,8 @@ def as_api_error(error: Exception) -> APIError:
     if isinstance(error, APIError):
         return error
     if isinstance(error, SamplingError):
-        return APIError(400, str(error), param=str(error).split(" ", 1)[0])
+        name = str(error).split(" ", 1)[0]
+        return APIError(400, str(error), param=name if name in PARAMS else None)
     if isinstance(error, (ChatTemplateError, TokenizerError)):
         return APIError(400, str(error), param="messages")
     if isinstance(error, BusyError):

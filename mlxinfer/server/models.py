@@ -1,12 +1,24 @@
-"""The models a server serves, by id: a request's `model` field only ever selects among these."""
+"""The models a server serves, by id: a request's `model` field only ever selects among these.
+
+A model can be unloaded (its weights, KV and prompt cache freed) and stays
+listed; the next request for it loads it again from where it was first loaded.
+Loading runs on a device thread (engine/threads.py), never on the event loop.
+"""
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
-from ..api import Model
+import mlx.core as mx
+
+from ..api import Model, load
 from ..engine import Scheduler, SchedulerConfig
+from ..engine.threads import call_on_device_thread
 from .errors import APIError
 
 
@@ -18,6 +30,14 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+@dataclass
+class _Slot:
+    id: str
+    loader: Callable[[], Model]
+    config: SchedulerConfig | None
+    served: ServedModel | None = None
+
+
 def model_id(model: Model) -> str:
     """The name clients use: the model folder's name, or the .gguf file's without the suffix."""
     path = model.path
@@ -25,44 +45,68 @@ def model_id(model: Model) -> str:
 
 
 class ModelSet:
-    """Loaded models, each with its own Scheduler (and so its own batch, queue and prefix cache)."""
+    """Loaded (or unloaded, reloadable) models, each with its own Scheduler: batch, queue and prefix cache."""
 
     def __init__(self) -> None:
-        self._served: dict[str, ServedModel] = {}
+        self._slots: dict[str, _Slot] = {}
+        self._lock = threading.Lock()  # one load at a time; requests for a loading model wait for it
 
     def add(self, model: Model, config: SchedulerConfig | None = None, name: str | None = None) -> ServedModel:
-        served = ServedModel(name or model_id(model), model, Scheduler(model.runtime, config))
-        old = self._served.pop(served.id, None)
-        if old:
-            old.scheduler.stop("the model was replaced")
-        self._served[served.id] = served
-        return served
+        """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings."""
+        loader = partial(load, model.path, dtype=model.compute_dtype, kv_bits=model.kv_bits)
+        slot = _Slot(name or model_id(model), loader, config)
+        with self._lock:
+            self._stop(self._slots.pop(slot.id, None), "the model was replaced")
+            slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, config))
+            self._slots[slot.id] = slot
+        return slot.served
 
     def remove(self, name: str) -> None:
-        """Stop serving `name` (its running requests end with an error)."""
-        served = self._served.pop(name, None)
-        if served:
-            served.scheduler.stop("the model was unloaded")
+        """Stop serving `name` at all (its running requests end with an error)."""
+        with self._lock:
+            self._stop(self._slots.pop(name, None), "the model was removed")
+        _free_memory()
+
+    def unload(self, name: str) -> None:
+        """Free `name`'s memory (weights, KV, prompt cache); the next request for it loads it again."""
+        with self._lock:
+            slot = self._slots.get(name)
+            self._stop(slot, "the model was unloaded")
+            if slot:
+                slot.served = None
+        _free_memory()
 
     def get(self, name: str | None) -> ServedModel:
-        """The model called `name`; with no name, the only (or first) one loaded."""
-        if name is None and self._served:
-            return next(iter(self._served.values()))
-        if name in self._served:
-            return self._served[name]
-        loaded = ", ".join(self._served) or "none"
-        raise APIError(
-            404,
-            f"model {name!r} is not loaded (loaded: {loaded}); it is never loaded on request",
-            "model",
-            "model_not_found",
-        )
+        """The model called `name` (with no name, the first), loading it if it was unloaded."""
+        slot = next(iter(self._slots.values()), None) if name is None else self._slots.get(name)
+        if slot is None:
+            loaded = ", ".join(self._slots) or "none"
+            raise APIError(
+                404,
+                f"model {name!r} is not loaded (loaded: {loaded}); it is never loaded on request",
+                "model",
+                "model_not_found",
+            )
+        with self._lock:
+            if slot.served is None:
+                model = call_on_device_thread(slot.loader)
+                slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, slot.config))
+            return slot.served
 
-    def __iter__(self):
-        return iter(list(self._served.values()))
+    def is_loaded(self, name: str) -> bool:
+        slot = self._slots.get(name)
+        return slot is not None and slot.served is not None
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._slots)
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        """The loaded models."""
+        return iter([s.served for s in list(self._slots.values()) if s.served is not None])
 
     def __len__(self) -> int:
-        return len(self._served)
+        return len(self._slots)
 
     def schedulers(self) -> list[Scheduler]:
         return [s.scheduler for s in self]
@@ -73,6 +117,18 @@ class ModelSet:
             served.scheduler.stop(reason, timeout=0)
 
     def close(self, reason: str = "the server is shutting down") -> None:
-        for served in self:
-            served.scheduler.stop(reason)
-        self._served.clear()
+        with self._lock:
+            for slot in self._slots.values():
+                self._stop(slot, reason)
+                slot.served = None
+        _free_memory()
+
+    @staticmethod
+    def _stop(slot: _Slot | None, reason: str) -> None:
+        if slot is not None and slot.served is not None:
+            slot.served.scheduler.stop(reason)
+
+
+def _free_memory() -> None:
+    gc.collect()  # the model's arrays go once nothing refers to them
+    mx.clear_cache()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
+from ..engine import GenerationStats
 from .app import create_app
 from .models import ModelSet
 from .settings import ServerSettings
@@ -30,9 +32,11 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _server(models: ModelSet, settings: ServerSettings, log_level: str) -> _Server:
+def _server(
+    models: ModelSet, settings: ServerSettings, log_level: str, on_finished: Callable[[GenerationStats], None] | None
+) -> _Server:
     config = uvicorn.Config(
-        create_app(models, settings),
+        create_app(models, settings, on_finished),
         host=settings.host,
         port=settings.port,
         log_level=log_level,
@@ -44,7 +48,7 @@ def _server(models: ModelSet, settings: ServerSettings, log_level: str) -> _Serv
 
 def serve(models: ModelSet, settings: ServerSettings, log_level: str = "info") -> None:
     """Serve until SIGTERM / Ctrl-C; the models' schedulers are stopped on the way out."""
-    _server(models, settings, log_level).run()
+    _server(models, settings, log_level, None).run()
 
 
 class BackgroundServer:
@@ -55,8 +59,14 @@ class BackgroundServer:
         ...     print(server.url)
     """
 
-    def __init__(self, models: ModelSet, settings: ServerSettings, log_level: str = "warning"):
-        self._server = _server(models, settings, log_level)
+    def __init__(
+        self,
+        models: ModelSet,
+        settings: ServerSettings,
+        log_level: str = "warning",
+        on_finished: Callable[[GenerationStats], None] | None = None,
+    ):
+        self._server = _server(models, settings, log_level, on_finished)
         self._thread = threading.Thread(target=self._server.run, name="mlxinfer-server", daemon=True)
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
@@ -74,9 +84,14 @@ class BackgroundServer:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop serving; the models' schedulers stop too (the ModelSet keeps knowing its models)."""
         self._server.models.request_stop("the server is shutting down")
         self._server.should_exit = True
         self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()

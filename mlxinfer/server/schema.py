@@ -17,7 +17,7 @@ from typing import Any
 from ..engine import SamplingParams
 from ..engine.text import MAX_STOP_STRINGS
 from ..errors import SamplingError
-from .errors import APIError
+from .errors import APIError, as_api_error
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 UNSUPPORTED = (
@@ -137,7 +137,7 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
     try:
         return SamplingParams(temperature=temperature, **values)
     except SamplingError as e:
-        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
+        raise as_api_error(e) from None
 
 
 def _stop(stop: Any) -> list[str]:

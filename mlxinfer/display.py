@@ -1,0 +1,19 @@
+"""Rich HTML for Jupyter: one small table builder shared by the objects notebooks show (imports nothing of ours)."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable
+
+
+def html_table(caption: str, rows: Iterable[tuple[str, object]]) -> str:
+    """A two-column table; every value is escaped."""
+    body = "".join(
+        f"<tr><th style='text-align:left'>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>"
+        for k, v in rows
+    )
+    return f"<table><caption style='text-align:left'><b>{html.escape(caption)}</b></caption>{body}</table>"
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"

@@ -1,0 +1,168 @@
+// The chat page: streams answers from /v1/chat/completions, keeps the conversation, shows what each answer cost.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const history = [];
+let modelId = null;
+let controller = null;
+let apiKey = sessionStorage.getItem("mlxinfer-api-key");
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  if (apiKey) h.Authorization = `Bearer ${apiKey}`;
+  return h;
+}
+
+function mib(bytes) {
+  return `${(bytes / 2 ** 20).toFixed(0)} MiB`;
+}
+
+async function refreshStatus() {
+  try {
+    const health = await (await fetch("/health")).json();
+    const model = health.models[0];
+    modelId = model ? model.id : null;
+    $("model").textContent = modelId || "no model loaded";
+    $("memory").textContent = `memory in use ${mib(health.memory_in_use_bytes)}`;
+  } catch (error) {
+    $("model").textContent = "server unreachable";
+  }
+}
+
+function bubble(role, text) {
+  const div = document.createElement("div");
+  div.className = `message ${role}`;
+  const body = document.createElement("span");
+  body.className = "text";
+  body.textContent = text;
+  div.appendChild(body);
+  $("messages").appendChild(div);
+  div.scrollIntoView({ block: "end" });
+  return div;
+}
+
+function showStats(div, usage, times, stopped) {
+  const stats = document.createElement("span");
+  stats.className = "stats";
+  const parts = [];
+  if (usage) {
+    const tokens = usage.completion_tokens;
+    const seconds = times.last && times.first && times.last > times.first ? (times.last - times.first) / 1000 : 0;
+    if (seconds > 0 && tokens > 1) parts.push(`${((tokens - 1) / seconds).toFixed(1)} tokens/s`);
+    parts.push(`${tokens} tokens`);
+    const cached = (usage.prompt_tokens_details || {}).cached_tokens || 0;
+    parts.push(`${cached} of ${usage.prompt_tokens} prompt tokens from the cache`);
+  }
+  if (times.first) parts.push(`first token after ${((times.first - times.start) / 1000).toFixed(2)} s`);
+  if (stopped) parts.push("stopped");
+  stats.textContent = parts.join(" · ");
+  div.appendChild(stats);
+}
+
+async function* serverEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of block.split("\n")) {
+        if (line.startsWith("data: ")) yield line.slice(6);
+      }
+    }
+  }
+}
+
+async function ask(text) {
+  history.push({ role: "user", content: text });
+  bubble("user", text);
+  const div = bubble("assistant", "");
+  const body = div.querySelector(".text");
+  const times = { start: performance.now(), first: 0, last: 0 };
+  let usage = null;
+  let stopped = false;
+  controller = new AbortController();
+  setBusy(true);
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST",
+      headers: headers(),
+      signal: controller.signal,
+      body: JSON.stringify({
+        model: modelId,
+        messages: history,
+        temperature: Number($("temperature").value) || 0,
+        stream: true,
+        stream_options: { include_usage: true },
+      }),
+    });
+    if (response.status === 401) {
+      apiKey = prompt("This server needs its API key:");
+      if (apiKey) sessionStorage.setItem("mlxinfer-api-key", apiKey);
+      throw new Error("an API key is needed; send the message again");
+    }
+    if (!response.ok) throw new Error((await response.json()).error.message);
+    for await (const data of serverEvents(response)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message);
+      if (chunk.usage) usage = chunk.usage;
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      if (delta && delta.content) {
+        times.last = performance.now();
+        times.first = times.first || times.last;
+        body.textContent += delta.content;
+        div.scrollIntoView({ block: "end" });
+      }
+    }
+  } catch (error) {
+    if (error.name === "AbortError") {
+      stopped = true;
+    } else {
+      div.classList.add("error");
+      body.textContent += (body.textContent ? "\n" : "") + `Error: ${error.message}`;
+    }
+  } finally {
+    controller = null;
+    setBusy(false);
+  }
+  if (!div.classList.contains("error")) history.push({ role: "assistant", content: body.textContent });
+  else history.pop(); // the question failed: leave it out of the conversation
+  showStats(div, usage, times, stopped);
+  div.dataset.done = "true";
+  $("status").textContent = "";
+  refreshStatus();
+}
+
+function setBusy(busy) {
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+  $("input").disabled = busy;
+  $("status").textContent = busy ? "generating…" : "";
+}
+
+$("composer").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const text = $("input").value.trim();
+  if (!text || controller) return;
+  $("input").value = "";
+  ask(text).then(() => $("input").focus());
+});
+$("input").addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    $("composer").requestSubmit();
+  }
+});
+$("stop").addEventListener("click", () => controller && controller.abort());
+$("new-chat").addEventListener("click", () => {
+  if (controller) controller.abort();
+  history.length = 0;
+  $("messages").replaceChildren();
+});
+refreshStatus();

@@ -1,0 +1,153 @@
+"""What the menubar helper does, without any GUI: the tray icon only shows this object's labels and calls it.
+
+The controller owns a ModelSet and a BackgroundServer. Everything it shows is
+computed when asked (when the menu is drawn) or pushed by the server when an
+answer finishes, so an idle helper runs no loop and wakes no thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import webbrowser
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from ..api import Model, load
+from ..engine import GenerationStats
+from ..engine.threads import call_on_device_thread
+from ..models import local_models
+from ..server import ModelSet, ServerSettings
+from ..server.models import model_id
+from ..server.run import BackgroundServer
+
+log = logging.getLogger("mlxinfer.menubar")
+
+
+class MenubarController:
+    """Load a model, serve it, and answer the menu's questions and commands.
+
+    Example:
+        >>> controller = MenubarController(ServerSettings(), models_dir=Path("~/models").expanduser())
+        >>> controller.start(default_path)
+        >>> controller.open_chat()
+    """
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        models_dir: Path,
+        loader: Callable[[Path], Model] = load,
+        open_url: Callable[[str], object] = webbrowser.open,
+        default_model: Path | None = None,
+    ):
+        self.settings, self.models_dir, self._loader, self._open_url = settings, models_dir, loader, open_url
+        self.default_model = default_model
+        self.models = ModelSet()
+        self.server: BackgroundServer | None = None
+        self.current: Path | None = None
+        self.last_stats: GenerationStats | None = None
+        self.on_change: Callable[[], None] = lambda: None  # the icon redraws its menu
+        self._lock = threading.Lock()
+
+    # -- what the menu shows ----------------------------------------------
+
+    @property
+    def model_name(self) -> str | None:
+        return self.models.ids[0] if self.models.ids else None
+
+    @property
+    def loaded(self) -> bool:
+        return self.model_name is not None and self.models.is_loaded(self.model_name)
+
+    @property
+    def serving(self) -> bool:
+        return self.server is not None and self.server.running
+
+    @property
+    def model_label(self) -> str:
+        if self.model_name is None:
+            return "No model"
+        if not self.loaded:
+            return f"{self.model_name}: unloaded (loads on the next request)"
+        served = next(iter(self.models))
+        return f"{self.model_name}: {served.model.footprint.weights_bytes / 2**20:,.0f} MiB"
+
+    @property
+    def speed_label(self) -> str:
+        stats = self.last_stats
+        if stats is None:
+            return "No answer yet"
+        return f"Last answer: {stats.decode_tps:.1f} tokens/s ({stats.generated_tokens} tokens)"
+
+    @property
+    def url(self) -> str:
+        return self.server.url if self.serving and self.server else f"http://{self.settings.host}:{self.settings.port}"
+
+    def available_models(self) -> list[Path]:
+        """The default model and the converted models in the models folder."""
+        found = local_models(self.models_dir)
+        return ([self.default_model] if self.default_model else []) + [p for p in found if p != self.default_model]
+
+    # -- what the menu does -----------------------------------------------
+
+    def start(self, path: Path) -> None:
+        """Load `path` and start serving it."""
+        self._use(path)
+        self.start_server()
+
+    def open_chat(self) -> None:
+        """Open the chat page in the browser, starting the server first if it is stopped."""
+        if not self.serving:
+            self.start_server()
+        self._open_url(self.url + "/")
+
+    def switch_model(self, path: Path) -> None:
+        """Serve `path` instead of the current model (whose memory is freed first)."""
+        if path == self.current and self.loaded:
+            return
+        with self._lock:
+            if self.model_name:
+                self.models.remove(self.model_name)
+            self._use(path)
+        self.on_change()
+
+    def unload(self) -> None:
+        """Free the model's memory and its prompt cache; the next request loads it again."""
+        if self.model_name:
+            self.models.unload(self.model_name)
+        self.on_change()
+
+    def start_server(self) -> None:
+        if self.serving:
+            return
+        self.server = BackgroundServer(self.models, self.settings, on_finished=self._finished).start()
+        self.on_change()
+
+    def stop_server(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.on_change()
+
+    def toggle_server(self) -> None:
+        self.stop_server() if self.serving else self.start_server()
+
+    def quit(self) -> None:
+        """Stop serving and free every model; the icon stops after this."""
+        self.stop_server()
+        self.models.close("the menubar helper quit")
+
+    # -- internals ----------------------------------------------------------
+
+    def _use(self, path: Path) -> None:
+        model = call_on_device_thread(partial(self._loader, path))
+        self.models.add(model, self.settings.scheduler, name=model_id(model))
+        self.current = path
+        log.info("serving %s", path)
+
+    def _finished(self, stats: GenerationStats) -> None:  # on a scheduler's thread
+        if stats.generated_tokens:
+            self.last_stats = stats
+            self.on_change()

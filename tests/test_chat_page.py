@@ -1,0 +1,116 @@
+"""The chat page in a real headless Chromium: it loads offline, streams an answer, keeps the conversation, stops."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxinfer.engine import SchedulerConfig
+from mlxinfer.server import ModelSet, ServerSettings
+from mlxinfer.server.run import BackgroundServer
+from tests.system_tools import require
+
+PAGE = Path(__file__).resolve().parents[1] / "mlxinfer" / "server" / "page"
+
+
+@pytest.fixture(scope="module")
+def page_server(smol):
+    models = ModelSet()
+    models.add(smol, SchedulerConfig(max_batch=4))
+    with BackgroundServer(models, ServerSettings(port=0)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser():
+    require("chromium", "chromedriver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=900,700"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    yield driver
+    driver.quit()
+
+
+def wait_for(condition, timeout: float = 180, every: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError("timed out waiting for the page")
+
+
+def send(browser, text: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    box = browser.find_element(By.ID, "input")
+    box.send_keys(text)
+    browser.find_element(By.ID, "send").click()
+
+
+def answers(browser) -> list:
+    from selenium.webdriver.common.by import By
+
+    return browser.find_elements(By.CSS_SELECTOR, ".message.assistant")
+
+
+def test_the_page_ships_no_outside_resources():
+    for name in ("index.html", "chat.js", "chat.css"):
+        text = (PAGE / name).read_text()
+        assert not re.search(r"https?://", text), f"{name} refers to another site"
+
+
+def test_page_is_served_with_a_strict_content_security_policy(page_server):
+    response = httpx.get(page_server.url + "/")
+    assert response.status_code == 200 and "<textarea" in response.text
+    assert "default-src 'self'" in response.headers["content-security-policy"]
+    assert httpx.get(page_server.url + "/page/chat.js").headers["content-type"].startswith("text/javascript")
+    assert httpx.get(page_server.url + "/page/..%2Fapp.py").status_code == 404
+
+
+def test_chat_streams_an_answer_keeps_history_and_stops(page_server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    browser.get(page_server.url + "/")
+    wait_for(lambda: "SmolLM2" in browser.find_element(By.ID, "model").text)
+    assert "MiB" in browser.find_element(By.ID, "memory").text
+
+    send(browser, "What is the capital of France?")
+    first = wait_for(lambda: [a for a in answers(browser) if a.get_attribute("data-done")])[0]
+    assert first.find_element(By.CLASS_NAME, "text").text == "The capital of France is Paris."
+    stats = first.find_element(By.CLASS_NAME, "stats").text
+    assert "tokens/s" in stats and "prompt tokens from the cache" in stats
+
+    # The second turn sends the whole conversation: the first turn's tokens come from the prefix cache.
+    send(browser, "And of Italy?")
+    second = wait_for(lambda: len(answers(browser)) == 2 and answers(browser)[1].get_attribute("data-done"))
+    assert second
+    stats = answers(browser)[1].find_element(By.CLASS_NAME, "stats").text
+    cached, prompt = map(int, re.search(r"(\d+) of (\d+) prompt tokens", stats).groups())
+    assert cached > 30 and cached < prompt
+    browser.save_screenshot(str(tmp_path / "chat.png"))
+    assert (tmp_path / "chat.png").stat().st_size > 10_000
+
+    # Stop: a long answer is cut, the server frees the place, the page is ready again.
+    send(browser, "Count from 1 to 300, separated by commas.")
+    wait_for(lambda: len(answers(browser)) == 3 and answers(browser)[2].text.strip(), timeout=120)
+    browser.find_element(By.ID, "stop").click()
+    third = wait_for(lambda: len(answers(browser)) == 3 and answers(browser)[2].get_attribute("data-done"))
+    assert third
+    assert "stopped" in answers(browser)[2].find_element(By.CLASS_NAME, "stats").text
+    assert browser.find_element(By.ID, "send").is_displayed()
+    wait_for(lambda: running_requests(page_server.url) == 0, timeout=60)
+
+
+def running_requests(url: str) -> float:
+    return float(re.search(r"^mlxinfer_running_requests (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))

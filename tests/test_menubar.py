@@ -1,0 +1,223 @@
+"""The menubar helper: its controller driven directly, its menu built by pystray, and a real tray icon under Xvfb."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.server import ServerSettings
+from mlxinfer.ui import MenubarController
+from mlxinfer.ui.tray import ACCENT, build_menu, icon_image
+from tests.conftest import TINY
+from tests.system_tools import require
+
+
+@pytest.fixture
+def models_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for name in ("llama_classic", "qwen2"):
+        shutil.copytree(TINY / name, folder / name, ignore=shutil.ignore_patterns("golden.safetensors"))
+    (folder / "notes").mkdir()  # not a model: no config.json
+    (folder / "readme.txt").write_text("not a model either")
+    return folder
+
+
+@pytest.fixture
+def controller(models_dir: Path):
+    opened: list[str] = []
+    made = MenubarController(ServerSettings(port=0), models_dir=models_dir, open_url=opened.append)
+    made.opened = opened
+    yield made
+    made.quit()
+
+
+def chat(url: str, max_tokens: int = 3) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "temperature": 0}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_lists_models_serves_and_reports_the_last_answer(controller, models_dir):
+    assert controller.available_models() == [models_dir / "llama_classic", models_dir / "qwen2"]
+    changes = []
+    controller.on_change = lambda: changes.append(controller.speed_label)
+    controller.start(models_dir / "llama_classic")
+    assert controller.serving and controller.loaded
+    assert controller.model_label.startswith("llama_classic: ") and controller.model_label.endswith("MiB")
+    assert controller.speed_label == "No answer yet"
+    assert chat(controller.url).status_code == 200
+    deadline = time.monotonic() + 10
+    while controller.last_stats is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert controller.speed_label.startswith("Last answer: ") and "tokens/s" in controller.speed_label
+    assert any(label.startswith("Last answer") for label in changes)  # pushed to the menu, not polled
+
+
+def test_open_chat_starts_the_server_if_needed(controller, models_dir):
+    controller.start(models_dir / "llama_classic")
+    controller.stop_server()
+    assert not controller.serving
+    with pytest.raises(httpx.TransportError):
+        httpx.get(controller.url + "/health", timeout=2)
+    controller.open_chat()
+    assert controller.serving
+    assert controller.opened == [controller.url + "/"]
+    assert httpx.get(controller.opened[0]).status_code == 200
+
+
+def test_switch_model_serves_the_other_one(controller, models_dir):
+    controller.start(models_dir / "llama_classic")
+    controller.switch_model(models_dir / "qwen2")
+    assert controller.current == models_dir / "qwen2"
+    ids = [m["id"] for m in httpx.get(controller.url + "/v1/models").json()["data"]]
+    assert ids == ["qwen2"]
+    assert chat(controller.url).json()["model"] == "qwen2"
+
+
+def test_unload_frees_memory_and_the_next_request_reloads(smol_path, models_dir):
+    controller = MenubarController(ServerSettings(port=0), models_dir=models_dir, open_url=lambda url: None)
+    try:
+        controller.start(smol_path)
+        assert chat(controller.url).status_code == 200
+        before = mx.get_active_memory()
+        controller.unload()
+        assert not controller.loaded and "unloaded" in controller.model_label
+        assert before - mx.get_active_memory() > 50 << 20  # the 4-bit weights at least
+        assert controller.models.ids == [smol_path.stem]
+        assert chat(controller.url).status_code == 200
+        assert controller.loaded
+    finally:
+        controller.quit()
+    assert not controller.serving and not controller.loaded
+
+
+def test_menu_items_read_and_drive_the_controller(controller, models_dir, monkeypatch):
+    monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
+    import pystray
+
+    controller.start(models_dir / "llama_classic")
+    menu = build_menu(controller, pystray)
+    icon = pystray.Icon("test", icon_image(), "test", menu=menu)
+
+    def labels() -> list[str]:
+        return [item.text for item in menu.items if item is not pystray.Menu.SEPARATOR]
+
+    assert labels()[:2] == [controller.model_label, "No answer yet"]
+    assert labels()[2:] == ["Open Chat", "Switch Model", "Unload", "Stop Server", "Quit"]
+    items = {item.text: item for item in menu.items}
+    items["Open Chat"](icon)
+    assert controller.opened == [controller.url + "/"]
+    switch = [item.text for item in items["Switch Model"].submenu.items]
+    assert switch == ["llama_classic", "qwen2"]
+    items["Stop Server"](icon)
+    assert not controller.serving
+    assert "Start Server" in labels()
+    items["Unload"](icon)
+    assert not controller.loaded and not items["Unload"].enabled
+
+
+def test_the_icon_is_drawn_in_the_accent_colour():
+    image = icon_image(32)
+    assert image.getpixel((0, 0))[3] == 0  # rounded corner
+    assert image.getpixel((2, 16)) == ACCENT
+    assert (np.asarray(image) == (255, 255, 255, 255)).all(axis=-1).sum() > 20  # the bars
+
+
+def start_display(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    read, write = os.pipe()
+    xvfb = subprocess.Popen(
+        ["Xvfb", "-displayfd", str(write), "-screen", "0", "320x160x24", "-nolisten", "tcp"], pass_fds=(write,)
+    )
+    os.close(write)
+    number = b""
+    while not number.endswith(b"\n"):
+        chunk = os.read(read, 16)
+        if not chunk:
+            raise RuntimeError("Xvfb did not start")
+        number += chunk
+    os.close(read)
+    return xvfb, f":{number.decode().strip()}"
+
+
+def wait_for_tray(display_name: str, timeout: float = 20) -> None:
+    from Xlib import display as xdisplay
+
+    screen = xdisplay.Display(display_name)
+    selection = screen.intern_atom("_NET_SYSTEM_TRAY_S0")
+    deadline = time.monotonic() + timeout
+    while screen.get_selection_owner(selection) == 0:  # X.NONE
+        if time.monotonic() > deadline:
+            raise RuntimeError("no system tray appeared")
+        time.sleep(0.1)
+    screen.close()
+    time.sleep(0.5)
+
+
+def accent_pixels(image) -> int:
+    return int((np.asarray(image.convert("RGB")) == ACCENT[:3]).all(axis=-1).sum())
+
+
+def test_real_tray_icon_shows_under_xvfb(tmp_path, models_dir):
+    require("Xvfb", "trayer")
+    from PIL import ImageGrab
+
+    xvfb, display = start_display(tmp_path)
+    processes = [xvfb]
+    try:
+        env = {**os.environ, "DISPLAY": display, "PYSTRAY_BACKEND": "xorg", "MLXINFER_MODELS_DIR": str(models_dir)}
+        tray = ["trayer", "--edge", "top", "--align", "left", "--widthtype", "request", "--height", "32"]
+        processes.append(subprocess.Popen(tray + ["--transparent", "false", "--SetDockType", "true"], env=env))
+        wait_for_tray(display)
+        command = [sys.executable, "-m", "mlxinfer.cli", "menubar", str(models_dir / "llama_classic"), "--port", "0"]
+        helper = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        processes.append(helper)
+        deadline, shot = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            shot = ImageGrab.grab(xdisplay=display)
+            if accent_pixels(shot) > 50:
+                break
+            assert helper.poll() is None, helper.stdout.read()
+            time.sleep(0.3)
+        shot.save(tmp_path / "tray.png")
+        assert accent_pixels(shot) > 50, "the icon never showed in the tray"
+        helper.send_signal(signal.SIGTERM)
+        assert helper.wait(timeout=20) == 0
+        assert "Traceback" not in helper.stdout.read()
+    finally:
+        for process in reversed(processes):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(5)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+
+def test_cli_menubar_refuses_a_missing_model(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mlxinfer.cli", "menubar", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYSTRAY_BACKEND": "dummy"},
+    )
+    assert result.returncode == 1
+    assert "nope" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_catalog_finds_folders_and_gguf_files(models_dir):
+    (models_dir / "small.gguf").write_bytes(b"GGUF")
+    found = mlxinfer.models.local_models(models_dir)
+    assert [p.name for p in found] == ["llama_classic", "qwen2", "small.gguf"]
+    assert mlxinfer.models.local_models(models_dir / "missing") == []
