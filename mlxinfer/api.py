@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from .cache import PrefixCache, PrefixCacheStats, PrefixStore, fingerprint, make
 from .default_model import cache_dir, default_model_path
 from .display import html_table, mib
 from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
+from .engine.sampling import is_int
 from .errors import MemoryBudgetError, SamplingError, TokenizerError
 from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
 from .models import LoadedModel, load_model
@@ -141,9 +141,14 @@ class Model:
             prefix_cache=self.prefix_cache,
             footprint=self.footprint,
             kv_bits=self.kv_bits,
-            eos_token_ids=frozenset(self.tokenizer.eos_token_ids + self.config.eos_token_ids),
+            eos_token_ids=frozenset(self.eos_token_ids),
             context_tokens=self.context_tokens,
         )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end a generation: the tokenizer's and the model config's."""
+        return tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
 
     @property
     def context_tokens(self) -> int:
@@ -212,7 +217,7 @@ class Model:
             prompt_ids=ids,
             max_tokens=max_tokens,
             sampling=params,
-            eos_token_ids=self.tokenizer.eos_token_ids + self.config.eos_token_ids,
+            eos_token_ids=self.eos_token_ids,
             prefill_chunk_tokens=prefill_chunk_tokens,
             kv_bits=self.kv_bits,
         )
@@ -231,7 +236,7 @@ class Model:
                 return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         items = list(prompt)
-        if items and all(_is_token_id(t) for t in items):
+        if items and all(is_int(t) for t in items):
             return _check_ids(items, self.config.vocab_size)
         if chat is False:
             raise SamplingError("a list of messages needs the chat template; drop chat=False")
@@ -257,7 +262,7 @@ class Model:
         quant = f", {loaded.quantized_layers} quantized layers" if loaded.quantized_layers else ""
         return (
             f"Model({loaded.path.name}: {loaded.config.model_type}, {loaded.config.num_layers} layers{quant}, "
-            f"{loaded.weights_bytes / 2**20:.1f} MiB, compute {self.compute_dtype})"
+            f"{mib(loaded.weights_bytes)}, compute {self.compute_dtype})"
         )
 
     def _repr_html_(self) -> str:
@@ -274,14 +279,10 @@ class Model:
         return html_table(f"Model {loaded.path.name}", rows)
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:
     if not ids:
         raise SamplingError("token_ids is empty")
-    bad = [t for t in ids if not _is_token_id(t) or not 0 <= t < vocab_size]
+    bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab_size]
     if bad:
         raise SamplingError(f"token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
     return [int(t) for t in ids]

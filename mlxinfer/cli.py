@@ -18,6 +18,7 @@ import click
 from . import __version__
 from .api import Model, load
 from .default_model import cache_dir, default_model_path
+from .display import mib
 from .errors import DefaultModelError, MlxInferError
 from .models import load_tokenizer
 
@@ -244,12 +245,12 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
     m = memory_plan.machine
     click.echo(
         f"{llm.path.name} at {memory_plan.context} tokens ({llm.compute_dtype}) on {m.backend}: "
-        f"{_mib(m.total_bytes)} total, {_mib(m.available_bytes)} available, {_mib(m.swap_used_bytes)} swap used"
+        f"{mib(m.total_bytes, 0)} total, {mib(m.available_bytes, 0)} available, {mib(m.swap_used_bytes, 0)} swap used"
     )
     for part, size in memory_plan.parts.items():
-        click.echo(f"  {part:<22}{_mib(size):>14}")
-    click.echo(f"  {'needed':<22}{_mib(memory_plan.needed_bytes):>14}")
-    click.echo(f"  {'usable':<22}{_mib(memory_plan.usable_bytes):>14}")
+        click.echo(f"  {part:<22}{mib(size, 0):>14}")
+    click.echo(f"  {'needed':<22}{mib(memory_plan.needed_bytes, 0):>14}")
+    click.echo(f"  {'usable':<22}{mib(memory_plan.usable_bytes, 0):>14}")
     click.echo(f"verdict: {memory_plan.verdict}; the largest context that fits is {memory_plan.max_context()} tokens")
     for tip in memory_plan.suggestions():
         click.echo(f"  - {tip}")
@@ -276,7 +277,7 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
 )
 @click.option(
     "--max-queue",
-    type=click.IntRange(0),
+    type=click.IntRange(1),
     default=64,
     show_default=True,
     help="Requests waiting beyond that; more get 429.",
@@ -367,10 +368,6 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
     run_tray(controller)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB"
-
-
 @main.group()
 def cache() -> None:
     """Warmed prompt prefixes kept on disk (a system prompt, a document)."""
@@ -411,7 +408,7 @@ def cache_ls() -> None:
 
     rows = list_prefixes(cache_dir() / "prefixes")
     for row in rows:
-        click.echo(f"{row['model']:<40} {row['tokens']:>8} tokens {_mib(int(row['bytes'])):>10}  {row['path']}")
+        click.echo(f"{row['model']:<40} {row['tokens']:>8} tokens {mib(int(row['bytes']), 0):>10}  {row['path']}")
     click.echo(f"{len(rows)} warmed prefixes in {cache_dir() / 'prefixes'}", err=True)
 
 

@@ -15,5 +15,5 @@ def html_table(caption: str, rows: Iterable[tuple[str, object]]) -> str:
     return f"<table><caption style='text-align:left'><b>{html.escape(caption)}</b></caption>{body}</table>"
 
 
-def mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def mib(n: float, digits: int = 1) -> str:
+    return f"{n / 2**20:,.{digits}f} MiB"

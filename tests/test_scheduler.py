@@ -56,6 +56,23 @@ def run_jobs(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int, **
     return [c.wait() for c in collectors]
 
 
+def batch_sizes(scheduler: Scheduler) -> list[int]:
+    """Sizes of the decode batches seen from the scheduler's thread (one entry per event)."""
+    seen: list[int] = []
+    step = scheduler._batch.step
+
+    def recorded() -> list[int]:
+        seen.append(len(scheduler._batch.rows))
+        return step()
+
+    scheduler._batch.step = recorded
+    return seen
+
+
+def no_pins(model) -> bool:
+    return all(entry.pins == 0 for entry in model.prefix_cache._entries.values())
+
+
 @pytest.fixture
 def scheduler_for():
     made = []
@@ -73,7 +90,10 @@ def scheduler_for():
 def test_batched_greedy_equals_each_request_alone(name, scheduler_for):
     model = mlxinfer.load(TINY / name, dtype="float32", prefix_cache_bytes=0)
     alone = [model.generate(p, max_tokens=20) for p in PROMPTS]
-    together = run_jobs(scheduler_for(model, max_batch=3, prefill_chunk=16), PROMPTS, max_tokens=20)
+    scheduler = scheduler_for(model, max_batch=3, prefill_chunk=16)
+    sizes = batch_sizes(scheduler)
+    together = run_jobs(scheduler, PROMPTS, max_tokens=20)
+    assert max(sizes) >= 2  # they really decoded together
     for single, batched in zip(alone, together):
         assert isinstance(batched.end, Finished)
         assert batched.text == single.text
@@ -133,8 +153,11 @@ def test_quantized_kv_rows_batch_like_single_requests(smol_path, scheduler_for):
     model = mlxinfer.load(smol_path, kv_bits=8, prefix_cache_bytes=0)
     prompts = [model.encode_prompt(q, chat=True) for q in ("What is the capital of France?", "What is 2+2?")]
     alone = [model.generate(p, max_tokens=10).text for p in prompts]
-    together = run_jobs(scheduler_for(model, max_batch=2), prompts, max_tokens=10)
+    scheduler = scheduler_for(model, max_batch=2)
+    sizes = batch_sizes(scheduler)
+    together = run_jobs(scheduler, prompts, max_tokens=10)
     assert [c.text for c in together] == alone
+    assert max(sizes) == 2
     assert "Paris" in alone[0]
 
 
@@ -166,6 +189,7 @@ def test_cancel_frees_the_place_and_keeps_the_prefix(tiny_llama, scheduler_for):
     assert first.wait().end.stats.finish_reason == "cancelled"
     assert isinstance(second.wait().end, Finished)
     assert first.end.stats.generated_tokens < 200
+    assert no_pins(tiny_llama)
 
 
 def test_queue_full_is_refused_with_a_retry_time(tiny_llama, scheduler_for):
@@ -293,6 +317,42 @@ def test_stop_ends_running_and_waiting_requests(tiny_llama):
         assert isinstance(end, Failed) and isinstance(end.error, ShutdownError)
     with pytest.raises(ShutdownError):
         scheduler.submit(Job([3], Collector(), max_tokens=2))
+    assert no_pins(tiny_llama)
+
+
+def test_abort_ends_what_runs_and_keeps_serving(tiny_llama, scheduler_for):
+    scheduler = scheduler_for(tiny_llama, max_batch=1)
+    running, waiting = Collector(), Collector()
+    params = SamplingParams(temperature=1.0, seed=6)
+    scheduler.submit(Job([3, 4], running, max_tokens=250, sampling=params))
+    scheduler.submit(Job([5, 6], waiting, max_tokens=250, sampling=params))
+    assert running.first.wait(60)
+    scheduler.abort("server stopping")
+    for collector in (running, waiting):
+        end = collector.wait(10).end
+        assert isinstance(end, Failed) and "server stopping" in str(end.error)
+    after = run_jobs(scheduler, [[7, 8]], max_tokens=3)[0]
+    assert isinstance(after.end, Finished)
+    assert no_pins(tiny_llama)
+
+
+def test_a_listener_that_raises_does_not_stop_the_scheduler(tiny_llama, scheduler_for):
+    scheduler = scheduler_for(tiny_llama)
+
+    def broken(event):
+        raise RuntimeError("listener bug")
+
+    scheduler.submit(Job([3, 4], broken, max_tokens=3))
+    fine = run_jobs(scheduler, [[5, 6]], max_tokens=3)[0]
+    assert isinstance(fine.end, Finished) and fine.end.stats.generated_tokens >= 1
+
+
+def test_scheduler_config_refuses_values_that_would_hang():
+    from mlxinfer.errors import ConfigError
+
+    for bad in ({"max_batch": 0}, {"max_queue": 0}, {"prefill_chunk": 0}, {"max_batch": True}):
+        with pytest.raises(ConfigError):
+            SchedulerConfig(**bad)
 
 
 def test_a_failing_step_ends_its_requests_and_the_scheduler_goes_on(tiny_llama, scheduler_for, monkeypatch):
@@ -315,6 +375,7 @@ def test_a_failing_step_ends_its_requests_and_the_scheduler_goes_on(tiny_llama, 
     fine = Collector()
     scheduler.submit(Job([3, 4], fine, max_tokens=3))
     assert isinstance(fine.wait().end, Finished)
+    assert no_pins(tiny_llama)
 
 
 def test_batched_requests_share_the_prefix_cache(smol, scheduler_for):

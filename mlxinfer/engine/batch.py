@@ -57,6 +57,10 @@ class DecodeBatch:
             self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
             self.rows = [s for i, s in enumerate(self.rows) if i not in set(rows)]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.cache) if self.cache else 0
+
     def row_cache(self, row: int) -> list[Cache]:
         """Row `row`'s keys and values as a single-sequence cache (for the prefix cache)."""
         assert self.cache is not None

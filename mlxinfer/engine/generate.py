@@ -111,10 +111,9 @@ def _generate(
         now = time.perf_counter()
         if first_at is None:
             first_at = now
-            stats.ttft_s = now - start
-            stats.prefill_tps = stats.prefilled_tokens / stats.ttft_s
+            stats.first_token(now - start, now - start)
         elif count > 0:
-            stats.decode_tps = count / (now - first_at)
+            stats.decoded(count, now - first_at)
         stats.total_s = now - start
         stats.peak_memory_bytes = mx.get_peak_memory()
         if token in eos:

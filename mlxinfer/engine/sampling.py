@@ -36,9 +36,9 @@ class SamplingParams:
         _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _number("min_p", self.min_p, lo=0.0, hi=1.0)
         _number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=100.0, lo_open=True)
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise SamplingError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         for name in ("top_k", "seed"):  # numpy integers in, plain ints stored
             if getattr(self, name) is not None:
@@ -52,12 +52,18 @@ class SamplingParams:
 MIN_TEMPERATURE = 1e-5
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An integer (numpy's too), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_finite_number(value: object) -> bool:
+    """A real number (not a bool, not NaN or infinite)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_finite_number(value)
     if ok:
         ok = (lo < value if lo_open else lo <= value) and value <= hi
     if not ok:

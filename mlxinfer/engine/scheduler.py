@@ -24,14 +24,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import Cache, PrefixCache, make_cache
-from ..errors import BusyError, MemoryBudgetError, RequestTimeoutError, SamplingError, ShutdownError
+from ..cache import Cache, PrefixCache, PrefixHit, make_cache
+from ..errors import BusyError, ConfigError, MemoryBudgetError, RequestTimeoutError, SamplingError, ShutdownError
 from ..memory import MachineMemory, ModelFootprint, batch_peak_bytes, machine_memory
 from ..models.decoder import DecoderLM
 from ..tokenizer import Tokenizer
 from .batch import DecodeBatch, Running
 from .generate import check_request
-from .job import Delta, Failed, Finished, Job
+from .job import Delta, Event, Failed, Finished, Job
 from .sampling import Sampler
 from .text import TextStream
 from .threads import run_on_device_thread
@@ -58,6 +58,12 @@ class SchedulerConfig:
     max_queue: int = 64  # requests waiting for a place; more are refused (BusyError)
     prefill_chunk: int = 256  # tokens per prefill step, between decode steps of running sequences
 
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
+
 
 @dataclass
 class _Prefill:
@@ -82,6 +88,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._inbox: deque[Job] = deque()
         self._stopping: str | None = None
+        self._aborting: str | None = None  # end what is in flight, keep serving
         self._waiting: deque[Job] = deque()  # the loop's own, like everything below
         self._prefill: _Prefill | None = None
         self._batch = DecodeBatch(runtime.decoder, runtime.kv_bits)
@@ -118,6 +125,12 @@ class Scheduler:
         with self._cond:
             self._cond.notify()
 
+    def abort(self, reason: str) -> None:
+        """End every running and waiting request (each gets a Failed event) and go on serving new ones."""
+        with self._cond:
+            self._aborting = reason
+            self._cond.notify()
+
     def stop(self, reason: str = "the server is shutting down", timeout: float | None = 10.0) -> None:
         """End every request (each gets a Failed event) and the thread."""
         with self._cond:
@@ -134,20 +147,35 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._inbox or self._waiting or self._prefill or self._batch.rows or self._stopping):
+                while not (self._has_work() or self._stopping or self._aborting):
                     self._cond.wait()
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
-                stopping = self._stopping
+                stopping, aborting, self._aborting = self._stopping, self._aborting, None
             if stopping is not None:
                 self._end_all(ShutdownError(stopping))
                 return
-            self._drop_cancelled_and_expired()
-            self._admit()
-            self._guarded(self._prefill_step, [self._prefill.sequence] if self._prefill else [])
-            self._guarded(self._decode_step, list(self._batch.rows))
-            self.queued, self.running = len(self._waiting), len(self._batch.rows) + (self._prefill is not None)
-            self.memory_in_use = mx.get_active_memory()
+            if aborting is not None:
+                self._end_all(ShutdownError(aborting))
+            try:
+                self._turn()
+            except Exception as error:  # noqa: BLE001 - outside the guarded steps: end what is in flight, go on
+                log.exception("scheduler turn failed")
+                self._end_all(error)
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._waiting or self._prefill or self._batch.rows)
+
+    def _turn(self) -> None:
+        self._drop_cancelled_and_expired()
+        self._admit()
+        self._guarded(self._prefill_step, [self._prefill.sequence] if self._prefill else [])
+        self._guarded(self._decode_step, list(self._batch.rows))
+        self.queued, self.running = len(self._waiting), len(self._batch.rows) + (self._prefill is not None)
+        self.memory_in_use = mx.get_active_memory()
+        for sequence in self._batch.rows:
+            stats = sequence.job.stats
+            stats.peak_memory_bytes = max(stats.peak_memory_bytes, self.memory_in_use)
 
     def _guarded(self, step: Callable[[], None], affected: list[Running]) -> None:
         # A failure in one step ends the requests it touched; the server keeps serving.
@@ -157,7 +185,7 @@ class Scheduler:
             log.exception("generation step failed")
             for sequence in affected:
                 self._release(sequence)
-                sequence.job.on_event(Failed(error))
+                _emit(sequence.job, Failed(error))
             if step == self._prefill_step:
                 self._prefill = None
             else:
@@ -168,7 +196,7 @@ class Scheduler:
         for job in [j for j in self._waiting if j.cancelled or j.expired(now)]:
             self._waiting.remove(job)
             if not job.cancelled:
-                job.on_event(Failed(RequestTimeoutError(f"waited {job.time_limit_s:g} s for a place; try again")))
+                _emit(job, Failed(RequestTimeoutError(f"waited {job.time_limit_s:g} s for a place; try again")))
         prefill = self._prefill
         if prefill and (prefill.job.cancelled or prefill.job.expired(now)):
             self._prefill = None
@@ -188,7 +216,7 @@ class Scheduler:
                 chunk = self._fit(job)
             except MemoryBudgetError as error:
                 self._waiting.popleft()
-                job.on_event(Failed(error))
+                _emit(job, Failed(error))
                 continue
             if chunk is None:
                 return  # wait for running sequences to finish
@@ -197,7 +225,7 @@ class Scheduler:
                 self._prefill = self._start_prefill(job, chunk)
             except Exception as error:  # noqa: BLE001 - reported to the request, logged here
                 log.exception("could not start a request")
-                job.on_event(Failed(error))
+                _emit(job, Failed(error))
 
     def _fit(self, job: Job) -> int | None:
         """The prefill chunk `job` can run with now, None to wait, MemoryBudgetError if it never fits."""
@@ -206,8 +234,11 @@ class Scheduler:
         chunk = self.config.prefill_chunk
         while True:
             held = prefix.stats.bytes_held if prefix else 0
-            needed = batch_peak_bytes(self.runtime.footprint, rows, len(job.prompt_ids), chunk) + held
-            usable = self._machine().usable_bytes(mx.get_active_memory() + mx.get_cache_memory())
+            ours = mx.get_active_memory() + mx.get_cache_memory()
+            # MLX memory this model does not account for (another loaded model) stays taken.
+            others = max(0, mx.get_active_memory() - self.runtime.footprint.weights_bytes - self._batch.nbytes - held)
+            needed = batch_peak_bytes(self.runtime.footprint, rows, len(job.prompt_ids), chunk) + held + others
+            usable = self._machine().usable_bytes(ours)
             if needed <= usable:
                 return chunk
             if prefix and prefix.evict(needed - usable):
@@ -227,6 +258,15 @@ class Scheduler:
         runtime, prompt_ids = self.runtime, job.prompt_ids
         cache = make_cache(len(runtime.decoder.layers), runtime.kv_bits)
         hit = runtime.prefix_cache.lookup(prompt_ids) if runtime.prefix_cache else None
+        try:
+            return self._prefill_from(job, chunk, cache, hit)
+        except BaseException:
+            if hit and runtime.prefix_cache:
+                runtime.prefix_cache.release(hit)
+            raise
+
+    def _prefill_from(self, job: Job, chunk: int, cache: list[Cache], hit: PrefixHit | None) -> _Prefill:
+        runtime, prompt_ids = self.runtime, job.prompt_ids
         if hit:
             hit.restore(cache)
         job.stats.queued_s = job.elapsed()
@@ -255,8 +295,7 @@ class Scheduler:
         mx.eval(token)
         sequence = p.sequence
         sequence.first_token_at = time.perf_counter()
-        p.job.stats.ttft_s = p.job.elapsed()
-        p.job.stats.prefill_tps = p.job.stats.prefilled_tokens / max(p.job.stats.ttft_s - p.job.stats.queued_s, 1e-9)
+        p.job.stats.first_token(p.job.elapsed(), p.job.elapsed() - p.job.stats.queued_s)
         reason = self._accept(sequence, int(token.item()))
         if reason is None:
             self._batch.join(sequence, p.cache)
@@ -284,7 +323,7 @@ class Scheduler:
         if token in self.runtime.eos_token_ids:
             return "stop"
         job.stats.generated_tokens += 1
-        job.on_event(Delta(sequence.text.add(token), 1))  # text may be "" (a character still incomplete)
+        _emit(job, Delta(sequence.text.add(token), 1))  # text may be "" (a character still incomplete)
         if sequence.text.stopped:
             return "stop"
         return "length" if job.stats.generated_tokens >= job.max_tokens else None
@@ -308,24 +347,32 @@ class Scheduler:
         job, now = sequence.job, time.perf_counter()
         tail = sequence.text.finish() if reason != "cancelled" else ""
         if tail:
-            job.on_event(Delta(tail, 0))
+            _emit(job, Delta(tail, 0))
         stats = job.stats
         stats.finish_reason = "stop" if sequence.text.stopped else reason
         stats.total_s = now - job.submitted_at
-        if stats.generated_tokens > 1 and sequence.first_token_at:
-            stats.decode_tps = (stats.generated_tokens - 1) / max(now - sequence.first_token_at, 1e-9)
-        stats.peak_memory_bytes = mx.get_peak_memory()
+        stats.peak_memory_bytes = max(stats.peak_memory_bytes, mx.get_active_memory())
+        if sequence.first_token_at:
+            stats.decoded(stats.generated_tokens - 1, now - sequence.first_token_at)
         self._service_s = 0.8 * self._service_s + 0.2 * (stats.total_s - stats.queued_s)
-        job.on_event(Finished(stats))
+        _emit(job, Finished(stats))
 
     def _end_all(self, error: Exception) -> None:
         sequences = list(self._batch.rows) + ([self._prefill.sequence] if self._prefill else [])
         for sequence in sequences:
             self._release(sequence)
-            sequence.job.on_event(Failed(error))
+            _emit(sequence.job, Failed(error))
         for job in self._waiting:
-            job.on_event(Failed(error))
+            _emit(job, Failed(error))
         self._waiting.clear()
         self._batch.clear()
         self._prefill = None
         self.queued = self.running = 0
+
+
+def _emit(job: Job, event: Event) -> None:
+    """Hand `event` to the job's listener; a listener that raises must not stop the scheduler."""
+    try:
+        job.on_event(event)
+    except Exception:  # noqa: BLE001 - the listener's bug, logged; the generation goes on
+        log.exception("a request's event listener failed")

@@ -25,6 +25,16 @@ class GenerationStats:
     peak_memory_bytes: int = 0
     finish_reason: str = ""  # "stop" (EOS or stop string), "length" (max_tokens or time limit) or "cancelled"
 
+    def first_token(self, ttft_s: float, prefill_s: float) -> None:
+        """The first token came `ttft_s` after the request, its prefill having taken `prefill_s`."""
+        self.ttft_s = ttft_s
+        self.prefill_tps = self.prefilled_tokens / max(prefill_s, 1e-9)
+
+    def decoded(self, tokens_after_first: int, seconds: float) -> None:
+        """`tokens_after_first` tokens followed the first one within `seconds`."""
+        if tokens_after_first > 0:
+            self.decode_tps = tokens_after_first / max(seconds, 1e-9)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -44,5 +54,5 @@ class GenerationStats:
         return (
             f"{self.prompt_tokens} prompt tokens{cached}, {self.generated_tokens} generated; "
             f"TTFT {self.ttft_s:.2f} s, prefill {self.prefill_tps:.1f} tok/s, "
-            f"decode {self.decode_tps:.1f} tok/s, peak {self.peak_memory_bytes / 2**20:.0f} MiB"
+            f"decode {self.decode_tps:.1f} tok/s, peak {mib(self.peak_memory_bytes, 0)}"
         )

@@ -9,6 +9,7 @@ next piece of device work (a new Scheduler, after an unload) reuses it.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+log = logging.getLogger("mlxinfer.threads")
 _parked: queue.SimpleQueue[queue.SimpleQueue] = queue.SimpleQueue()
 
 
@@ -36,6 +38,8 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         work, done = inbox.get()
         try:
             work()
+        except BaseException:  # noqa: BLE001 - a parked thread must survive its work failing
+            log.exception("device work failed")
         finally:
             work = None  # a parked thread must not keep the finished work (a Scheduler, its model) alive
             done.set()

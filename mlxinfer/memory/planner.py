@@ -188,13 +188,14 @@ def batch_peak_bytes(footprint: ModelFootprint, rows: Sequence[int], prompt: int
 
     `rows` are the positions each sequence may reach (prompt + max_tokens, the one
     being prefilled included). Rows are right-aligned in one cache, so each takes
-    as many positions as the longest; joining a row copies the batch once.
+    as many positions as the longest. While a row joins, the old batch, its padded copy and
+    the new batch exist together with the joining row's own cache.
     """
     if not rows:
         return footprint.weights_bytes
     batch_kv = len(rows) * footprint.kv_cache_bytes(max(rows))
     prefill = footprint.kv_cache_bytes(prompt) + footprint.activation_bytes(min(chunk, prompt), prompt)
-    joining = batch_kv  # old and new batch arrays exist together while a row joins
+    joining = batch_kv + footprint.kv_cache_bytes(prompt)  # beyond the batch_kv counted below
     return footprint.weights_bytes + batch_kv + max(prefill, joining) + RUNTIME_BYTES
 
 

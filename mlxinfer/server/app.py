@@ -45,16 +45,16 @@ MAX_TOKENS = 1_000_000  # above this, the engine's own check answers (max_tokens
 class JobEvents:
     """A job's events, carried from the scheduler's thread onto this event loop."""
 
-    def __init__(self, on_finished: Callable[[GenerationStats], None]) -> None:
+    def __init__(self, on_end: Callable[[Event], None]) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._on_finished = on_finished
+        self._on_end = on_end
 
     def put(self, item: Event) -> None:  # called on the scheduler's thread
-        if isinstance(item, Finished):  # here, not in the handler: a client that left no longer reads its events
-            self._on_finished(item.stats)
         with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is listening
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        if not isinstance(item, Delta):  # here, not in the handler: a client that left no longer reads its events
+            self._on_end(item)
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while True:
@@ -101,12 +101,14 @@ class API:
         return run
 
     async def chat_completions(self, request: Request) -> Response:
+        request.state.arrived = time.perf_counter()
         messages, params = parse_chat(parse_json(await read_body(request, self.settings.max_body_bytes)))
         served = await run_in_threadpool(self.models.get, params.model)  # may load an unloaded model
         ids = await run_in_threadpool(served.model.tokenizer.encode_chat, messages)
         return await self._generate(request, served, ids, params, Reply(served.id, chat=True))
 
     async def completions(self, request: Request) -> Response:
+        request.state.arrived = time.perf_counter()
         prompt, params = parse_completion(parse_json(await read_body(request, self.settings.max_body_bytes)))
         served = await run_in_threadpool(self.models.get, params.model)
         ids = prompt if isinstance(prompt, list) else await run_in_threadpool(served.model.tokenizer.encode, prompt)
@@ -132,19 +134,19 @@ class API:
                 "max_tokens",
                 "context_length_exceeded",
             )
-        events = JobEvents(self._finished)
+        events = JobEvents(self._ended)
         job = Job(ids, events.put, max_tokens, params.sampling, params.stop, self.settings.request_timeout_s)
         served.scheduler.submit(job)
+        clock = _TokenClock(self.metrics, request.state.arrived)
         if params.stream:
-            body = self._stream(served, job, events, reply, params.include_usage)
+            body = self._stream(served, job, events, reply, params.include_usage, clock)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        return await self._whole(request, served, job, events, reply)
+        return await self._whole(request, served, job, events, reply, clock)
 
     async def _stream(
-        self, served: ServedModel, job: Job, events: JobEvents, reply: Reply, include_usage: bool
+        self, served: ServedModel, job: Job, events: JobEvents, reply: Reply, include_usage: bool, clock: _TokenClock
     ) -> AsyncIterator[str]:
-        clock = _TokenClock(self.metrics)
         try:
             if reply.chat:
                 yield event(reply.chunk(role=True, text=""))
@@ -164,9 +166,8 @@ class API:
             served.scheduler.cancel(job)  # a no-op once it finished; frees the slot if the client left
 
     async def _whole(
-        self, request: Request, served: ServedModel, job: Job, events: JobEvents, reply: Reply
+        self, request: Request, served: ServedModel, job: Job, events: JobEvents, reply: Reply, clock: _TokenClock
     ) -> Response:
-        clock = _TokenClock(self.metrics)
 
         async def gather() -> Response:
             texts = []
@@ -189,10 +190,16 @@ class API:
             return Response(status_code=499)  # never sent: the client is gone
         return answer.result()
 
-    def _finished(self, stats: GenerationStats) -> None:
-        self.metrics.record(stats)
+    def _ended(self, event: Event) -> None:
+        if not isinstance(event, Finished):
+            self.metrics.finished.labels("error").inc()
+            return
+        self.metrics.record(event.stats)
         if self._on_finished is not None:
-            self._on_finished(stats)
+            try:
+                self._on_finished(event.stats)
+            except Exception:  # noqa: BLE001 - a listener's bug must not fail the answer
+                log.exception("on_finished listener failed")
 
     async def list_models(self, request: Request) -> Response:
         data = [
@@ -229,8 +236,8 @@ class API:
 class _TokenClock:
     """Feeds time-to-first-token and time-per-token histograms from a stream of deltas."""
 
-    def __init__(self, metrics: Metrics):
-        self.metrics, self.last, self.start = metrics, None, time.perf_counter()
+    def __init__(self, metrics: Metrics, arrived: float):
+        self.metrics, self.last, self.start = metrics, None, arrived
 
     def tick(self, tokens: int) -> None:
         if not tokens:
@@ -246,7 +253,7 @@ class _TokenClock:
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 (before reading, when Content-Length says so) past `limit` bytes."""
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
+    if length is not None and (not (length.isascii() and length.isdigit()) or int(length) > limit):
         raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -265,15 +272,10 @@ async def _disconnected(request: Request) -> None:
 def create_app(
     models: ModelSet, settings: ServerSettings, on_finished: Callable[[GenerationStats], None] | None = None
 ) -> Starlette:
-    """The server's ASGI app; the models' schedulers are stopped when the app shuts down.
+    """The server's ASGI app over `models` (which the caller closes when done with them).
 
     `on_finished` is called (on a scheduler's thread) with the stats of every generation that ends."""
     api = API(models, settings, on_finished)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        yield
-        await run_in_threadpool(models.close)
 
     middleware = [Middleware(GuardMiddleware, settings=settings)]
     if settings.cors_origins:
@@ -285,6 +287,6 @@ def create_app(
                 allow_headers=["Authorization", "Content-Type"],
             )
         )
-    app = Starlette(routes=api.routes(), middleware=middleware, lifespan=lifespan)
+    app = Starlette(routes=api.routes(), middleware=middleware)
     app.state.api = api
     return app

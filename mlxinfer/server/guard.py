@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import APIError
 from .settings import ServerSettings, is_loopback
 
-PROTECTED = ("/v1/", "/metrics")
+PROTECTED = ("/v1/", "/metrics", "/health")  # with an API key; the chat page's own files stay open
 
 
 class GuardMiddleware:
@@ -58,7 +58,11 @@ class GuardMiddleware:
 
 
 def host_name(host: str) -> str:
-    """The name part of a Host header: 'localhost:8080' -> 'localhost', '[::1]:8080' -> '::1'."""
+    """The name part of a Host header: 'localhost:8080' -> 'localhost', '[::1]:8080' -> '::1'.
+
+    Anything malformed comes back whole, which no loopback check accepts."""
     if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+        name, _, rest = host[1:].partition("]")
+        return name if rest == "" or (rest.startswith(":") and rest[1:].isdigit()) else host
+    name, _, port = host.partition(":")
+    return name if port == "" or (port.isascii() and port.isdigit()) else host

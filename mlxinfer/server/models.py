@@ -36,6 +36,7 @@ class _Slot:
     loader: Callable[[], Model]
     config: SchedulerConfig | None
     served: ServedModel | None = None
+    loading: threading.Lock = field(default_factory=threading.Lock)  # one load; other requests for it wait
 
 
 def model_id(model: Model) -> str:
@@ -49,7 +50,7 @@ class ModelSet:
 
     def __init__(self) -> None:
         self._slots: dict[str, _Slot] = {}
-        self._lock = threading.Lock()  # one load at a time; requests for a loading model wait for it
+        self._lock = threading.Lock()  # adding, removing and unloading, one at a time
 
     def add(self, model: Model, config: SchedulerConfig | None = None, name: str | None = None) -> ServedModel:
         """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings."""
@@ -87,7 +88,10 @@ class ModelSet:
                 "model",
                 "model_not_found",
             )
-        with self._lock:
+        served = slot.served
+        if served is not None:
+            return served
+        with slot.loading:
             if slot.served is None:
                 model = call_on_device_thread(slot.loader)
                 slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, slot.config))
@@ -111,10 +115,12 @@ class ModelSet:
     def schedulers(self) -> list[Scheduler]:
         return [s.scheduler for s in self]
 
-    def request_stop(self, reason: str) -> None:
-        """Tell every scheduler to end its requests, without waiting (safe in a signal handler)."""
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight (each stream gets a final error event); the models stay loaded.
+
+        Does not wait, so it is safe in a signal handler."""
         for served in self:
-            served.scheduler.stop(reason, timeout=0)
+            served.scheduler.abort(reason)
 
     def close(self, reason: str = "the server is shutting down") -> None:
         with self._lock:

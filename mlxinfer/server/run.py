@@ -1,6 +1,6 @@
 """Running the app on uvicorn: in the foreground (`mlxinfer serve`) or on a background thread.
 
-On SIGTERM or Ctrl-C every scheduler is told to stop first, so each in-flight
+On SIGTERM or Ctrl-C every scheduler is told to end its requests first, so each in-flight
 stream gets a final error event and ends; uvicorn then finds its connections
 closing and exits instead of waiting out long generations.
 """
@@ -28,7 +28,7 @@ class _Server(uvicorn.Server):
         self.models = models
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self.models.request_stop("the server is shutting down")
+        self.models.abort_all("the server is shutting down")
         super().handle_exit(sig, frame)
 
 
@@ -47,8 +47,11 @@ def _server(
 
 
 def serve(models: ModelSet, settings: ServerSettings, log_level: str = "info") -> None:
-    """Serve until SIGTERM / Ctrl-C; the models' schedulers are stopped on the way out."""
-    _server(models, settings, log_level, None).run()
+    """Serve until SIGTERM / Ctrl-C; the models are closed on the way out."""
+    try:
+        _server(models, settings, log_level, None).run()
+    finally:
+        models.close()
 
 
 class BackgroundServer:
@@ -84,8 +87,8 @@ class BackgroundServer:
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop serving; the models' schedulers stop too (the ModelSet keeps knowing its models)."""
-        self._server.models.request_stop("the server is shutting down")
+        """Stop serving: requests in flight end with an error event; the models stay loaded."""
+        self._server.models.abort_all("the server is stopping")
         self._server.should_exit = True
         self._thread.join(timeout)
 

@@ -9,18 +9,18 @@ Unknown fields are ignored, as OpenAI-compatible servers do.
 from __future__ import annotations
 
 import json
-import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine import SamplingParams
-from ..engine.text import MAX_STOP_STRINGS
+from ..engine.sampling import is_finite_number, is_int
+from ..engine.text import check_stops
 from ..errors import SamplingError
 from .errors import APIError, as_api_error
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
-UNSUPPORTED = (
+UNSUPPORTED = (  # refused when set to anything but their default
+    "echo",
     "logprobs",
     "top_logprobs",
     "tools",
@@ -69,7 +69,7 @@ def parse_completion(body: dict[str, Any]) -> tuple[str | list[int], GenerationP
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str) and prompt:
         return prompt, _params(body)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return [int(t) for t in prompt], _params(body)
     raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
@@ -101,13 +101,14 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise APIError(400, f"{name} is not supported; use repetition_penalty (e.g. 1.1) instead", name)
-    if body.get("n", 1) != 1 or isinstance(body.get("n"), bool):
-        raise APIError(400, "n must be 1: one choice per request", "n")
+    for name in ("n", "best_of"):
+        if body.get(name) is not None and (body[name] != 1 or isinstance(body[name], bool)):
+            raise APIError(400, f"{name} must be 1: one choice per request", name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(400, "model must be a string naming a loaded model (see GET /v1/models)", "model")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
         raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
@@ -124,15 +125,16 @@ def _params(body: dict[str, Any]) -> GenerationParams:
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:
-    temperature = body.get("temperature", 1.0)
+    temperature = body.get("temperature")
+    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
     # OpenAI's range; SamplingParams itself allows more for library callers.
-    if not _is_number(temperature) or not 0 <= temperature <= 2:
+    if not is_finite_number(temperature) or not 0 <= temperature <= 2:
         raise APIError(400, f"temperature must be a number in [0, 2], got {temperature!r}", "temperature")
     fields = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "seed": None}
     values = {name: body.get(name, default) for name, default in fields.items()}
     values = {name: fields[name] if value is None and name != "seed" else value for name, value in values.items()}
     for name, value in values.items():
-        if value is not None and not _is_number(value):
+        if value is not None and not is_finite_number(value):
             raise APIError(400, f"{name} must be a number, got {value!r}", name)
     try:
         return SamplingParams(temperature=temperature, **values)
@@ -144,11 +146,12 @@ def _stop(stop: Any) -> list[str]:
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+    if not isinstance(stops, list):
         raise APIError(400, "stop must be a string or a list of strings", "stop")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
-    return stops
+    try:
+        return check_stops(stops)
+    except SamplingError as e:
+        raise as_api_error(e) from None
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:
@@ -158,11 +161,3 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise APIError(400, f"{name} must be true or false, got {value!r}", name)
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

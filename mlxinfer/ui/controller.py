@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 from ..api import Model, load
+from ..display import mib
 from ..engine import GenerationStats
 from ..engine.threads import call_on_device_thread
 from ..models import local_models
@@ -72,7 +73,7 @@ class MenubarController:
         if not self.loaded:
             return f"{self.model_name}: unloaded (loads on the next request)"
         served = next(iter(self.models))
-        return f"{self.model_name}: {served.model.footprint.weights_bytes / 2**20:,.0f} MiB"
+        return f"{self.model_name}: {mib(served.model.footprint.weights_bytes, 0)}"
 
     @property
     def speed_label(self) -> str:

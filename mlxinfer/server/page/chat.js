@@ -2,7 +2,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const history = [];
+let history = [];
 let modelId = null;
 let controller = null;
 let apiKey = sessionStorage.getItem("mlxinfer-api-key");
@@ -19,7 +19,12 @@ function mib(bytes) {
 
 async function refreshStatus() {
   try {
-    const health = await (await fetch("/health")).json();
+    const response = await fetch("/health", { headers: headers() });
+    if (response.status === 401) {
+      $("model").textContent = "this server needs its API key (asked for when you send a message)";
+      return;
+    }
+    const health = await response.json();
     const model = health.models[0];
     modelId = model ? model.id : null;
     $("model").textContent = modelId || "no model loaded";
@@ -79,7 +84,8 @@ async function* serverEvents(response) {
 }
 
 async function ask(text) {
-  history.push({ role: "user", content: text });
+  const conversation = history; // "New chat" replaces the array; this answer stays with its own conversation
+  conversation.push({ role: "user", content: text });
   bubble("user", text);
   const div = bubble("assistant", "");
   const body = div.querySelector(".text");
@@ -95,7 +101,7 @@ async function ask(text) {
       signal: controller.signal,
       body: JSON.stringify({
         model: modelId,
-        messages: history,
+        messages: conversation,
         temperature: Number($("temperature").value) || 0,
         stream: true,
         stream_options: { include_usage: true },
@@ -131,8 +137,8 @@ async function ask(text) {
     controller = null;
     setBusy(false);
   }
-  if (!div.classList.contains("error")) history.push({ role: "assistant", content: body.textContent });
-  else history.pop(); // the question failed: leave it out of the conversation
+  if (!div.classList.contains("error")) conversation.push({ role: "assistant", content: body.textContent });
+  else conversation.pop(); // the question failed: leave it out of the conversation
   showStats(div, usage, times, stopped);
   div.dataset.done = "true";
   $("status").textContent = "";
@@ -162,7 +168,7 @@ $("input").addEventListener("keydown", (event) => {
 $("stop").addEventListener("click", () => controller && controller.abort());
 $("new-chat").addEventListener("click", () => {
   if (controller) controller.abort();
-  history.length = 0;
+  history = [];
   $("messages").replaceChildren();
 });
 refreshStatus();
