@@ -97,7 +97,7 @@ class Scheduler:
         # Read by other threads (metrics); plain ints are safe to read without the lock.
         self.queued = 0
         self.running = 0
-        self.memory_in_use = 0
+        self.memory_in_use = mx.get_active_memory()
         self._stopped = run_on_device_thread(self._run, "mlxinfer-scheduler")
 
     # -- any thread -------------------------------------------------------

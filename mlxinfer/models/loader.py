@@ -70,11 +70,19 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
     quantized = quantize_like(model, weights, mode=quantize_mode)
     verify_weights(model, weights, source=str(path))
     model.update(tree_unflatten([(k, _cast(v, compute)) for k, v in weights.items()]))
-    mx.eval(model.parameters())
+    mx.eval(model.parameters(), _private_arrays(model))
     model.eval()
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     log.info("loaded %s: %d quantized layers, %.1f MB, %s", path, quantized, nbytes / 1e6, compute)
     return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start)
+
+
+def _private_arrays(model: nn.Module) -> list[mx.array]:
+    """Arrays modules keep outside their parameters (RoPE frequency tables, `_freqs`).
+
+    Evaluated here, on the loading thread: MLX's GPU streams belong to the thread that
+    made them, and a still-lazy array would be computed later on a Scheduler's thread."""
+    return [v for _, module in model.named_modules() for v in module.values() if isinstance(v, mx.array)]
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
