@@ -93,5 +93,7 @@ def test_wheel_installs_convert_and_quantize_under_mlxinfer(tmp_path):
     assert "mlxinfer/convert/__init__.py" in names and "mlxinfer/quantize/__init__.py" in names
     subpackages = {f"mlxinfer/{p.parent.name}/__init__.py" for p in (ROOT / "mlxinfer").glob("*/__init__.py")}
     assert subpackages <= set(names), f"missing from the wheel: {sorted(subpackages - set(names))}"
+    page = {f"mlxinfer/server/page/{p.name}" for p in (ROOT / "mlxinfer" / "server" / "page").iterdir()}
+    assert page <= set(names), "the chat page's files must ship in the wheel"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "mlxinfer = mlxinfer.cli:main" in zipfile.ZipFile(next(tmp_path.glob("*.whl"))).read(entry_points).decode()
