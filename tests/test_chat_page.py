@@ -13,6 +13,7 @@ from mlxinfer.engine import SchedulerConfig
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.run import BackgroundServer
 from tests.system_tools import require
+from tests.test_server import metric
 
 PAGE = Path(__file__).resolve().parents[1] / "mlxinfer" / "server" / "page"
 
@@ -109,8 +110,4 @@ def test_chat_streams_an_answer_keeps_history_and_stops(page_server, browser, tm
     assert third
     assert "stopped" in answers(browser)[2].find_element(By.CLASS_NAME, "stats").text
     assert browser.find_element(By.ID, "send").is_displayed()
-    wait_for(lambda: running_requests(page_server.url) == 0, timeout=60)
-
-
-def running_requests(url: str) -> float:
-    return float(re.search(r"^mlxinfer_running_requests (\S+)$", httpx.get(url + "/metrics").text, re.M).group(1))
+    wait_for(lambda: metric(page_server.url, "mlxinfer_running_requests") == 0, timeout=60)

@@ -304,13 +304,19 @@ def test_a_request_that_can_never_fit_fails_with_the_numbers(tiny_llama):
         scheduler.stop()
 
 
-def test_stop_ends_running_and_waiting_requests(tiny_llama):
-    scheduler = Scheduler(tiny_llama.runtime, SchedulerConfig(max_batch=1))
+def one_running_one_waiting(scheduler: Scheduler) -> tuple[Collector, Collector]:
+    """Two long requests on a one-place scheduler, returned once the first is decoding."""
     running, waiting = Collector(), Collector()
     params = SamplingParams(temperature=1.0, seed=6)
     scheduler.submit(Job([3, 4], running, max_tokens=250, sampling=params))
     scheduler.submit(Job([5, 6], waiting, max_tokens=250, sampling=params))
     assert running.first.wait(60)
+    return running, waiting
+
+
+def test_stop_ends_running_and_waiting_requests(tiny_llama):
+    scheduler = Scheduler(tiny_llama.runtime, SchedulerConfig(max_batch=1))
+    running, waiting = one_running_one_waiting(scheduler)
     scheduler.stop("going away")
     for collector in (running, waiting):
         end = collector.wait(10).end
@@ -322,11 +328,7 @@ def test_stop_ends_running_and_waiting_requests(tiny_llama):
 
 def test_abort_ends_what_runs_and_keeps_serving(tiny_llama, scheduler_for):
     scheduler = scheduler_for(tiny_llama, max_batch=1)
-    running, waiting = Collector(), Collector()
-    params = SamplingParams(temperature=1.0, seed=6)
-    scheduler.submit(Job([3, 4], running, max_tokens=250, sampling=params))
-    scheduler.submit(Job([5, 6], waiting, max_tokens=250, sampling=params))
-    assert running.first.wait(60)
+    running, waiting = one_running_one_waiting(scheduler)
     scheduler.abort("server stopping")
     for collector in (running, waiting):
         end = collector.wait(10).end

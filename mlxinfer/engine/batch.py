@@ -55,7 +55,8 @@ class DecodeBatch:
     def leave(self, rows: list[int]) -> None:
         if rows:
             self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
-            self.rows = [s for i, s in enumerate(self.rows) if i not in set(rows)]
+            gone = set(rows)
+            self.rows = [s for i, s in enumerate(self.rows) if i not in gone]
 
     @property
     def nbytes(self) -> int:

@@ -67,7 +67,6 @@ class SchedulerConfig:
 
 @dataclass
 class _Prefill:
-    job: Job
     cache: list[Cache]
     prompt: mx.array
     done: int  # prompt tokens already in `cache`
@@ -198,10 +197,10 @@ class Scheduler:
             if not job.cancelled:
                 _emit(job, Failed(RequestTimeoutError(f"waited {job.time_limit_s:g} s for a place; try again")))
         prefill = self._prefill
-        if prefill and (prefill.job.cancelled or prefill.job.expired(now)):
+        if prefill and (prefill.sequence.job.cancelled or prefill.sequence.job.expired(now)):
             self._prefill = None
             self._release(prefill.sequence)
-            self._finish(prefill.sequence, "cancelled" if prefill.job.cancelled else "length")
+            self._finish(prefill.sequence, "cancelled" if prefill.sequence.job.cancelled else "length")
         ended = [i for i, s in enumerate(self._batch.rows) if s.job.cancelled or s.job.expired(now)]
         for row in ended:
             sequence = self._batch.rows[row]
@@ -278,7 +277,7 @@ class Scheduler:
         sampler = Sampler(job.sampling, self._vocab)
         sampler.observe(prompt)
         sequence = Running(job, sampler, TextStream(runtime.tokenizer.decode, job.stop), hit)
-        return _Prefill(job, cache, prompt, cache[0].length, chunk, sequence)
+        return _Prefill(cache, prompt, cache[0].length, chunk, sequence)
 
     def _prefill_step(self) -> None:
         p = self._prefill
@@ -293,9 +292,10 @@ class Scheduler:
         self._prefill = None
         token = p.sequence.sampler(self.runtime.decoder.head(hidden[:, -1])[0])
         mx.eval(token)
-        sequence = p.sequence
+        sequence, stats = p.sequence, p.sequence.job.stats
         sequence.first_token_at = time.perf_counter()
-        p.job.stats.first_token(p.job.elapsed(), p.job.elapsed() - p.job.stats.queued_s)
+        ttft = sequence.job.elapsed()
+        stats.first_token(ttft, ttft - stats.queued_s)
         reason = self._accept(sequence, int(token.item()))
         if reason is None:
             self._batch.join(sequence, p.cache)

@@ -71,7 +71,7 @@ class API:
         self, models: ModelSet, settings: ServerSettings, on_finished: Callable[[GenerationStats], None] | None = None
     ):
         self.models, self.settings = models, settings
-        self.metrics = Metrics(models.schedulers)
+        self.metrics = Metrics(models)
         self._on_finished = on_finished
         self.started = int(time.time())
 
@@ -217,8 +217,7 @@ class API:
             }
             for name in self.models.ids
         ]
-        memory = max((s.memory_in_use for s in self.models.schedulers()), default=0)
-        return JSONResponse({"status": "ok", "models": models, "memory_in_use_bytes": memory})
+        return JSONResponse({"status": "ok", "models": models, "memory_in_use_bytes": self.models.memory_in_use})
 
     async def page(self, request: Request) -> Response:
         return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)

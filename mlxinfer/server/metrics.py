@@ -6,11 +6,12 @@ the tests). Gauges are read from the schedulers when scraped, never polled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from ..engine import GenerationStats, Scheduler
+from .models import ModelSet
 
 disable_created_metrics()  # no `*_created` series: they double the output and nobody here reads them
 
@@ -19,9 +20,10 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5, 10)
 
 
 class Metrics:
-    """The server's instruments; `schedulers` is read at every scrape."""
+    """The server's instruments; `models` is read at every scrape."""
 
-    def __init__(self, schedulers: Callable[[], Iterable[Scheduler]]):
+    def __init__(self, models: ModelSet):
+        schedulers = models.schedulers
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "mlxinfer_requests", "HTTP requests answered", ["endpoint", "status"], registry=registry
@@ -56,9 +58,7 @@ class Metrics:
             Gauge(name, doc, registry=registry).set_function(total(read))
         Gauge(
             "mlxinfer_memory_in_use_bytes", "MLX memory in use: weights, KV caches, prefix caches", registry=registry
-        ).set_function(
-            lambda: float(max((s.memory_in_use for s in schedulers()), default=0))  # one process-wide figure
-        )
+        ).set_function(lambda: float(models.memory_in_use))
         Gauge(
             "mlxinfer_prefix_cache_hit_rate", "Share of prompt tokens served from prefix caches", registry=registry
         ).set_function(lambda: _hit_rate(list(schedulers())))

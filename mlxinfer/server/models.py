@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,7 +26,6 @@ class ServedModel:
     id: str
     model: Model
     scheduler: Scheduler
-    created: int = field(default_factory=lambda: int(time.time()))
 
 
 @dataclass
@@ -109,11 +107,13 @@ class ModelSet:
         """The loaded models."""
         return iter([s.served for s in list(self._slots.values()) if s.served is not None])
 
-    def __len__(self) -> int:
-        return len(self._slots)
-
     def schedulers(self) -> list[Scheduler]:
         return [s.scheduler for s in self]
+
+    @property
+    def memory_in_use(self) -> int:
+        """MLX memory in use as the schedulers last saw it (one process-wide figure)."""
+        return max((s.memory_in_use for s in self.schedulers()), default=0)
 
     def abort_all(self, reason: str) -> None:
         """End every request in flight (each stream gets a final error event); the models stay loaded.
