@@ -72,3 +72,7 @@ class ShutdownError(MlxInferError):
 
 class ServerConfigError(MlxInferError):
     """Server settings are unsafe or invalid (an exposed address without a key, a wildcard CORS origin)."""
+
+
+class CacheError(MlxInferError):
+    """A prefix-cache file or folder is unusable (unwritable, foreign, corrupt, or not ours to touch)."""
