@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -27,15 +28,27 @@ from mlxinfer.memory import peak_rss_bytes
 from mlxinfer.models.config import ModelConfig, normalize_config
 from mlxinfer.models.decoder import build_model
 from mlxinfer.models.dtype import choose_compute_dtype, parse_dtype
+from mlxinfer.models.sizing import check_checkpoint
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
 from .output_config import output_config
 from .sources import Quantized, Source, open_source
-from .writer import DEFAULT_SHARD_BYTES, AtomicFolder, ShardWriter, sha256_files, write_json
+from .writer import (
+    DEFAULT_SHARD_BYTES,
+    MANIFEST,
+    AtomicFolder,
+    ShardWriter,
+    check_apart,
+    check_output,
+    check_space,
+    file_size_errors,
+    os_error,
+    sha256_files,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "mlxinfer-manifest.json"
 BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
 METHODS = ("rtn", "gptq")
 
@@ -69,6 +82,7 @@ class ConversionPlan:
     output_bytes: int
     peak_bytes: int
     params: int
+    force: bool = False  # replace an existing OUT (only an empty folder or an earlier conversion)
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
@@ -115,22 +129,22 @@ def convert(src: str | Path, out: str | Path, force: bool = False, progress: boo
 
 def plan_conversion(src: str | Path, out: str | Path, settings: ConvertSettings, force: bool = False):
     """Open and validate the source and decide every layer's format; writes nothing."""
-    out = Path(out).expanduser().resolve()
     src_path = Path(src).expanduser()
-    if src_path.exists() and (out == src_path.resolve() or src_path.resolve() in out.parents):
-        raise ConversionError(f"{out}: the output may not be inside the source {src_path}")
-    if out.exists() and not force:
-        raise ConversionError(f"{out}: already exists; pass --force to replace it")
+    out = check_output(out, force, [src_path] if os.path.lexists(src_path) else [])
     source = open_source(src)
     try:
-        return _plan(source, out, settings)
+        check_apart(source_path(source), out)  # a Hub id's files are found only once it is opened
+        plan = _plan(source, out, settings)
     except BaseException:
         source.close()
         raise
+    plan.force = force
+    return plan
 
 
 def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPlan:
     config = normalize_config(source.config, source=f"{source.description} config")
+    check_checkpoint(config, {n: t.shape for n, t in source.tensors.items()}, source.description)  # before building
     model = build_model(config)  # parameters stay lazy: only shapes are used
     names = _check_tensors(source, model, config)
     block_quantized = any(t.dtype in BLOCK_BITS for t in source.tensors.values())
@@ -227,8 +241,21 @@ def _output_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dt
 def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionResult:
     """Write the output folder atomically; evaluate it unless settings.evaluate is False."""
     start = time.perf_counter()
-    folder = AtomicFolder(plan.out, force=True)
     try:
+        with file_size_errors():
+            files, bpw, quality, manifest = _write_output(plan, progress)
+    finally:
+        plan.source.close()
+    size = sum((plan.out / f).stat().st_size for f in files)
+    return ConversionResult(
+        plan.out, files, size, time.perf_counter() - start, peak_rss_bytes(), bpw, quality, manifest
+    )
+
+
+def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], float, QualityReport | None, dict]:
+    folder = AtomicFolder(plan.out, force=plan.force)
+    try:
+        check_space(folder.path, plan.output_bytes)
         rounded = {}
         if plan.settings.method == "gptq":
             rounded = gptq_tensors(plan.source, _gptq_layers(plan), plan.dtype, progress)
@@ -240,15 +267,13 @@ def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionRes
         quality = _evaluate(plan, folder.path, bpw) if plan.settings.evaluate else None
         manifest = _manifest(plan, folder.path, quality, bpw)
         folder.commit()
+    except OSError as e:  # one the writer did not already name (reading back our own files, say)
+        folder.abort()
+        raise os_error(e, e.filename or plan.out) from e
     except BaseException:
         folder.abort()
         raise
-    finally:
-        plan.source.close()
-    size = sum((plan.out / f).stat().st_size for f in files)
-    return ConversionResult(
-        plan.out, files, size, time.perf_counter() - start, peak_rss_bytes(), bpw, quality, manifest
-    )
+    return files, bpw, quality, manifest
 
 
 def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: dict) -> tuple[list[str], int]:

@@ -7,8 +7,6 @@ for one tensor at a time, and `write_tokenizer(folder)`.
 
 from __future__ import annotations
 
-import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,15 +21,8 @@ from mlxinfer.models.gguf import gguf_config, hf_tensor_name, unpermute_rows
 from mlxinfer.models.gguf_file import GGUFFile, QuantizedTensor
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-    "tokenizer.model",
-)
+from .writer import TOKENIZER_FILES, copy_file, write_json, write_text
+
 FLOAT_DTYPES = {"F32", "F16", "BF16"}
 
 
@@ -91,7 +82,7 @@ class FolderSource:
     def write_tokenizer(self, folder: Path) -> None:
         for name in TOKENIZER_FILES:
             if (self.folder / name).is_file():
-                shutil.copy2(self.folder / name, folder / name)
+                copy_file(self.folder / name, folder / name)
 
     def close(self) -> None:
         self._arrays.clear()
@@ -121,9 +112,8 @@ class GGUFSource:
 
     def write_tokenizer(self, folder: Path) -> None:
         metadata = self._file.metadata
-        (folder / "tokenizer.json").write_text(backend_from_gguf(metadata).to_str(), encoding="utf-8")
-        config = tokenizer_config_from_gguf(metadata)
-        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        write_text(folder / "tokenizer.json", backend_from_gguf(metadata).to_str())
+        write_json(folder / "tokenizer_config.json", tokenizer_config_from_gguf(metadata))
 
     def close(self) -> None:
         self._file.close()

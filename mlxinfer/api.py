@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,19 +13,24 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import PrefixCache, PrefixCacheStats, PrefixStore, fingerprint, make_cache
+from .cache.store import KVLayout
 from .default_model import cache_dir, default_model_path
 from .display import html_table, mib
 from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
 from .engine.sampling import is_int
-from .errors import MemoryBudgetError, SamplingError, TokenizerError
+from .errors import CacheError, MemoryBudgetError, SamplingError, TokenizerError
 from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
-from .models.footprint import check_kv_bits, footprint
+from .models.footprint import KV_GROUP_SIZE, check_kv_bits, footprint
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 Prompt = Union[str, Sequence[int], Sequence[Message]]
+# A text longer than this many characters per context token cannot fit: refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -62,12 +68,7 @@ class Model:
         self.kv_bits = check_kv_bits(kv_bits, loaded.config)
         self.footprint = footprint(loaded, kv_bits)
         budget = prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes()
-        store = (
-            PrefixStore(cache_dir() / "prefixes", self._fingerprint(), label=loaded.path.name)
-            if loaded.tokenizer
-            else None
-        )
-        self.prefix_cache = PrefixCache(budget, store=store, num_layers=len(loaded.model.layers))
+        self.prefix_cache = PrefixCache(budget, store=self._prefix_store())
         self.memory_limits = apply_limits(self.memory_plan())
 
     def memory_plan(self, context: int | None = None, prefill_chunk: int = 512) -> MemoryPlan:
@@ -97,12 +98,11 @@ class Model:
         Example:
             >>> model.warm([{"role": "system", "content": open("manual.txt").read()}])
         """
-        if isinstance(prefix, (list, tuple)) and prefix and isinstance(prefix[0], dict):
-            ids = self.tokenizer.encode_chat(prefix, add_generation_prompt=False)
-        else:
-            ids = self.encode_prompt(prefix, chat=chat)
-        if not ids:
-            raise SamplingError("the prefix to warm is empty; give some text, messages or token ids")
+        ids = self._prefix_ids(prefix, chat)
+        store = self.prefix_cache.store
+        if store is None:
+            raise CacheError(f"{self.path}: warmed prefixes cannot be kept for this model (see the warning at load)")
+        store.check_room(len(ids))  # a full or unwritable cache folder fails now, not after the prefill
         hit = self.prefix_cache.lookup(ids, reuse_all=True)
         kv = make_cache(len(self._loaded.model.layers), self.kv_bits)
         if hit:
@@ -115,6 +115,40 @@ class Model:
         if not self.prefix_cache.insert(ids, kv, persist=True):
             raise MemoryBudgetError(f"a {len(ids)}-token prefix does not fit the prefix cache's budget")
         return len(ids)
+
+    def _prefix_ids(self, prefix: Prompt, chat: bool | None) -> list[int]:
+        """The ids to warm; SamplingError if empty or longer than the context, checked before any prefill."""
+        context = self.context_tokens
+        if _text_chars(prefix) > context * MAX_CHARS_PER_TOKEN:
+            raise SamplingError(f"the prefix to warm is far longer than the model's context of {context} tokens")
+        if isinstance(prefix, (list, tuple)) and prefix and isinstance(prefix[0], dict):
+            ids = self.tokenizer.encode_chat(prefix, add_generation_prompt=False)
+        else:
+            ids = self.encode_prompt(prefix, chat=chat)
+        if not ids:
+            raise SamplingError("the prefix to warm is empty; give some text, messages or token ids")
+        if len(ids) > context:
+            raise SamplingError(
+                f"the prefix to warm has {len(ids)} tokens; the model's context is {context}; shorten it"
+            )
+        return ids
+
+    def _prefix_store(self) -> PrefixStore | None:
+        """Where warmed prefixes live on disk, with the KV layout (from the model) each file there must have."""
+        loaded = self._loaded
+        if not loaded.tokenizer:
+            return None
+        sizes = self.footprint
+        layout = KVLayout.of(
+            len(loaded.model.layers), sizes.kv_heads, sizes.head_dim, loaded.compute_dtype, self.context_tokens,
+            kv_bits=self.kv_bits, group_size=KV_GROUP_SIZE,
+        )  # fmt: skip
+        try:
+            model_fingerprint = self._fingerprint()
+        except OSError as e:  # the model loaded: it still answers, without warmed prefixes
+            log.warning("not using warmed prefixes: cannot fingerprint %s (%s)", loaded.path, e.strerror or e)
+            return None
+        return PrefixStore(cache_dir() / "prefixes", model_fingerprint, layout, label=loaded.path.name)
 
     def _fingerprint(self) -> str:
         loaded, tokenizer = self._loaded, self.tokenizer
@@ -277,6 +311,15 @@ class Model:
             ("prefix cache", f"{mib(self.cache_stats.bytes_held)} of {mib(self.cache_stats.budget_bytes)}"),
         ]
         return html_table(f"Model {loaded.path.name}", rows)
+
+
+def _text_chars(prompt: Any) -> int:
+    """Characters of text in a prompt or in its messages' string contents (token ids: 0)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
 
 
 def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .api import Model, load
+from .api import MAX_CHARS_PER_TOKEN, Model, load
 from .default_model import cache_dir, default_model_path
 from .display import mib
 from .errors import DefaultModelError, MlxInferError
@@ -289,6 +289,13 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
     show_default=True,
     help="Seconds per request, queueing included.",
 )
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1),
+    default=100,
+    show_default=True,
+    help="Open HTTP connections; past it the longest-idle one is closed (or 503).",
+)
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Store KV caches quantized.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
 @_errors_as_one_line
@@ -314,6 +321,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         api_key=o["api_key"],
         cors_origins=o["cors_origin"],
         request_timeout_s=o["request_timeout"],
+        max_connections=o["max_connections"],
         scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"]),
     )
     models = ModelSet()
@@ -393,15 +401,31 @@ def cache_warm(model: str | None, prefix_file: Path, raw: bool, kv_bits: str | N
       mlxinfer cache warm --prefix-file system_prompt.txt      # as the chat's system message
       mlxinfer cache warm ~/models/m-4bit --prefix-file doc.txt --raw
     """
-    text = prefix_file.read_text(encoding="utf-8")
-    if not text.strip():
-        raise click.ClickException(f"{prefix_file}: is empty; give the text to warm")
     llm = _load(model, dtype, quiet=True, kv_bits=kv_bits)
+    text = _read_prefix_file(prefix_file, llm.context_tokens * MAX_CHARS_PER_TOKEN * 4)  # UTF-8: <= 4 bytes a char
     tokens = llm.warm(text if raw else [{"role": "system", "content": text}])
     click.echo(f"warmed {tokens} tokens of {prefix_file} for {llm.path.name}")
 
 
+def _read_prefix_file(path: Path, max_bytes: int) -> str:
+    """The text to warm, reading no more than a prefix that fits the context could take."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(max_bytes + 1)
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise click.ClickException(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"{path}: is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    if len(raw) > max_bytes:
+        raise click.ClickException(f"{path}: is longer than the model's context could hold; warm a shorter text")
+    if not text.strip():
+        raise click.ClickException(f"{path}: is empty; give the text to warm")
+    return text
+
+
 @cache.command("ls")
+@_errors_as_one_line
 def cache_ls() -> None:
     """List warmed prefixes: model, tokens, size."""
     from .cache import list_prefixes
@@ -413,11 +437,17 @@ def cache_ls() -> None:
 
 
 @cache.command("clear")
+@_errors_as_one_line
 def cache_clear() -> None:
-    """Delete every warmed prefix."""
+    """Delete every warmed prefix (and quarantined ones); files mlxinfer did not write are left alone."""
     from .cache import clear_prefixes
 
-    click.echo(f"removed {clear_prefixes(cache_dir() / 'prefixes')} warmed prefixes")
+    root = cache_dir() / "prefixes"
+    removed = clear_prefixes(root)
+    for path in removed:
+        click.echo(f"removed {path}", err=True)
+    prefixes = sum(1 for path in removed if path.parent.name != "quarantine" and not path.name.startswith("."))
+    click.echo(f"removed {prefixes} warmed prefixes ({len(removed)} files) from {root}")
 
 
 @main.command("eval")

@@ -128,13 +128,13 @@ def test_corrupt_and_foreign_files_are_quarantined_not_fatal(prefix_dir, caplog)
     qwen_file, llama_file = sorted(prefix_dir.glob("*/*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
     truncated = qwen_file.read_bytes()[:-100]
     qwen_file.write_bytes(truncated)
-    (qwen_file.parent / "stranger.safetensors").write_bytes(llama_file.read_bytes())  # another model's KV
+    (qwen_file.parent / llama_file.name).write_bytes(llama_file.read_bytes())  # another model's KV
     model = mlxinfer.load(TINY / "qwen2")
     result = model.generate(PROMPT, max_tokens=4)
     assert result.stats.cached_tokens == 0
     assert result.token_ids == model.generate(PROMPT, max_tokens=4, use_cache=False).token_ids
     quarantined = sorted(p.name for p in (prefix_dir / "quarantine").iterdir())
-    assert len(quarantined) == 2 and any("stranger" in name for name in quarantined)
+    assert len(quarantined) == 2 and any(llama_file.name in name for name in quarantined)
     assert "ignoring prefix cache file" in caplog.text and "made for other weights" in caplog.text
     assert list(qwen_file.parent.glob("*.safetensors")) == []
 

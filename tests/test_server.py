@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import psutil
 import pytest
 
 import mlxinfer
@@ -308,7 +310,11 @@ LOAD_QUESTIONS = [
 ]
 
 
-def test_load_eight_clients_ten_requests_each_match_serial_runs(server):
+LOAD_CLIENTS, LOAD_REQUESTS, LOAD_ROUNDS = 16, 5, 3
+RSS_GROWTH_LIMIT_BYTES = 48 * 2**20  # rounds 2 and 3 may not hold more than round 1 did, within noise
+
+
+def test_load_sixteen_clients_match_serial_runs_and_rss_stays_flat(server):
     url = server.url
     requests_before = metric(url, "mlxinfer_requests_total", '{endpoint="chat",status="200"}')
     generations_before = sum(metric(url, "mlxinfer_generations_total", f'{{reason="{r}"}}') for r in ("stop", "length"))
@@ -322,21 +328,26 @@ def test_load_eight_clients_ten_requests_each_match_serial_runs(server):
     serial = {q: ask(q)["choices"][0]["message"]["content"] for q in LOAD_QUESTIONS}
 
     def client_run(client: int) -> list[tuple[str, dict]]:
-        return [(q, ask(q)) for i in range(10) for q in [LOAD_QUESTIONS[(client + i) % len(LOAD_QUESTIONS)]]]
+        questions = [LOAD_QUESTIONS[(client + i) % len(LOAD_QUESTIONS)] for i in range(LOAD_REQUESTS)]
+        return [(q, ask(q)) for q in questions]
 
-    with ThreadPoolExecutor(8) as pool:
-        results = [item for run in pool.map(client_run, range(8)) for item in run]
-    assert len(results) == 80
-    mismatched = [
-        (q, b["choices"][0]["message"]["content"])
-        for q, b in results
-        if b["choices"][0]["message"]["content"] != serial[q]
-    ]
-    assert not mismatched, mismatched[:3]
+    rss = []
+    for _ in range(LOAD_ROUNDS):
+        with ThreadPoolExecutor(LOAD_CLIENTS) as pool:
+            results = [item for run in pool.map(client_run, range(LOAD_CLIENTS)) for item in run]
+        assert len(results) == LOAD_CLIENTS * LOAD_REQUESTS
+        mismatched = [(q, b["choices"][0]["message"]["content"]) for q, b in results]
+        mismatched = [(q, text) for q, text in mismatched if text != serial[q]]
+        assert not mismatched, mismatched[:3]
+        gc.collect()
+        rss.append(psutil.Process().memory_info().rss)  # the server runs in this process
+    print("RSS after each round (MiB):", [round(r / 2**20) for r in rss])
+    assert max(rss[1:]) - rss[0] < RSS_GROWTH_LIMIT_BYTES, [r // 2**20 for r in rss]
+    expected = len(LOAD_QUESTIONS) + LOAD_ROUNDS * LOAD_CLIENTS * LOAD_REQUESTS
     after = metric(url, "mlxinfer_requests_total", '{endpoint="chat",status="200"}')
-    assert after - requests_before == 88
+    assert after - requests_before == expected
     generations = sum(metric(url, "mlxinfer_generations_total", f'{{reason="{r}"}}') for r in ("stop", "length"))
-    assert generations - generations_before == 88  # every request generated once: none lost, none run twice
+    assert generations - generations_before == expected  # every request generated once: none lost, none run twice
     assert metric(url, "mlxinfer_prefix_cache_hit_rate") > 0.5
 
 

@@ -83,12 +83,12 @@ class _Node:
 class PrefixCache:
     """Longest-prefix reuse of KV state under a byte budget."""
 
-    def __init__(self, budget_bytes: int, store: PrefixStore | None = None, num_layers: int = 0):
+    def __init__(self, budget_bytes: int, store: PrefixStore | None = None):
         self._root = _Node()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
         self._ids = itertools.count()
         self.stats = PrefixCacheStats(budget_bytes=max(0, int(budget_bytes)))
-        self.store, self._num_layers = store, num_layers
+        self.store = store
         for stored in store.scan() if store else []:
             self._add(_Entry(stored.token_ids, None, 0, stored=stored))
 
@@ -108,22 +108,16 @@ class PrefixCache:
         unless `reuse_all`, for warming a prefix that may already be cached whole."""
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(ids)
-        node, depth = self._root, 0
-        for token in ids if reuse_all else ids[:-1]:
-            child = node.children.get(token)
-            if child is None:
+        while True:  # a bad file on disk drops its entry: then the next best (a loop, however many are bad)
+            node, depth = self._deepest(ids if reuse_all else ids[:-1])
+            if depth == 0 or not node.entries:
+                return None
+            entry_id = max(node.entries, key=lambda i: self._entries[i].layers is not None)  # in memory first
+            entry = self._entries[entry_id]
+            if entry.layers is not None or self._load(entry_id):
                 break
-            node, depth = child, depth + 1
-        if depth == 0 or not node.entries:
-            return None
-        entry_id = max(node.entries, key=lambda i: self._entries[i].layers is not None)  # in memory first
-        entry = self._entries[entry_id]
-        if entry.layers is None and not self._load(entry_id):
             if entry_id in self._entries:
                 return None  # no room for it within the budget
-            self.stats.lookups -= 1
-            self.stats.prompt_tokens -= len(ids)
-            return self.lookup(ids, reuse_all)  # that file was bad and is gone: the next best entry
         self._entries.move_to_end(entry_id)
         entry.pins += 1
         self.stats.hits += 1
@@ -192,7 +186,7 @@ class PrefixCache:
         assert self.store is not None and entry.stored is not None
         if entry.stored.nbytes > self.stats.budget_bytes:
             return False  # it could never fit: leave the others alone
-        layers = self.store.load(entry.stored, self._num_layers)
+        layers = self.store.load(entry.stored)
         if layers is None:
             self._remove(entry_id)
             return False
@@ -205,6 +199,16 @@ class PrefixCache:
         entry.layers, entry.nbytes = layers, nbytes
         self._account(0, nbytes)
         return True
+
+    def _deepest(self, ids: Sequence[int]) -> tuple[_Node, int]:
+        """The trie node of the longest cached prefix of `ids`, and its depth."""
+        node, depth = self._root, 0
+        for token in ids:
+            child = node.children.get(token)
+            if child is None:
+                break
+            node, depth = child, depth + 1
+        return node, depth
 
     def _walk(self, ids: tuple[int, ...]) -> _Node | None:
         node = self._root

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -13,30 +14,95 @@ from .generate import GenerationRequest, generate_ids
 from .stats import GenerationStats
 
 MAX_STOP_STRINGS = 16
+# Per stop string: text that may begin one is held back from the stream, and the matcher's table grows with it.
+# Real stop strings are a few words.
+MAX_STOP_CHARS = 256
+
+
+class _StopAutomaton:
+    """Aho-Corasick automaton of the stop strings: one step per character of text, however long or alike they are.
+
+    A state is the longest end of the text so far that begins some stop string; `depth` is its length
+    (what must be held back) and `match` the length of the longest stop string it ends with (0: none)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.goto: list[dict[str, int]] = [{}]
+        self.fail, self.depth, self.match = [0], [0], [0]
+        for stop in stops:
+            self._add(stop)
+        self._link()
+
+    def _add(self, stop: str) -> None:
+        state = 0
+        for char in stop:
+            if char not in self.goto[state]:
+                self.goto[state][char] = len(self.goto)
+                self.goto.append({})
+                self.fail.append(0)
+                self.depth.append(self.depth[state] + 1)
+                self.match.append(0)
+            state = self.goto[state][char]
+        self.match[state] = len(stop)
+
+    def _link(self) -> None:
+        # Breadth first, so a state's fallback (a shorter state) is complete before the state itself.
+        queue = deque(self.goto[0].values())
+        while queue:
+            state = queue.popleft()
+            for char, child in self.goto[state].items():
+                self.fail[child] = self.step(self.fail[state], char) if state else 0
+                self.match[child] = self.match[child] or self.match[self.fail[child]]
+                queue.append(child)
+
+    def step(self, state: int, char: str) -> int:
+        # Each fallback shortens the state and each character lengthens it by at most one: linear overall.
+        while char not in self.goto[state] and state:
+            state = self.fail[state]
+        return self.goto[state].get(char, 0)
 
 
 class StopMatcher:
-    """Cuts a text stream at the first stop string, holding back possible starts of one."""
+    """Cuts a text stream at the first stop string, holding back possible starts of one.
+
+    Each character fed advances the automaton once, and what is held back (under MAX_STOP_CHARS
+    characters) is known from its state: a feed costs its text plus that held-back text, never more."""
 
     def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
+        self.stops = [s for s in check_stops(stops) if s]
+        self._automaton = _StopAutomaton(self.stops)
+        self._state = 0
         self._pending = ""
         self.stopped = False
 
     def feed(self, text: str) -> str:
-        """Text that is safe to emit now."""
+        """Text that is safe to emit now ("" once a stop string was seen)."""
+        if self.stopped:
+            return ""
         buffer = self._pending + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        start = self._earliest_stop(text, len(buffer) - len(text))
+        if start is not None:
             self.stopped, self._pending = True, ""
-            return buffer[: min(hits)]
-        hold = max((n for s in self.stops for n in range(1, len(s)) if buffer.endswith(s[:n])), default=0)
+            return buffer[:start]
+        hold = self._automaton.depth[self._state]
         self._pending = buffer[len(buffer) - hold :] if hold else ""
         return buffer[: len(buffer) - hold]
 
     def flush(self) -> str:
         text, self._pending = self._pending, ""
         return text
+
+    def _earliest_stop(self, text: str, offset: int) -> int | None:
+        """Advance over `text` (at `offset` in the buffer); where the earliest-starting stop string begins, or None."""
+        automaton, state, earliest = self._automaton, self._state, None
+        for end, char in enumerate(text, offset + 1):
+            state = automaton.step(state, char)
+            if automaton.match[state]:
+                start = end - automaton.match[state]  # the longest stop string ending here starts first
+                earliest = start if earliest is None else min(earliest, start)
+            if earliest is not None and end - automaton.depth[state] >= earliest:
+                break  # no stop string still in progress began before the one found
+        self._state = state
+        return earliest
 
 
 class TextStream:
@@ -61,15 +127,24 @@ class TextStream:
 
 
 def check_stops(stop: Sequence[str]) -> list[str]:
-    """`stop` as a list, or a SamplingError saying what is allowed."""
-    if len(stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) for s in stop):
-        raise SamplingError(f"stop must be at most {MAX_STOP_STRINGS} strings, got {stop!r}")
+    """`stop` as a list, or a SamplingError saying what is allowed (without repeating the input)."""
+    rule = f"stop must be a list of at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each"
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, Sequence):
+        raise SamplingError(f"{rule}; got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise SamplingError(f"{rule}; got {len(stop)} strings")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str):
+            raise SamplingError(f"{rule}; stop[{i}] is {type(s).__name__}")
+        if len(s) > MAX_STOP_CHARS:
+            raise SamplingError(f"{rule}; stop[{i}] has {len(s):,} characters")
     return list(stop)
 
 
 def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return text[: min(hits)] if hits else text
+    """`text` up to the earliest stop string in it (in one linear pass)."""
+    matcher = StopMatcher(stops)
+    return matcher.feed(text) + matcher.flush()
 
 
 @dataclass

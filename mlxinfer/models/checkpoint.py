@@ -6,7 +6,6 @@ never unpickled. Every header is validated before MLX maps the file.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import ConfigError, CorruptFileError, ModelNotFoundError, UnsupportedModelError
+from ..untrusted import is_int, listed, read_json_object, shown
+from .config import MAX_TOKEN_IDS
 from .safetensors_header import TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,14 +40,14 @@ def open_folder(folder: Path) -> Checkpoint:
     if generation.exists():
         gen = read_json(generation)
         if gen.get("eos_token_id") is not None:
-            config["eos_token_id"] = _merge_ids(config.get("eos_token_id"), gen["eos_token_id"])
+            config["eos_token_id"] = _merge_ids(config.get("eos_token_id"), gen["eos_token_id"], generation)
     files = _weight_files(folder)
     tensors: dict[str, TensorInfo] = {}
     owner: dict[str, Path] = {}
     for path in files:
         for name, info in read_header(path).items():
             if name in owner:
-                raise CorruptFileError(f"{path}: tensor {name!r} also appears in {owner[name].name}")
+                raise CorruptFileError(f"{path}: tensor {shown(name)} also appears in {owner[name].name}")
             owner[name], tensors[name] = path, info
     _check_index(folder, owner)
     return Checkpoint(folder=folder, config=config, files=tuple(files), tensors=tensors)
@@ -63,34 +64,30 @@ def load_tensors(checkpoint: Checkpoint) -> dict[str, mx.array]:
 def read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ModelNotFoundError(f"{path}: missing; a model folder needs config.json and *.safetensors")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return value
+    return read_json_object(path, ConfigError)
 
 
-def _merge_ids(a: Any, b: Any) -> list[int]:
-    ids: list[int] = []
-    for value in (a, b):
-        for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, int) and v not in ids:
-                ids.append(v)
-    return ids
+def _merge_ids(config_ids: Any, generation_ids: Any, source: Path) -> list[Any]:
+    extra = generation_ids if isinstance(generation_ids, list) else [generation_ids]
+    bad = next((v for v in extra if not is_int(v)), None)
+    if bad is not None:
+        raise ConfigError(f"{source}: eos_token_id must be an integer or a list of integers, got {shown(bad)}")
+    # config.json's own ids are checked with the rest of it (normalize_config), which also
+    # refuses a list one past MAX_TOKEN_IDS: the merge never scans more than that.
+    merged: list[Any] = []
+    for v in [*(config_ids if isinstance(config_ids, list) else [config_ids]), *extra][: MAX_TOKEN_IDS + 1]:
+        if v is not None and v not in merged:
+            merged.append(v)
+    return merged
 
 
 def _weight_files(folder: Path) -> list[Path]:
     index = folder / INDEX_FILE
     if index.exists():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ConfigError(f"{index}: 'weight_map' must map tensor names to shard files")
-        names = sorted(set(weight_map.values()))
+        names = sorted(set(_weight_map(index).values()))
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
-            raise ModelNotFoundError(f"{index}: shard(s) {', '.join(missing)} named in the index do not exist")
+            raise ModelNotFoundError(f"{index}: shard(s) {listed(missing)} named in the index do not exist")
         return [folder / n for n in names]
     files = sorted(folder.glob("model*.safetensors"))
     if files:
@@ -108,16 +105,29 @@ def _check_index(folder: Path, owner: dict[str, Path]) -> None:
     index = folder / INDEX_FILE
     if not index.exists():
         return
-    weight_map = read_json(index)["weight_map"]
+    weight_map = _weight_map(index)
     wrong = sorted(n for n, f in weight_map.items() if n in owner and owner[n].name != f)
     absent = sorted(n for n in weight_map if n not in owner)
     if wrong or absent:
         detail = "; ".join(
             part
             for part in (
-                f"not found in their shard: {', '.join(absent[:10])}" if absent else "",
-                f"stored in another shard than the index says: {', '.join(wrong[:10])}" if wrong else "",
+                f"not found in their shard: {listed(absent)}" if absent else "",
+                f"stored in another shard than the index says: {listed(wrong)}" if wrong else "",
             )
             if part
         )
         raise CorruptFileError(f"{index}: tensors {detail}")
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> shard map; a shard must be a plain file name in the folder (never a path out of it)."""
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"{index}: 'weight_map' must map tensor names to shard files")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard:
+            raise CorruptFileError(
+                f"{index}: tensor {shown(name)} is mapped to {shown(shard)}, not a shard file name in this folder"
+            )
+    return weight_map

@@ -14,11 +14,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..untrusted import is_int, is_number, shown
 from .registry import ARCHITECTURES, ArchSpec, supported_model_types
+from .safetensors_header import MAX_DIM
 
 log = logging.getLogger(__name__)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+# Far above any real model (the deepest have ~130 layers), and checked before the
+# per-layer tuples below are built; the checkpoint's own tensors then pin the count.
+MAX_LAYERS = 10_000
+MAX_TOKEN_IDS = 256  # eos ids: a handful in real configs
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,10 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     _refuse_code_and_foreign_quantization(raw, source)
     model_type = raw.get("model_type")
-    if model_type not in ARCHITECTURES:
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+            f"{source}: model_type {shown(model_type)} is not supported; "
+            f"supported: {', '.join(supported_model_types())}"
         )
     spec = ARCHITECTURES[model_type]
     args = dict(raw)
@@ -74,6 +81,7 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     _check_activation(args, source, spec)
     _check_neutral(args, source, spec)
     args.update(_rope_args(args, source, spec))
+    _check_numbers(args, source)
     layer_types, window = _layer_types(args, source, spec)
     # mlx-lm's own mask and cache logic must not see sliding layers: ours builds
     # the per-layer masks (see models/decoder.py).
@@ -87,8 +95,8 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         layer_types=layer_types,
         sliding_window=window,
         tie_word_embeddings=tie,
-        eos_token_ids=token_ids(raw.get("eos_token_id")),
-        bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int) else None,
+        eos_token_ids=_token_ids(raw, "eos_token_id", source),
+        bos_token_id=next(iter(_token_ids(raw, "bos_token_id", source, many=False)), None),
         quantization=raw.get("quantization"),
         source=source,
     )
@@ -98,51 +106,71 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
 _TYPES: dict[str, tuple[type, ...]] = {
     "hidden_act": (str,),
     "hidden_activation": (str,),
-    "head_dim": (int,),
     "layer_types": (list,),
-    "sliding_window": (int,),
-    "sliding_window_pattern": (int,),
-    "max_window_layers": (int,),
     "quantization": (dict,),
     "rope_parameters": (dict,),
     "rope_scaling": (dict,),
-    "rope_theta": (int, float),
-    "rope_local_base_freq": (int, float),
-    "rms_norm_eps": (int, float),
-    "partial_rotary_factor": (int, float),
     "tie_word_embeddings": (bool,),
     "use_sliding_window": (bool,),
     "attention_bias": (bool,),
     "mlp_bias": (bool,),
-    "max_position_embeddings": (int,),
-    "query_pre_attn_scalar": (int, float),
-    "attn_logit_softcapping": (int, float),
-    "final_logit_softcapping": (int, float),
+    "rope_traditional": (bool,),
+}
+# Optional numbers and the range where each makes sense (sizes: head_dim and the rest in _check_shapes).
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "max_position_embeddings": (1, MAX_DIM),
+    "original_max_position_embeddings": (1, MAX_DIM),
+    "sliding_window": (1, MAX_DIM),
+    "sliding_window_pattern": (1, MAX_LAYERS),
+    "max_window_layers": (0, MAX_DIM),
+}
+# (above, at most): RoPE bases, norm epsilons and soft caps are positive; 0 would divide by zero.
+_FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (0.0, math.inf),
+    "rope_local_base_freq": (0.0, math.inf),
+    "partial_rotary_factor": (0.0, 1.0),
+    "query_pre_attn_scalar": (0.0, math.inf),
+    "attn_logit_softcapping": (0.0, math.inf),
+    "final_logit_softcapping": (0.0, math.inf),
 }
 
 
 def _check_types(args: dict[str, Any], source: str) -> None:
     for key, types in _TYPES.items():
         value = args.get(key)
-        if value is None:
-            continue
-        is_bool = isinstance(value, bool)
-        wrong = not isinstance(value, types) or (is_bool and bool not in types)
-        if not wrong and isinstance(value, float) and not math.isfinite(value):
-            wrong = True
-        if wrong:
+        if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             expected = " or ".join(t.__name__ for t in types)
-            raise ConfigError(f"{source}: {key} must be a finite {expected}, got {value!r}")
+            raise ConfigError(f"{source}: {key} must be a {expected}, got {shown(value)}")
     if args.get("use_bidirectional_attention"):
         raise UnsupportedModelError(f"{source}: use_bidirectional_attention is not supported (causal LMs only)")
 
 
-def token_ids(value: Any) -> tuple[int, ...]:
-    """An `eos_token_id` field (int, list of ints or null) as a tuple."""
+def _check_numbers(args: dict[str, Any], source: str) -> None:
+    for key, (low, high) in _INT_RANGES.items():
+        value = args.get(key)
+        if value is not None and not (is_int(value) and low <= value <= high):
+            raise ConfigError(f"{source}: {key} must be an integer from {low} to {high}, got {shown(value)}")
+    for key, (above, most) in _FLOAT_RANGES.items():
+        value = args.get(key)
+        if value is not None and not (is_number(value) and above < value <= most):
+            limit = f" and at most {most:g}" if math.isfinite(most) else ""
+            raise ConfigError(f"{source}: {key} must be a finite number above {above:g}{limit}, got {shown(value)}")
+
+
+def _token_ids(raw: dict[str, Any], key: str, source: str, many: bool = True) -> tuple[int, ...]:
+    """The ids in `raw[key]` (null: none), each a token of the vocabulary; anything else is refused."""
+    value, vocab = raw.get(key), raw["vocab_size"]
     if value is None:
         return ()
-    values = value if isinstance(value, list) else [value]
-    return tuple(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
+    values = value if many and isinstance(value, list) else [value]
+    if len(values) > MAX_TOKEN_IDS:
+        raise ConfigError(f"{source}: {key} lists {len(values)} ids, more than {MAX_TOKEN_IDS}")
+    bad = [v for v in values if not (is_int(v) and 0 <= v < vocab)]
+    if bad:
+        kind = "an integer or a list of integers" if many else "an integer"
+        raise ConfigError(f"{source}: {key} must be {kind} from 0 to vocab_size-1 ({vocab - 1}), got {shown(bad[0])}")
+    return tuple(values)
 
 
 def _refuse_code_and_foreign_quantization(raw: dict[str, Any], source: str) -> None:
@@ -156,40 +184,46 @@ def _refuse_code_and_foreign_quantization(raw: dict[str, Any], source: str) -> N
     qcfg = raw.get("quantization_config")
     if isinstance(qcfg, dict) and "quant_method" in qcfg:
         raise UnsupportedModelError(
-            f"{source}: quantization_config.quant_method={qcfg['quant_method']!r} is not supported; "
+            f"{source}: quantization_config.quant_method={shown(qcfg['quant_method'])} is not supported; "
             "use an unquantized checkpoint or an MLX-quantized folder (mlxinfer convert)"
         )
 
 
-def _positive_int(args: dict[str, Any], key: str, source: str) -> int:
+def _positive_int(args: dict[str, Any], key: str, source: str, limit: int = MAX_DIM) -> int:
     value = args.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{source}: {key} must be a positive integer, got {value!r}")
+    if not is_int(value) or not 0 < value <= limit:
+        raise ConfigError(f"{source}: {key} must be a positive integer of at most {limit}, got {shown(value)}")
     return value
 
 
 def _check_shapes(args: dict[str, Any], source: str, spec: ArchSpec) -> None:
     hidden = _positive_int(args, "hidden_size", source)
     heads = _positive_int(args, "num_attention_heads", source)
-    for key in ("num_hidden_layers", "intermediate_size", "vocab_size"):
-        _positive_int(args, key, source)
+    _positive_int(args, "num_hidden_layers", source, limit=MAX_LAYERS)
+    intermediate = _positive_int(args, "intermediate_size", source)
+    _positive_int(args, "vocab_size", source)
     kv_heads = args.setdefault("num_key_value_heads", heads)
     _positive_int(args, "num_key_value_heads", source)
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    head_dim = args.get("head_dim")
-    if head_dim is None:
+    if args.get("head_dim") is None:
         if hidden % heads:
             raise ConfigError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads}")
         args["head_dim"] = hidden // heads
-    elif spec.fixed_head_dim and head_dim * heads != hidden:
+    head_dim = _positive_int(args, "head_dim", source)
+    if spec.fixed_head_dim and head_dim * heads != hidden:
         raise UnsupportedModelError(
             f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads="
             f"{hidden / heads:g}, which this architecture's implementation assumes"
         )
-    eps = args.get("rms_norm_eps", 1e-6)
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ConfigError(f"{source}: rms_norm_eps must be a small positive number, got {eps!r}")
+    if head_dim % 2:
+        raise ConfigError(f"{source}: head_dim={head_dim} must be even (rotary embeddings turn pairs of values)")
+    # Fused projections (phi3's qkv_proj and gate_up_proj) are one dimension too: keep it 32-bit.
+    fused = {"(num_attention_heads + 2 * num_key_value_heads) * head_dim": (heads + 2 * kv_heads) * head_dim,
+             "2 * intermediate_size": 2 * intermediate}  # fmt: skip
+    for what, size in fused.items():
+        if size > MAX_DIM:
+            raise ConfigError(f"{source}: {what} = {size} is more than {MAX_DIM}, the largest dimension MLX has")
 
 
 def _check_activation(args: dict[str, Any], source: str, spec: ArchSpec) -> None:
@@ -197,7 +231,7 @@ def _check_activation(args: dict[str, Any], source: str, spec: ArchSpec) -> None
         if args.get(key) is not None:
             if args[key] not in spec.activations:
                 raise UnsupportedModelError(
-                    f"{source}: {key}={args[key]!r} is not supported for {args['model_type']}; "
+                    f"{source}: {key}={shown(args[key])} is not supported for {args['model_type']}; "
                     f"expected one of {sorted(spec.activations)}"
                 )
             return
@@ -210,7 +244,7 @@ def _check_neutral(args: dict[str, Any], source: str, spec: ArchSpec) -> None:
     for key, neutral in spec.neutral.items():
         if key in args and args[key] != neutral:
             raise UnsupportedModelError(
-                f"{source}: {key}={args[key]!r} is not supported for {args['model_type']} "
+                f"{source}: {key}={shown(args[key])} is not supported for {args['model_type']} "
                 f"(only {neutral!r}); the result would differ from the reference model"
             )
 
@@ -222,8 +256,8 @@ def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, A
     out: dict[str, Any] = {}
     if model_type == "gemma3_text":
         nested = isinstance(params, dict) and FULL in params
-        full = (params.get(FULL) or {}) if nested else (params or {})
-        local = (params.get(SLIDING) or {}) if nested else {}
+        full = _section(params, FULL, source) if nested else (params or {})
+        local = _section(params, SLIDING, source) if nested else {}
         out["rope_theta"] = full.get("rope_theta", args.get("rope_theta", 1_000_000.0))
         out["rope_local_base_freq"] = local.get("rope_theta", args.get("rope_local_base_freq", 10_000.0))
         out["rope_scaling"] = _scaling(full, source, spec)
@@ -241,10 +275,14 @@ def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, A
         out["rope_scaling"] = _scaling(args.get("rope_scaling"), source, spec)
     if out.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "phi3":
         raise UnsupportedModelError(f"{source}: partial_rotary_factor is only supported for phi3")
-    theta = out.get("rope_theta", args.get("rope_theta"))
-    if theta is not None and (not isinstance(theta, (int, float)) or theta <= 0):
-        raise ConfigError(f"{source}: rope_theta must be a positive number, got {theta!r}")
     return out
+
+
+def _section(params: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    value = params.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: rope_parameters.{key} must be an object, got {shown(value)}")
+    return value
 
 
 def _scaling(scaling: Any, source: str, spec: ArchSpec) -> dict[str, Any] | None:
@@ -252,25 +290,42 @@ def _scaling(scaling: Any, source: str, spec: ArchSpec) -> dict[str, Any] | None
     if not scaling:
         return None
     if not isinstance(scaling, dict):
-        raise ConfigError(f"{source}: rope scaling must be an object, got {scaling!r}")
+        raise ConfigError(f"{source}: rope scaling must be an object, got {shown(scaling)}")
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type not in spec.rope_types:
+    if not isinstance(rope_type, str) or rope_type not in spec.rope_types:
         raise UnsupportedModelError(
-            f"{source}: rope type {rope_type!r} is not supported here (supported: {', '.join(sorted(spec.rope_types))})"
+            f"{source}: rope type {shown(rope_type)} is not supported here "
+            f"(supported: {', '.join(sorted(spec.rope_types))})"
         )
     if rope_type == "default":
         return None
     factor = scaling.get("factor")
-    if not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-        raise ConfigError(f"{source}: rope scaling factor must be a positive number, got {factor!r}")
+    if not is_number(factor) or factor <= 0:
+        raise ConfigError(f"{source}: rope scaling factor must be a positive number, got {shown(factor)}")
     if rope_type == "llama3":
-        needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [k for k in needed if not isinstance(scaling.get(k), (int, float))]
-        if missing:
-            raise ConfigError(f"{source}: llama3 rope scaling needs {', '.join(missing)}")
+        _check_llama3_scaling(scaling, source)
     clean = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
     clean["type"] = clean["rope_type"] = rope_type
     return clean
+
+
+def _check_llama3_scaling(scaling: dict[str, Any], source: str) -> None:
+    needed = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in needed if scaling.get(k) is None]
+    if missing:
+        raise ConfigError(f"{source}: llama3 rope scaling needs {', '.join(missing)}")
+    low, high, positions = (scaling[k] for k in needed)
+    # The smoothing between the two bands divides by high - low.
+    if not (is_number(low) and is_number(high) and 0 < low < high):
+        raise ConfigError(
+            f"{source}: llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, "
+            f"got {shown(low)} and {shown(high)}"
+        )
+    if not (is_int(positions) and 0 < positions <= MAX_DIM):
+        raise ConfigError(
+            f"{source}: rope scaling original_max_position_embeddings must be a positive integer, "
+            f"got {shown(positions)}"
+        )
 
 
 def _layer_types(args: dict[str, Any], source: str, spec: ArchSpec) -> tuple[tuple[str, ...], int | None]:
@@ -278,11 +333,11 @@ def _layer_types(args: dict[str, Any], source: str, spec: ArchSpec) -> tuple[tup
     window = args.get("sliding_window")
     declared = args.get("layer_types")
     if declared is not None:
-        types = tuple(declared)
+        types = tuple(declared[: n + 1])  # one past n is enough to refuse a wrong length
     elif spec.sliding == "alternate":
         types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(n))
     elif spec.sliding == "pattern":
-        every = int(args.get("sliding_window_pattern", 6))
+        every = args.get("sliding_window_pattern", 6)
         types = tuple(SLIDING if (i + 1) % every else FULL for i in range(n))
     elif spec.sliding == "qwen":
         first = args.get("max_window_layers", n)
@@ -292,12 +347,13 @@ def _layer_types(args: dict[str, Any], source: str, spec: ArchSpec) -> tuple[tup
         types = (SLIDING,) * n
     else:
         types = (FULL,) * n
-    if len(types) != n or not set(types) <= {FULL, SLIDING}:
+    if len(types) != n or not all(t in (FULL, SLIDING) for t in types):
         raise UnsupportedModelError(
-            f"{source}: layer_types must list {n} entries of {FULL!r}/{SLIDING!r}, got {list(types)}"
+            f"{source}: layer_types must list num_hidden_layers={n} entries of {FULL!r}/{SLIDING!r}, "
+            f"got {shown(declared or types)}"
         )
     if SLIDING in types:
-        if not isinstance(window, int) or window <= 0:
-            raise ConfigError(f"{source}: sliding layers need a positive sliding_window, got {window!r}")
+        if window is None:
+            raise ConfigError(f"{source}: sliding layers need a positive sliding_window, got None")
         return types, window
     return types, None

@@ -8,14 +8,20 @@ applies to Q and K. See https://github.com/ggml-org/ggml/blob/master/docs/gguf.m
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ConfigError, UnsupportedModelError
-from .gguf_file import GGUFFile, QuantizedTensor
+from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
+from ..untrusted import is_int, is_number, plain, shown
+from .config import MAX_LAYERS
+from .gguf_file import REPACKED, GGUFFile, QuantizedTensor, TensorInfo
+from .safetensors_header import MAX_DIM
+from .sizing import StoredTensor
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -35,11 +41,47 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
     """Return (config.json-style dict, HF-named weights, raw metadata)."""
     with GGUFFile(path) as gguf:
         config = gguf_config(gguf)
-        weights: dict[str, mx.array] = {}
-        for name in gguf.tensors:
-            hf_name = hf_tensor_name(name)
+        return config, gguf_weights(gguf, config), gguf.metadata
+
+
+def gguf_weights(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, mx.array]:
+    """Every tensor of an open GGUF file as MLX arrays under its Hugging Face name."""
+    weights: dict[str, mx.array] = {}
+    for hf_name, name in hf_names(gguf).items():
+        try:
             weights.update(to_mlx(hf_name, unpermute_rows(hf_name, gguf.read(name), config)))
-        return config, weights, gguf.metadata
+        except WeightMismatchError as e:
+            raise WeightMismatchError(f"{gguf.path}: {e}") from None
+    return weights
+
+
+def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
+    """Each tensor's logical shape and its bytes once loaded (Q4/Q8 stay packed, other types become floats)."""
+
+    def stored(info: TensorInfo) -> StoredTensor:
+        floating = info.ggml_type not in REPACKED
+        return StoredTensor(info.shape, math.prod(info.shape) * compute_size if floating else info.nbytes)
+
+    return {hf: stored(gguf.tensors[name]) for hf, name in hf_names(gguf).items()}
+
+
+def hf_names(gguf: GGUFFile) -> dict[str, str]:
+    """Hugging Face name -> GGUF name; two tensors that would land on one name are refused."""
+    names: dict[str, str] = {}
+    claimed: dict[str, str] = {}
+    for name, info in gguf.tensors.items():
+        hf_name = hf_tensor_name(name)
+        stem = hf_name.removesuffix(".weight")
+        # A Q4/Q8 weight also brings its scales and biases (see to_mlx).
+        extra = (f"{stem}.scales", f"{stem}.biases") if info.ggml_type in REPACKED else ()
+        for key in (hf_name, *extra):
+            if key in claimed:
+                raise CorruptFileError(
+                    f"{gguf.path}: tensors {plain(claimed[key])} and {plain(name)} both map to {plain(key)}"
+                )
+            claimed[key] = name
+        names[hf_name] = name
+    return names
 
 
 def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
@@ -47,7 +89,7 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
     arch = gguf.metadata.get("general.architecture")
     if arch != "llama":
         raise UnsupportedModelError(
-            f"{gguf.path}: GGUF architecture {arch!r} is not supported yet (only 'llama'); "
+            f"{gguf.path}: GGUF general.architecture={shown(arch)} is not supported yet (only 'llama'); "
             "use the model's Hugging Face checkpoint instead"
         )
     if "rope_freqs.weight" in gguf.tensors:
@@ -69,63 +111,79 @@ def to_mlx(hf_name: str, value: np.ndarray | QuantizedTensor) -> dict[str, mx.ar
     return {hf_name: mx.array(value)}
 
 
-def _meta_int(path: Path, metadata: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = metadata.get(key)
-    if value is None:
-        if default is None:
-            raise ConfigError(f"{path}: GGUF metadata lacks {key!r}")
-        return default
-    return int(value.item() if hasattr(value, "item") else value)
+_REQUIRED: Any = object()
 
 
-def _meta_float(metadata: dict[str, Any], key: str, default: float) -> float:
-    value = metadata.get(key)
+def _meta_int(
+    path: Path, md: dict[str, Any], key: str, default: Any = _REQUIRED, low: int = 1, high: int = MAX_DIM
+) -> Any:
+    """An integer metadata value in [low, high]; `default` when absent (required when not given)."""
+    value = md.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"{path}: GGUF metadata lacks {key!r}; the file is incomplete")
+        return default
+    if not is_int(value) or not low <= value <= high:
+        raise ConfigError(f"{path}: GGUF metadata {key!r} must be an integer from {low} to {high}, got {shown(value)}")
+    return value
+
+
+def _meta_float(path: Path, md: dict[str, Any], key: str, default: float) -> float:
+    """A positive, finite number (every float we read is a base, an epsilon or a factor)."""
+    value = md.get(key)
     if value is None:
         return default
-    return float(value.item() if hasattr(value, "item") else value)
+    if not is_number(value) or value <= 0:
+        raise ConfigError(f"{path}: GGUF metadata {key!r} must be a positive finite number, got {shown(value)}")
+    return float(value)
 
 
 def llama_config(path: Path, md: dict[str, Any], has_output: bool) -> dict[str, Any]:
-    """A config.json-style dict from a llama GGUF's metadata."""
+    """A config.json-style dict from a llama GGUF's metadata; normalize_config checks how the values fit together."""
     hidden = _meta_int(path, md, "llama.embedding_length")
     heads = _meta_int(path, md, "llama.attention.head_count")
-    tokens = md.get("tokenizer.ggml.tokens") or []
-    rope_scaling = None
-    scaling_type = md.get("llama.rope.scaling.type")
-    if scaling_type not in (None, "none"):
-        if scaling_type != "linear":
-            raise UnsupportedModelError(f"{path}: GGUF rope scaling {scaling_type!r} is not supported")
-        rope_scaling = {"type": "linear", "factor": _meta_float(md, "llama.rope.scaling.factor", 1.0)}
-    config: dict[str, Any] = {
+    tokens = md.get("tokenizer.ggml.tokens", [])
+    if not isinstance(tokens, list):
+        raise ConfigError(f"{path}: GGUF metadata 'tokenizer.ggml.tokens' must be a list, got {shown(tokens)}")
+    vocab = _meta_int(path, md, "llama.vocab_size", len(tokens) if tokens else _REQUIRED)
+    return {
         "model_type": "llama",
         "hidden_size": hidden,
         "intermediate_size": _meta_int(path, md, "llama.feed_forward_length"),
-        "num_hidden_layers": _meta_int(path, md, "llama.block_count"),
+        "num_hidden_layers": _meta_int(path, md, "llama.block_count", high=MAX_LAYERS),
         "num_attention_heads": heads,
         "num_key_value_heads": _meta_int(path, md, "llama.attention.head_count_kv", heads),
-        "head_dim": _meta_int(path, md, "llama.rope.dimension_count", hidden // max(heads, 1)),
-        "rms_norm_eps": _meta_float(md, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _meta_float(md, "llama.rope.freq_base", 10000.0),
-        "rope_scaling": rope_scaling,
+        "head_dim": _meta_int(path, md, "llama.rope.dimension_count", hidden // heads),
+        "rms_norm_eps": _meta_float(path, md, "llama.attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": _meta_float(path, md, "llama.rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(path, md),
         "max_position_embeddings": _meta_int(path, md, "llama.context_length", 4096),
-        "vocab_size": _meta_int(path, md, "llama.vocab_size", len(tokens)),
+        "vocab_size": vocab,
         "tie_word_embeddings": not has_output,
-        "bos_token_id": _meta_int(path, md, "tokenizer.ggml.bos_token_id", -1),
-        "eos_token_id": _meta_int(path, md, "tokenizer.ggml.eos_token_id", -1),
+        # An id outside the vocabulary is refused here, by its GGUF key (llama.cpp writes none for "no token").
+        "bos_token_id": _meta_int(path, md, "tokenizer.ggml.bos_token_id", None, low=0, high=vocab - 1),
+        "eos_token_id": _meta_int(path, md, "tokenizer.ggml.eos_token_id", None, low=0, high=vocab - 1),
     }
-    for key in ("bos_token_id", "eos_token_id"):
-        if config[key] < 0:
-            config[key] = None
-    return config
+
+
+def _rope_scaling(path: Path, md: dict[str, Any]) -> dict[str, Any] | None:
+    kind = md.get("llama.rope.scaling.type")
+    if kind is None or kind == "none":
+        return None
+    if kind != "linear":
+        raise UnsupportedModelError(
+            f"{path}: GGUF llama.rope.scaling.type={shown(kind)} is not supported (only 'linear')"
+        )
+    return {"type": "linear", "factor": _meta_float(path, md, "llama.rope.scaling.factor", 1.0)}
 
 
 def hf_tensor_name(name: str) -> str:
     """The Hugging Face name of a llama.cpp tensor (unknown names pass through, and fail verification)."""
     stem, _, kind = name.rpartition(".")  # kind: weight | scales | biases | bias
-    if stem.startswith("blk."):
-        _, index, part = stem.split(".", 2)
-        mapped = _LAYER_NAMES.get(part)
-        return f"model.layers.{index}.{mapped}.{kind}" if mapped else name
+    block = re.fullmatch(r"blk\.(0|[1-9][0-9]{0,8})\.(\w+)", stem)
+    if block:
+        mapped = _LAYER_NAMES.get(block.group(2))
+        return f"model.layers.{block.group(1)}.{mapped}.{kind}" if mapped else name
     mapped = _TOP_NAMES.get(stem)
     return f"{mapped}.{kind}" if mapped else name
 
@@ -150,5 +208,7 @@ def unpermute_rows(name: str, array: Any, config: dict[str, Any]) -> Any:
     else:
         return array
     rows = array.shape[0]
+    if rows % (2 * heads):
+        raise WeightMismatchError(f"{plain(name)}: {rows} rows do not split into {heads} heads of rotary pairs")
     split = array.reshape(heads, rows // heads // 2, 2, *array.shape[1:])
     return split.swapaxes(1, 2).reshape(array.shape)

@@ -9,6 +9,7 @@ dequantized with the `gguf` package. Format: https://github.com/ggml-org/ggml/bl
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -18,14 +19,19 @@ from typing import Any
 import numpy as np
 
 from ..errors import CorruptFileError, UnsupportedModelError
+from ..untrusted import is_int, plain, shown
+from .safetensors_header import MAX_DIM
 
 MAX_COUNT = 1 << 24  # tensors, metadata keys or array items: far above any real model
 MAX_DIMS = 4
+MAX_DEPTH = 8  # arrays of arrays: real files nest none; each level is a Python call
+MAX_ALIGNMENT = 1 << 20  # llama.cpp writes 32
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 # type -> (elements per block, bytes per block)
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
+REPACKED = (Q4_0, Q4_1, Q8_0)  # kept quantized (read() returns a QuantizedTensor); other types become floats
 
 
 @dataclass(frozen=True)
@@ -64,12 +70,17 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {}
         try:
             self._parse()
-        except CorruptFileError:
+        except BaseException:
             self.close()
             raise
 
     def close(self) -> None:
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            # numpy views of the map are still alive (a traceback being handled holds
+            # them): the map closes when they go. Raising here would hide that error.
+            pass
         self._file.close()
 
     def __enter__(self) -> GGUFFile:
@@ -88,7 +99,7 @@ class GGUFFile:
             return raw.view(np.float16).reshape(info.shape)
         if info.ggml_type == BF16:
             return raw.view(np.uint16).reshape(info.shape)  # caller views as bfloat16
-        if info.ggml_type in (Q4_0, Q4_1, Q8_0):
+        if info.ggml_type in REPACKED:
             return _repack(raw, info)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -120,20 +131,22 @@ class GGUFFile:
         except UnicodeDecodeError:
             raise CorruptFileError(f"{self.path}: {what} is not UTF-8") from None
 
-    def _value(self, kind: int, key: str) -> Any:
+    def _value(self, kind: int, key: str, depth: int = 0) -> Any:
         if kind in _SCALARS:
             return self._scalar(_SCALARS[kind], f"value of {key}")
         if kind == STRING:
             return self._string(f"value of {key}")
         if kind == ARRAY:
+            if depth >= MAX_DEPTH:
+                raise CorruptFileError(f"{self.path}: metadata {key} nests arrays deeper than {MAX_DEPTH}")
             item_kind = self._scalar("<I", f"item type of {key}")
             count = self._count(f"item count of {key}")
             if item_kind in _SCALARS:  # read numeric arrays in one go
                 size = struct.calcsize(_SCALARS[item_kind])
                 data = self._take(count * size, f"items of {key}")
                 return np.frombuffer(data, dtype=np.dtype(_SCALARS[item_kind])).tolist()
-            return [self._value(item_kind, key) for _ in range(count)]
-        raise CorruptFileError(f"{self.path}: metadata {key!r} has unknown value type {kind}")
+            return [self._value(item_kind, key, depth + 1) for _ in range(count)]
+        raise CorruptFileError(f"{self.path}: metadata {key} has unknown value type {kind}")
 
     def _parse(self) -> None:
         if self._take(4, "magic") != b"GGUF":
@@ -145,34 +158,43 @@ class GGUFFile:
         n_keys = self._count("metadata key count")
         for _ in range(n_keys):
             key = self._string("metadata key")
-            self.metadata[key] = self._value(self._scalar("<I", f"type of {key}"), key)
+            label = plain(key)
+            if key in self.metadata:
+                raise CorruptFileError(f"{self.path}: metadata key {label} appears twice")
+            self.metadata[key] = self._value(self._scalar("<I", f"type of {label}"), label)
         infos = [self._tensor_info() for _ in range(n_tensors)]
-        alignment = int(self.metadata.get("general.alignment", 32))
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise CorruptFileError(f"{self.path}: general.alignment={alignment} is not a power of two")
+        alignment = self.metadata.get("general.alignment", 32)
+        if not is_int(alignment) or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+            raise CorruptFileError(
+                f"{self.path}: general.alignment={shown(alignment)} is not a power of two up to {MAX_ALIGNMENT}"
+            )
         data_start = -(-self._pos // alignment) * alignment
         for name, shape, kind, offset in infos:
+            if name in self.tensors:
+                raise CorruptFileError(f"{self.path}: tensor {plain(name)} appears twice")
             self.tensors[name] = self._locate(name, shape, kind, data_start + offset)
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string("tensor name")
-        n_dims = self._scalar("<I", f"dimension count of {name}")
+        label = plain(name)
+        n_dims = self._scalar("<I", f"dimension count of {label}")
         if not 1 <= n_dims <= MAX_DIMS:
-            raise CorruptFileError(f"{self.path}: tensor {name!r} has {n_dims} dimensions")
-        dims = [self._count(f"dimension of {name}", limit=len(self._map) * 32) for _ in range(n_dims)]
-        kind = self._scalar("<I", f"type of {name}")
-        offset = self._count(f"offset of {name}", limit=len(self._map))
+            raise CorruptFileError(f"{self.path}: tensor {label} has {n_dims} dimensions")
+        limit = min(MAX_DIM, len(self._map) * 32)
+        dims = [self._count(f"dimension of {label}", limit=limit) for _ in range(n_dims)]
+        kind = self._scalar("<I", f"type of {label}")
+        offset = self._count(f"offset of {label}", limit=len(self._map))
         return name, tuple(reversed(dims)), kind, offset
 
     def _locate(self, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorInfo:
         block, block_bytes = _block_size(kind, name, self.path)
-        elements = int(np.prod(shape))
+        elements = math.prod(shape)  # exact: numpy's product would wrap around at 2**63
         if shape[-1] % block:
-            raise CorruptFileError(f"{self.path}: tensor {name!r} row of {shape[-1]} is not a multiple of {block}")
+            raise CorruptFileError(f"{self.path}: tensor {plain(name)} row of {shape[-1]} is not a multiple of {block}")
         nbytes = elements // block * block_bytes
         if offset + nbytes > len(self._map):
             raise CorruptFileError(
-                f"{self.path}: tensor {name!r} ({nbytes} bytes at offset {offset}) runs past the end of the file"
+                f"{self.path}: tensor {plain(name)} ({nbytes} bytes at offset {offset}) runs past the end of the file"
             )
         return TensorInfo(name, shape, kind, offset, nbytes)
 
@@ -185,7 +207,9 @@ def _block_size(kind: int, name: str, path: Path) -> tuple[int, int]:
 
         return GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     except (ImportError, ValueError, KeyError):
-        raise UnsupportedModelError(f"{path}: tensor {name!r} has GGML type {kind}, which is not supported") from None
+        raise UnsupportedModelError(
+            f"{path}: tensor {plain(name)} has GGML type {kind}, which is not supported"
+        ) from None
 
 
 def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:

@@ -8,9 +8,11 @@ shape -> cast to the compute dtype -> load.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,12 +21,16 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..errors import ModelNotFoundError, WeightMismatchError
 from ..tokenizer import Tokenizer
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
-from .checkpoint import load_tensors, open_folder
+from ..untrusted import listed
+from .checkpoint import Checkpoint, load_tensors, open_folder
 from .config import ModelConfig, normalize_config
 from .decoder import DecoderLM, build_model
 from .dtype import choose_compute_dtype
-from .gguf import read_gguf
+from .gguf import gguf_config, gguf_tensors, gguf_weights
+from .gguf_file import GGUFFile
 from .quantized import quantize_like
+from .safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
+from .sizing import StoredTensor, check_before_build
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +58,18 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
     """
     start = time.perf_counter()
     path = Path(path).expanduser()
+    compute = choose_compute_dtype(dtype)
     if path.is_file() and path.suffix == ".gguf":
-        raw_config, weights, metadata = read_gguf(path)
-        config = normalize_config(raw_config, source=f"{path} (GGUF metadata)")
-        tokenizer = tokenizer_from_gguf(metadata) if with_tokenizer else None
+        config, weights, metadata = _read_gguf_checked(path, compute)
+        tokenizer = tokenizer_from_gguf(metadata, f"{path}: GGUF") if with_tokenizer else None
     elif path.is_dir():
         checkpoint = open_folder(path)
         config = normalize_config(checkpoint.config, source=str(path / "config.json"))
+        check_before_build(config, _folder_tensors(checkpoint, compute), str(path))
         weights = load_tensors(checkpoint)
         tokenizer = Tokenizer.from_folder(path, config.eos_token_ids) if with_tokenizer else None
     else:
         raise ModelNotFoundError(f"{path}: not a model folder or .gguf file")
-    compute = choose_compute_dtype(dtype)
     model = build_model(config)
     weights = _sanitize(weights, config)
     quantize_mode = (config.quantization or {}).get("mode", "affine")
@@ -75,6 +81,25 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     log.info("loaded %s: %d quantized layers, %.1f MB, %s", path, quantized, nbytes / 1e6, compute)
     return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start)
+
+
+def _read_gguf_checked(path: Path, compute: mx.Dtype) -> tuple[ModelConfig, dict[str, mx.array], dict[str, Any]]:
+    """Config, weights and metadata of a GGUF file; the weights are read only once the config fits them."""
+    with GGUFFile(path) as gguf:
+        raw = gguf_config(gguf)
+        config = normalize_config(raw, source=f"{path} (GGUF metadata)")
+        check_before_build(config, gguf_tensors(gguf, compute.size), str(path))
+        return config, gguf_weights(gguf, raw), gguf.metadata
+
+
+def _folder_tensors(checkpoint: Checkpoint, compute: mx.Dtype) -> dict[str, StoredTensor]:
+    def stored(name: str, info: TensorInfo) -> StoredTensor:
+        elements = math.prod(info.shape)
+        floating = info.dtype in FLOAT_DTYPES
+        packed = info.dtype == "U32" and f"{name.removesuffix('.weight')}.scales" in checkpoint.tensors
+        return StoredTensor(info.shape, elements * (compute.size if floating else DTYPE_BYTES[info.dtype]), packed)
+
+    return {name: stored(name, info) for name, info in checkpoint.tensors.items()}
 
 
 def _private_arrays(model: nn.Module) -> list[mx.array]:
@@ -89,7 +114,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """Only the tokenizer of a model folder or GGUF file."""
     path = Path(path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return tokenizer_from_gguf(read_gguf(path)[2])
+        with GGUFFile(path) as gguf:
+            return tokenizer_from_gguf(gguf.metadata, f"{path}: GGUF")
     if not path.is_dir():
         raise ModelNotFoundError(f"{path}: not a model folder or .gguf file")
     config = normalize_config(open_folder(path).config, source=str(path / "config.json"))
@@ -110,8 +136,9 @@ def verify_weights(model: nn.Module, weights: dict[str, mx.array], source: str) 
     # Floats must stay floats and packed quantized words must stay uint32.
     bad_dtype = [f"{k} ({weights[k].dtype})" for k in common if _kind(weights[k].dtype) != _kind(params[k].dtype)]
     if missing or unexpected or wrong or bad_dtype:
+        # Only `unexpected` names come from the file; listed() quotes the odd ones and caps how many show.
         groups = (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong), ("wrong dtype", bad_dtype))
-        parts = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in groups if items]
+        parts = [f"{label} ({len(items)}): {listed(items)}" for label, items in groups if items]
         raise WeightMismatchError(f"{source}: weights do not match the architecture; " + "; ".join(parts))
 
 

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UnsupportedModelError, WeightMismatchError
+from ..untrusted import shown
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 
@@ -19,7 +20,7 @@ SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], mode: str = "affine") -> int:
     """Quantize every layer that has `<path>.scales` in `weights`; returns how many."""
     if mode != "affine":
-        raise UnsupportedModelError(f"quantization mode {mode!r} is not supported (only 'affine')")
+        raise UnsupportedModelError(f"config.json: quantization mode {shown(mode)} is not supported (only 'affine')")
     params: dict[str, tuple[int, int]] = {}
 
     def predicate(path: str, module: nn.Module) -> dict[str, int] | bool:
@@ -38,6 +39,8 @@ def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> tuple[
     in_features = module.weight.shape[-1]
     if packed is None or packed.dtype != mx.uint32 or packed.ndim != 2:
         raise WeightMismatchError(f"{path}: has scales but its weight is not a packed uint32 matrix")
+    if scales.ndim != 2 or not scales.shape[-1]:
+        raise WeightMismatchError(f"{path}.scales: shape {tuple(scales.shape)} is not one scale per group")
     bits, rem = divmod(packed.shape[-1] * 32, in_features)
     if rem or bits not in SUPPORTED_BITS:
         raise WeightMismatchError(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CorruptFileError
+from ..untrusted import shown
 
 # The dtypes MLX loads; safetensors also defines F8_* and F64, which it does not.
 DTYPE_BYTES = {
@@ -24,7 +25,9 @@ DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8,
 }  # fmt: skip
+FLOAT_DTYPES = frozenset({"F16", "BF16", "F32"})
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
+MAX_DIMS = 8  # real tensors have at most 5
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
 
 
@@ -76,24 +79,25 @@ def _refuse_constant(name: str) -> None:
 
 def _check_entry(path: Path, name: str, entry: object, data_bytes: int) -> TensorInfo:
     if not isinstance(entry, dict):
-        raise CorruptFileError(f"{path}: tensor {name!r} has a malformed header entry")
+        raise CorruptFileError(f"{path}: tensor {shown(name)} has a malformed header entry")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_BYTES:
-        raise CorruptFileError(f"{path}: tensor {name!r} has dtype {dtype!r}, which is not supported")
-    if not isinstance(shape, list) or not all(_is_count(d) and d <= MAX_DIM for d in shape):
-        raise CorruptFileError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise CorruptFileError(f"{path}: tensor {shown(name)} has dtype {shown(dtype)}, which is not supported")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) and d <= MAX_DIM for d in shape):
+        raise CorruptFileError(f"{path}: tensor {shown(name)} has invalid shape {shown(shape)}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise CorruptFileError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        raise CorruptFileError(f"{path}: tensor {shown(name)} has invalid data_offsets {shown(offsets)}")
     begin, end = offsets
     if not begin <= end <= data_bytes:
         raise CorruptFileError(
-            f"{path}: tensor {name!r} spans bytes [{begin}, {end}) but the data section has {data_bytes}; "
+            f"{path}: tensor {shown(name)} spans bytes [{begin}, {end}) but the data section has {data_bytes}; "
             "the file is truncated — re-download it"
         )
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if end - begin != expected:
         raise CorruptFileError(
-            f"{path}: tensor {name!r} of shape {shape} {dtype} needs {expected} bytes but spans {end - begin}"
+            f"{path}: tensor {shown(name)} of shape {shown(shape)} {dtype} needs {expected} bytes "
+            f"but spans {end - begin}"
         )
     return TensorInfo(dtype=dtype, shape=tuple(shape))
 
@@ -105,7 +109,7 @@ def _check_no_overlap(path: Path, header: dict) -> None:
         if end == begin:
             continue  # empty tensors take no bytes
         if begin < furthest:
-            raise CorruptFileError(f"{path}: tensors {owner!r} and {name!r} overlap")
+            raise CorruptFileError(f"{path}: tensors {shown(owner)} and {shown(name)} overlap")
         if end > furthest:
             furthest, owner = end, name
 

@@ -1,6 +1,7 @@
 """The ASGI app: routes, the guard in front of them, and the bridge from scheduler threads to HTTP.
 
-A request is parsed and validated, tokenized off the event loop, and queued on
+A request's body is read within a deadline, then parsed, validated and tokenized
+on worker threads (a bounded number at once: limits.py), and queued on
 its model's Scheduler as a Job. The scheduler's thread reports each event with
 `call_soon_threadsafe`; the handler streams them as server-sent events or
 gathers them into one body. A client that goes away cancels its job.
@@ -20,7 +21,7 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -28,6 +29,7 @@ from ..engine import Delta, Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
 from .errors import APIError, as_api_error
 from .guard import GuardMiddleware
+from .limits import WorkGate
 from .metrics import Metrics
 from .models import ModelSet, ServedModel
 from .replies import Reply, event
@@ -72,6 +74,7 @@ class API:
     ):
         self.models, self.settings = models, settings
         self.metrics = Metrics(models)
+        self.preparing = WorkGate(settings.prepare_workers, settings.prepare_queue)
         self._on_finished = on_finished
         self.started = int(time.time())
 
@@ -90,7 +93,7 @@ class API:
         async def run(request: Request) -> Response:
             try:
                 response = await handler(request)
-            except (APIError, MlxInferError) as error:
+            except (APIError, MlxInferError, ClientDisconnect) as error:  # the request's fault, not a bug
                 response = as_api_error(error).response()
             except Exception as error:  # noqa: BLE001 - a bug answers 500 in the API's shape; the server goes on
                 log.exception("%s failed", endpoint)
@@ -102,16 +105,18 @@ class API:
 
     async def chat_completions(self, request: Request) -> Response:
         request.state.arrived = time.perf_counter()
-        messages, params = parse_chat(parse_json(await read_body(request, self.settings.max_body_bytes)))
+        raw = await read_body(request, self.settings)
+        messages, params = await self.preparing.run(lambda: parse_chat(parse_json(raw)))
         served = await run_in_threadpool(self.models.get, params.model)  # may load an unloaded model
-        ids = await run_in_threadpool(served.model.tokenizer.encode_chat, messages)
+        ids = await self.preparing.run(served.model.tokenizer.encode_chat, messages)
         return await self._generate(request, served, ids, params, Reply(served.id, chat=True))
 
     async def completions(self, request: Request) -> Response:
         request.state.arrived = time.perf_counter()
-        prompt, params = parse_completion(parse_json(await read_body(request, self.settings.max_body_bytes)))
+        raw = await read_body(request, self.settings)
+        prompt, params = await self.preparing.run(lambda: parse_completion(parse_json(raw)))
         served = await run_in_threadpool(self.models.get, params.model)
-        ids = prompt if isinstance(prompt, list) else await run_in_threadpool(served.model.tokenizer.encode, prompt)
+        ids = prompt if isinstance(prompt, list) else await self.preparing.run(served.model.tokenizer.encode, prompt)
         return await self._generate(request, served, ids, params, Reply(served.id, chat=False))
 
     async def _generate(
@@ -249,18 +254,41 @@ class _TokenClock:
         self.last = now
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 (before reading, when Content-Length says so) past `limit` bytes."""
+async def read_body(request: Request, settings: ServerSettings) -> bytes:
+    """The body: 413 past the size limit (before reading, when Content-Length says so), 408 when it has not
+    all arrived `body_timeout_s` after the headers, 499 (never sent) when the client leaves half-way."""
+    limit = settings.max_body_bytes
     length = request.headers.get("content-length")
-    if length is not None and (not (length.isascii() and length.isdigit()) or int(length) > limit):
-        raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    if length is not None and (not (length.isascii() and length.isdigit()) or len(length) > 18 or int(length) > limit):
+        raise _too_large(limit)  # 18 digits: no slow int() of a 16 KiB header
+    deadline = time.monotonic() + settings.body_timeout_s
+    chunks, size, more = [], 0, True
+    while more:
+        message = await _receive_by(request, deadline, settings.body_timeout_s)
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large")
+            raise _too_large(limit)
         chunks.append(chunk)
+        more = message.get("more_body", False)
     return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    # The unread rest of the body would otherwise be taken for the next request: close the connection.
+    return APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large", close=True)
+
+
+async def _receive_by(request: Request, deadline: float, timeout_s: float) -> dict[str, Any]:
+    try:
+        return await asyncio.wait_for(request.receive(), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        # The rest of the body may still be on its way: this connection cannot carry another request.
+        raise APIError(
+            408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout", close=True
+        ) from None
 
 
 async def _disconnected(request: Request) -> None:

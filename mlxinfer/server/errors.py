@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import reprlib
+
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from ..errors import (
@@ -20,6 +24,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
@@ -37,24 +42,52 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after_s: int | None = None,
+        close: bool = False,
     ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.close = retry_after_s, close  # close: the connection cannot be reused
 
     def body(self) -> dict:
         kind = ERROR_TYPES.get(self.status, "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else {}
+        if self.close:
+            headers["Connection"] = "close"
+        return headers
+
+
+class _Short(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = 80
+        self.maxlevel = 3
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:  # repr() of a huge int is slow, or refused past 4300 digits
+            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+        return super().repr_int(x, level)
+
+
+_SHORT = _Short()
+
+
+def show(value: object) -> str:
+    """A client's value for an error message, cut short: a 4 MiB string or a deep list is not echoed back."""
+    return _SHORT.repr(value)
 
 
 def as_api_error(error: Exception) -> APIError:
     """The response for an error raised while taking or running a request."""
     if isinstance(error, APIError):
         return error
+    if isinstance(error, ClientDisconnect):  # the client's doing, not a server error; the answer is never sent
+        return APIError(499, "the client closed the connection before sending its whole request", code="client_closed")
     if isinstance(error, SamplingError):
         name = str(error).split(" ", 1)[0]
         return APIError(400, str(error), param=name if name in PARAMS else None)

@@ -28,6 +28,12 @@ class Metrics:
         self.requests = Counter(
             "mlxinfer_requests", "HTTP requests answered", ["endpoint", "status"], registry=registry
         )
+        self.dropped = Counter(
+            "mlxinfer_connections_dropped",
+            "Connections the server closed: headers too slow, room for a new one, or none to spare",
+            ["reason"],
+            registry=registry,
+        )
         self.finished = Counter("mlxinfer_generations", "Generations ended, by reason", ["reason"], registry=registry)
         self.prompt_tokens = Counter("mlxinfer_prompt_tokens", "Prompt tokens received", registry=registry)
         self.cached_tokens = Counter(

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..api import Model, load
 from ..engine import Scheduler, SchedulerConfig
 from ..engine.threads import call_on_device_thread
-from .errors import APIError
+from .errors import APIError, show
 
 
 @dataclass
@@ -82,7 +82,7 @@ class ModelSet:
             loaded = ", ".join(self._slots) or "none"
             raise APIError(
                 404,
-                f"model {name!r} is not loaded (loaded: {loaded}); it is never loaded on request",
+                f"model {show(name)} is not loaded (loaded: {loaded}); it is never loaded on request",
                 "model",
                 "model_not_found",
             )

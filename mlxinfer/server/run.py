@@ -18,6 +18,7 @@ import uvicorn
 
 from ..engine import GenerationStats
 from .app import create_app
+from .connections import accept_backlog, protocol_class
 from .models import ModelSet
 from .settings import ServerSettings
 
@@ -53,13 +54,17 @@ class _Server(uvicorn.Server):
 def _server(
     models: ModelSet, settings: ServerSettings, log_level: str, on_finished: Callable[[GenerationStats], None] | None
 ) -> _Server:
+    app = create_app(models, settings, on_finished)
     config = uvicorn.Config(
-        create_app(models, settings, on_finished),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
+        http=protocol_class(settings, app.state.api.metrics.dropped),
+        backlog=accept_backlog(settings),
+        ws="none",  # no WebSocket routes: an upgrade request stays an ordinary (refused) request
     )
     return _Server(config, models)
 

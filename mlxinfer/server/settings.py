@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 from dataclasses import dataclass, field
 
 from ..engine import SchedulerConfig
 from ..errors import ServerConfigError
+from .errors import show
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
+# Well below macOS's default limit of 256 open files: the model's files, logs and the
+# listening socket need their share too.
+MAX_CONNECTIONS = 100
+MAX_TIMEOUT_S = 86400
 
 
 def is_loopback(host: str) -> bool:
@@ -33,6 +39,12 @@ class ServerSettings:
     request_timeout_s: float = 600.0  # from arrival to the last token, queueing included
     default_max_tokens: int = 2048  # when a request gives none (at most the context left)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Hostile or broken clients: these bound what sockets and bodies can hold on to.
+    header_timeout_s: float = 10.0  # a request's headers, from connecting (or from the previous answer)
+    body_timeout_s: float = 30.0  # the whole body, once its headers arrived
+    max_connections: int = MAX_CONNECTIONS  # past it the longest-idle connection is closed, or the new one gets 503
+    prepare_workers: int = 4  # requests parsed, templated and tokenized at once, on threads off the event loop
+    prepare_queue: int = 64  # requests waiting for one of those workers; past that, 429
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host):
@@ -55,3 +67,23 @@ class ServerSettings:
             raise ServerConfigError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
         if self.request_timeout_s <= 0 or self.max_body_bytes <= 0:
             raise ServerConfigError("--request-timeout and the body limit must be positive")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not (_is_number(value, (int, float)) and 0 < value <= MAX_TIMEOUT_S):
+                raise ServerConfigError(
+                    f"the server setting {name} must be seconds in (0, {MAX_TIMEOUT_S}], got {show(value)}"
+                )
+        for name, lowest in (("max_connections", 1), ("prepare_workers", 1), ("prepare_queue", 0)):
+            value = getattr(self, name)
+            if not (_is_number(value, int) and value >= lowest):
+                raise ServerConfigError(f"the server setting {name} must be an integer >= {lowest}, got {show(value)}")
+
+
+def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:
+    """Of `kinds`, not a bool, and finite (an int of any size compares without turning into a float)."""
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        return False
+    return isinstance(value, int) or math.isfinite(value)

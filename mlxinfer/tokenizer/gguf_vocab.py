@@ -13,7 +13,8 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
-from ..errors import TokenizerError
+from ..errors import ChatTemplateError, TokenizerError
+from ..untrusted import first_line, is_int, shown
 from .tokenizer import Tokenizer
 
 # llama-bpe and qwen2 differ only in how many digits a number chunk may hold.
@@ -28,7 +29,7 @@ _DIGIT_SPLITTING = {"smollm", "starcoder", "refact", "codeshell"}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
 
 
-def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
+def _pre_tokenizer(name: str, where: str) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if name in ("gpt2", "default"):
         return byte_level
@@ -43,38 +44,71 @@ def _pre_tokenizer(name: str) -> pre_tokenizers.PreTokenizer:
             ]
         )
     raise TokenizerError(
-        f"GGUF tokenizer.ggml.pre={name!r} is not supported yet; use the model's Hugging Face checkpoint"
+        f"{where} metadata tokenizer.ggml.pre={shown(name)} is not supported yet; "
+        "use the model's Hugging Face checkpoint"
     )
 
 
-def _as_int(value: Any) -> int | None:
-    if value is None:
-        return None
-    return int(value.item() if hasattr(value, "item") else value)
+def _key(metadata: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    """`metadata[key]` (None when absent) if it is a `kind`; TokenizerError naming the key otherwise."""
+    value = metadata.get(key)
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+        raise TokenizerError(f"{where} metadata {key!r} must be a {kind.__name__}, got {shown(value)}")
+    return value
 
 
-def backend_from_gguf(metadata: dict[str, Any]) -> Backend:
+def _strings(metadata: dict[str, Any], key: str, where: str) -> list[str]:
+    values = _key(metadata, key, list, where) or []
+    bad = next((v for v in values if not isinstance(v, str)), None)
+    if bad is not None:
+        raise TokenizerError(f"{where} metadata {key!r} must list strings, got {shown(bad)}")
+    return values
+
+
+def _token_id(metadata: dict[str, Any], key: str, tokens: list[str], where: str) -> int | None:
+    value = _key(metadata, key, int, where)
+    if value is not None and not 0 <= value < len(tokens):
+        raise TokenizerError(f"{where} metadata {key!r} is {value}, outside the {len(tokens)}-token vocabulary")
+    return value
+
+
+def _vocabulary(metadata: dict[str, Any], where: str) -> tuple[list[str], list[tuple[str, ...]], list[int]]:
+    """Tokens, merges and token types, each checked for type (a crafted file can hold anything)."""
+    tokens = _strings(metadata, "tokenizer.ggml.tokens", where)
+    if not tokens:
+        raise TokenizerError(f"{where} metadata has no tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in _strings(metadata, "tokenizer.ggml.merges", where)]
+    bad = next((" ".join(m) for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise TokenizerError(f"{where} metadata 'tokenizer.ggml.merges' holds {shown(bad)}, not 'a b'")
+    types = _key(metadata, "tokenizer.ggml.token_type", list, where) or [1] * len(tokens)
+    if len(types) != len(tokens) or not all(is_int(t) for t in types):
+        raise TokenizerError(f"{where} metadata 'tokenizer.ggml.token_type' must list one integer per token")
+    return tokens, merges, types
+
+
+def backend_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Backend:
     """The fast-tokenizer backend (what tokenizer.json holds) of a GGUF file."""
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise TokenizerError(
-            f"GGUF tokenizer.ggml.model={kind!r} is not supported yet (only byte-level BPE, 'gpt2'); "
-            "use the model's Hugging Face checkpoint"
+            f"{where} metadata tokenizer.ggml.model={shown(kind)} is not supported yet "
+            "(only byte-level BPE, 'gpt2'); use the model's Hugging Face checkpoint"
         )
-    tokens: list[str] = list(metadata.get("tokenizer.ggml.tokens") or [])
-    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges") or []]
-    if not tokens:
-        raise TokenizerError("GGUF metadata has no tokenizer.ggml.tokens")
-    types = [int(t) for t in metadata.get("tokenizer.ggml.token_type", [])] or [1] * len(tokens)
-    backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    backend.pre_tokenizer = _pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "default")))
+    tokens, merges, types = _vocabulary(metadata, where)
+    try:
+        backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    except Exception as e:  # the Rust side raises plain Exception
+        reason = first_line(e)
+        raise TokenizerError(f"{where} metadata: vocabulary and merges do not form a tokenizer ({reason})") from None
+    backend.pre_tokenizer = _pre_tokenizer(_key(metadata, "tokenizer.ggml.pre", str, where) or "default", where)
     backend.decoder = decoders.ByteLevel()
     specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
     backend.add_special_tokens(specials)
     user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
     backend.add_tokens(user)
-    bos = _as_int(metadata.get("tokenizer.ggml.bos_token_id"))
-    if _as_int(metadata.get("tokenizer.ggml.add_bos_token")) and bos is not None and 0 <= bos < len(tokens):
+    bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", tokens, where)
+    if _add_bos(metadata, where) and bos is not None:
         # Raw prompts get the BOS token the model was trained with, as llama.cpp adds it.
         backend.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
@@ -82,27 +116,38 @@ def backend_from_gguf(metadata: dict[str, Any]) -> Backend:
     return backend
 
 
-def tokenizer_config_from_gguf(metadata: dict[str, Any]) -> dict[str, Any]:
+def _add_bos(metadata: dict[str, Any], where: str) -> bool:
+    value = metadata.get("tokenizer.ggml.add_bos_token")
+    if value not in (None, True, False, 0, 1):
+        raise TokenizerError(f"{where} metadata 'tokenizer.ggml.add_bos_token' must be a bool")
+    return bool(value)
+
+
+def tokenizer_config_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> dict[str, Any]:
     """The tokenizer_config.json fields a GGUF file carries: special tokens and chat template."""
-    tokens = metadata.get("tokenizer.ggml.tokens") or []
+    tokens = _strings(metadata, "tokenizer.ggml.tokens", where)
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     for key in ("bos", "eos", "padding"):
-        index = _as_int(metadata.get(f"tokenizer.ggml.{key}_token_id"))
+        index = _token_id(metadata, f"tokenizer.ggml.{key}_token_id", tokens, where)
         name = "pad_token" if key == "padding" else f"{key}_token"
-        config[name] = tokens[index] if index is not None and 0 <= index < len(tokens) else None
-    config["add_bos_token"] = bool(_as_int(metadata.get("tokenizer.ggml.add_bos_token")) or False)
-    if metadata.get("tokenizer.chat_template"):
-        config["chat_template"] = metadata["tokenizer.chat_template"]
+        config[name] = tokens[index] if index is not None else None
+    config["add_bos_token"] = _add_bos(metadata, where)
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ChatTemplateError(f"{where} metadata 'tokenizer.chat_template' must be a string, got {shown(template)}")
+    if template:
+        config["chat_template"] = template
     return config
 
 
-def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
-    """Build our Tokenizer from GGUF metadata (byte-level BPE vocabularies)."""
-    config = tokenizer_config_from_gguf(metadata)
+def tokenizer_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Tokenizer:
+    """Build our Tokenizer from GGUF metadata (byte-level BPE vocabularies); `where` names the file in errors."""
+    config = tokenizer_config_from_gguf(metadata, where)
+    tokens = _strings(metadata, "tokenizer.ggml.tokens", where)
     # End of generation: EOS, and the end-of-turn token chat models stop on (Llama 3's <|eot_id|>).
-    stops = [_as_int(metadata.get(f"tokenizer.ggml.{k}_token_id")) for k in ("eos", "eot")]
+    stops = [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", tokens, where) for k in ("eos", "eot")]
     return Tokenizer(
-        backend_from_gguf(metadata),
+        backend_from_gguf(metadata, where),
         eos_token_ids=[i for i in stops if i is not None],
         bos_token=config["bos_token"],
         eos_token=config["eos_token"],

@@ -7,7 +7,6 @@ Chats without such text tokenize exactly as transformers' apply_chat_template.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -17,7 +16,10 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 
 from ..errors import ChatTemplateError, TokenizerError
+from ..untrusted import first_line, read_json_object, read_text, shown
 from .chat_template import render_chat
+
+MAX_TOKENIZER_BYTES = 128 << 20  # the largest real tokenizer.json files (256k vocabularies) are ~35 MB
 
 
 def _new_marker() -> str:
@@ -73,16 +75,18 @@ class Tokenizer:
                 f"{folder}: tokenizer.json is missing; mlxinfer needs a fast-tokenizer file "
                 "(save one with transformers' tokenizer.save_pretrained)"
             )
+        text = read_text(path, TokenizerError, MAX_TOKENIZER_BYTES)
         try:
-            backend = Backend.from_file(str(path))
+            backend = Backend.from_str(text)
         except Exception as e:  # the Rust parser raises plain Exception
-            raise TokenizerError(f"{path}: cannot be parsed ({e})") from None
-        config = _read_json(folder / "tokenizer_config.json")
+            raise TokenizerError(f"{path}: cannot be parsed ({first_line(e)})") from None
+        config_path = folder / "tokenizer_config.json"
+        config = _read_json(config_path)
         return cls(
             backend,
             eos_token_ids=eos_token_ids,
-            bos_token=_token_text(config.get("bos_token")),
-            eos_token=_token_text(config.get("eos_token")),
+            bos_token=_token_text(config, "bos_token", config_path),
+            eos_token=_token_text(config, "eos_token", config_path),
             chat_template=_chat_template(folder, config),
         )
 
@@ -92,7 +96,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of plain text; special-token strings in it stay text."""
-        return self._plain.encode(_valid_text(text), add_special_tokens=add_special_tokens).ids
+        return self._encode_ids(self._plain, _valid_text(text), add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -107,7 +111,7 @@ class Tokenizer:
         marker = _new_marker()
         rendered = _valid_text(self._render(messages, add_generation_prompt, marker))
         if marker not in rendered:
-            return self.backend.encode(rendered, add_special_tokens=False).ids
+            return self._encode_ids(self.backend, rendered, False)
         # Message content held special-token text: split at the template's own
         # control tokens only, and encode everything between them as plain text.
         ids: list[int] = []
@@ -121,7 +125,14 @@ class Tokenizer:
         return ids + self._plain_ids(rendered[text_start:].replace(marker, ""))
 
     def _plain_ids(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+        return self._encode_ids(self._plain, text, False) if text else []
+
+    @staticmethod
+    def _encode_ids(backend: Backend, text: str, add_special_tokens: bool) -> list[int]:
+        # Backend.encode holds the GIL throughout: a 4 MB prompt stopped every other Python thread (the
+        # scheduler's, /health) for seconds. The batch calls release it; the fast one skips offsets, unused here.
+        encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)  # older tokenizers lack it
+        return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _render(self, messages: Sequence[Message], add_generation_prompt: bool, marker: str) -> str:
         if not self.chat_template:
@@ -178,29 +189,31 @@ def _escape_message(message: Message, specials: re.Pattern[str] | None, marker: 
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
-    return value if isinstance(value, dict) else {}
+    return read_json_object(path, TokenizerError) if path.exists() else {}
 
 
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
+def _token_text(config: dict[str, Any], key: str, path: Path) -> str | None:
+    """`bos_token`/`eos_token`: a string, an AddedToken-style {"content": ...} object, or null."""
+    value = config.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise TokenizerError(f"{path}: {key} must be a string or an object with a string 'content', got {shown(value)}")
+    return text
 
 
 def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.exists():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
+        return read_text(jinja_file, ChatTemplateError)
+    source, template = folder / "tokenizer_config.json", config.get("chat_template")
     if template is None and (folder / "chat_template.json").exists():
-        template = _read_json(folder / "chat_template.json").get("chat_template")
-    if isinstance(template, list):  # named templates: use "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        source = folder / "chat_template.json"
+        template = _read_json(source).get("chat_template")
+    if isinstance(template, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in template):
+        named = {t["name"]: t.get("template") for t in template}  # named templates: use "default"
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):
+        raise ChatTemplateError(
+            f"{source}: chat_template must be a string or a list of {{name, template}} objects, got {shown(template)}"
+        )
+    return template

@@ -1,0 +1,86 @@
+"""Reading and quoting what a model folder or GGUF file holds, without trusting it.
+
+Side files (config.json, tokenizer_config.json, chat templates) are read with a
+size limit, as UTF-8 and as strict JSON objects; any failure is one error naming
+the file. Values quoted in error messages are shortened and escaped, so a crafted
+10 MB tensor name or a string with newlines still gives one short line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import reprlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .errors import MlxInferError
+
+# Real config.json files are a few KB; tokenizer_config.json with a 256k-token
+# added_tokens_decoder, or a long chat template, stays under a few MB.
+MAX_SIDE_FILE_BYTES = 64 << 20
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 24
+_REPR.maxlevel = 2
+
+
+def shown(value: Any) -> str:
+    """A short, one-line repr of an untrusted value for an error message."""
+    return _REPR.repr(value)
+
+
+def plain(name: str) -> str:
+    """A tensor or file name as is when short and printable, else its short repr."""
+    return name if 0 < len(name) <= 120 and name.isprintable() else shown(name)
+
+
+def listed(names: Sequence[str], limit: int = 10) -> str:
+    """The first `limit` names, comma-separated, and how many more there are."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(plain(n) for n in names[:limit]) + more
+
+
+def first_line(error: BaseException) -> str:
+    """The gist of an error from native code (tokenizers' Rust errors can span lines), on one short line."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return lines[0][:200]
+
+
+def is_int(value: Any) -> bool:
+    """A JSON or GGUF integer (Python's bool is an int, but `true` is neither a size nor a token id)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite number (not a bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_text(path: Path, error: type[MlxInferError], limit: int = MAX_SIDE_FILE_BYTES) -> str:
+    """The UTF-8 text of `path`, or `error` naming the file (too large, unreadable, not UTF-8)."""
+    try:
+        size = path.stat().st_size
+        if size > limit:
+            raise error(f"{path}: {size} bytes is more than the {limit} this file may have; it is not a model file")
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not UTF-8 text (byte {e.start}); re-download or re-save the file as UTF-8") from None
+    except OSError as e:
+        raise error(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+
+
+def read_json_object(path: Path, error: type[MlxInferError], limit: int = MAX_SIDE_FILE_BYTES) -> dict[str, Any]:
+    """`path` parsed as one JSON object, or `error` naming the file."""
+    text = read_text(path, error, limit)
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise error(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, and integers longer than Python converts
+        raise error(f"{path}: not valid JSON ({first_line(e)})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
