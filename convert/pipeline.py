@@ -23,6 +23,7 @@ from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
 from mlxinfer.quantize.affine import dequantize_rows, quantize_rows
 from tqdm.auto import tqdm
 
+from mlxinfer.disk import file_size_errors
 from mlxinfer.errors import ConversionError
 from mlxinfer.memory import peak_rss_bytes
 from mlxinfer.models.config import ModelConfig, normalize_config
@@ -32,20 +33,9 @@ from mlxinfer.models.sizing import check_checkpoint
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
 from .output_config import output_config
+from .output_folder import MANIFEST, AtomicFolder, check_apart, check_output, check_space
 from .sources import Quantized, Source, open_source
-from .writer import (
-    DEFAULT_SHARD_BYTES,
-    MANIFEST,
-    AtomicFolder,
-    ShardWriter,
-    check_apart,
-    check_output,
-    check_space,
-    file_size_errors,
-    os_error,
-    sha256_files,
-    write_json,
-)
+from .writer import DEFAULT_SHARD_BYTES, ShardWriter, os_error, sha256_files, write_json
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import KV_GROUP_SIZE, check_kv_bits, footprint
 from .tokenizer import Tokenizer
+from .untrusted import shown
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class Model:
             kv_bits=self.kv_bits,
         )
         if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise SamplingError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise SamplingError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         cache = self.prefix_cache if use_cache else None
         return TextGeneration(self._loaded.model, self.tokenizer, request, stop=stops, prefix_cache=cache)
@@ -279,7 +280,7 @@ class Model:
     def logits(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> np.ndarray:
         """Next-token logits at every position, float32 numpy of shape (T, vocab)."""
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-            raise SamplingError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+            raise SamplingError(f"chunk_tokens must be a positive integer, got {shown(chunk_tokens)}")
         if isinstance(token_ids, np.ndarray):
             token_ids = token_ids.tolist()
         ids = mx.array(_check_ids(list(token_ids), self.config.vocab_size), dtype=mx.uint32)

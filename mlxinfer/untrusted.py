@@ -3,7 +3,8 @@
 Side files (config.json, tokenizer_config.json, chat templates) are read with a
 size limit, as UTF-8 and as strict JSON objects; any failure is one error naming
 the file. Values quoted in error messages are shortened and escaped, so a crafted
-10 MB tensor name or a string with newlines still gives one short line.
+10 MB tensor name or a string with newlines still gives one short line; paths are
+kept whole but escaped. A leaf: imports nothing of mlxinfer but its errors.
 """
 
 from __future__ import annotations
@@ -21,10 +22,21 @@ from .errors import MlxInferError
 # added_tokens_decoder, or a long chat template, stays under a few MB.
 MAX_SIDE_FILE_BYTES = 64 << 20
 
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlong = 24
-_REPR.maxlevel = 2
+
+class _Short(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = 60
+        self.maxlong = 24
+        self.maxlevel = 2
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:  # repr() of a huge int is slow, and refused past 4300 digits
+            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
+        return super().repr_int(x, level)
+
+
+_REPR = _Short()
 
 
 def shown(value: Any) -> str:
@@ -32,9 +44,15 @@ def shown(value: Any) -> str:
     return _REPR.repr(value)
 
 
-def plain(name: str) -> str:
-    """A tensor or file name as is when short and printable, else its short repr."""
-    return name if 0 < len(name) <= 120 and name.isprintable() else shown(name)
+def plain(name: Any) -> str:
+    """A tensor or file name as is when short and printable, else its short repr (of any value, too)."""
+    return name if isinstance(name, str) and 0 < len(name) <= 120 and name.isprintable() else shown(name)
+
+
+def shown_path(path: str | Path) -> str:
+    """A path whole (the user must recognise it) and as is when printable, else its repr: always one line."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)
 
 
 def listed(names: Sequence[str], limit: int = 10) -> str:

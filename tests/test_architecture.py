@@ -24,6 +24,14 @@ FORBIDDEN = {
     "display": {"models", "tokenizer", "cache", "memory", "engine", "api", "server", "ui", "bench", "cli", "data"},
     "data": {"ui", "server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
 }
+# Leaf modules that every room may use: they import nothing of ours but errors.
+LEAVES = ("untrusted", "disk")
+ROOMS = (
+    {p.parent.name for p in (ROOT / "mlxinfer").glob("*/__init__.py")}
+    | {p.stem for p in (ROOT / "mlxinfer").glob("*.py") if p.stem != "__init__"}
+    | {"convert", "quantize"}  # installed under mlxinfer/ from the repository's top level
+)
+FORBIDDEN.update({leaf: ROOMS - {leaf, "errors"} for leaf in LEAVES})
 
 
 def imported_rooms(path: Path) -> set[str]:
@@ -56,6 +64,12 @@ def test_imports_flow_one_way():
         bad = imported_rooms(path) & FORBIDDEN.get(room, set())
         violations += [f"{path.relative_to(ROOT)} imports {b}" for b in sorted(bad)]
     assert not violations
+
+
+def test_leaf_modules_exist_and_forbid_every_other_room():
+    for leaf in LEAVES:
+        assert (ROOT / "mlxinfer" / f"{leaf}.py").is_file()
+        assert {"models", "cache", "display", "convert"} <= FORBIDDEN[leaf] and "errors" not in FORBIDDEN[leaf]
 
 
 def test_converter_and_quantizer_stay_out_of_the_runtime_and_ui():

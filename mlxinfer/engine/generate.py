@@ -17,6 +17,7 @@ import mlx.core as mx
 from ..cache import Cache, PrefixCache, make_cache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
+from ..untrusted import shown
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
 
@@ -67,8 +68,9 @@ def generate_ids(
     prompt and the tokens fed back while decoding are offered to the cache.
     """
     check_request(request.prompt_ids, request.max_tokens, model.model.embed_tokens.weight.shape[0])
-    if not isinstance(request.prefill_chunk_tokens, int) or request.prefill_chunk_tokens < 1:
-        raise SamplingError(f"prefill_chunk_tokens must be a positive integer, got {request.prefill_chunk_tokens!r}")
+    chunk = request.prefill_chunk_tokens
+    if not isinstance(chunk, int) or chunk < 1:
+        raise SamplingError(f"prefill_chunk_tokens must be a positive integer, got {shown(chunk)}")
     prompt_ids = list(request.prompt_ids)
     cache = make_cache(len(model.layers), request.kv_bits)
     drawn: list[int] = []  # every token decode() produced, each of them already fed into `cache`
@@ -137,4 +139,4 @@ def check_request(prompt_ids: Sequence[int], max_tokens: object, vocab_size: int
             f"[0, {vocab_size}); the tokenizer does not match the weights"
         )
     if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1_000_000:
-        raise SamplingError(f"max_tokens must be an integer in [1, 1000000], got {max_tokens!r}")
+        raise SamplingError(f"max_tokens must be an integer in [1, 1000000], got {shown(max_tokens)}")

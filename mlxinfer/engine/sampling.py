@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import SamplingError
+from ..untrusted import shown
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,9 @@ class SamplingParams:
         _number("min_p", self.min_p, lo=0.0, hi=1.0)
         _number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=100.0, lo_open=True)
         if not is_int(self.top_k) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise SamplingError(f"top_k must be an integer >= 0 (0 disables it), got {shown(self.top_k)}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise SamplingError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise SamplingError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
         for name in ("top_k", "seed"):  # numpy integers in, plain ints stored
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
@@ -59,7 +60,12 @@ def is_int(value: object) -> bool:
 
 def is_finite_number(value: object) -> bool:
     """A real number (not a bool, not NaN or infinite)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float (10**400) is no usable parameter either
+        return False
 
 
 def _number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -68,7 +74,7 @@ def _number(name: str, value: object, lo: float, hi: float, lo_open: bool = Fals
         ok = (lo < value if lo_open else lo <= value) and value <= hi
     if not ok:
         bracket = "(" if lo_open else "["
-        raise SamplingError(f"{name} must be a finite number in {bracket}{lo:g}, {hi:g}], got {value!r}")
+        raise SamplingError(f"{name} must be a finite number in {bracket}{lo:g}, {hi:g}], got {shown(value)}")
 
 
 class Sampler:

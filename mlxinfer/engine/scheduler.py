@@ -29,6 +29,7 @@ from ..errors import BusyError, ConfigError, MemoryBudgetError, RequestTimeoutEr
 from ..memory import MachineMemory, ModelFootprint, batch_peak_bytes, machine_memory
 from ..models.decoder import DecoderLM
 from ..tokenizer import Tokenizer
+from ..untrusted import shown
 from .batch import DecodeBatch, Running
 from .generate import check_request
 from .job import Delta, Event, Failed, Finished, Job
@@ -62,7 +63,7 @@ class SchedulerConfig:
         for name in ("max_batch", "max_queue", "prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"SchedulerConfig.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"SchedulerConfig.{name} must be a positive integer, got {shown(value)}")
 
 
 @dataclass

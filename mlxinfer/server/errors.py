@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import reprlib
-
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
@@ -60,26 +57,6 @@ class APIError(Exception):
         if self.close:
             headers["Connection"] = "close"
         return headers
-
-
-class _Short(reprlib.Repr):
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxstring = self.maxother = 80
-        self.maxlevel = 3
-
-    def repr_int(self, x: int, level: int) -> str:
-        if x.bit_length() > 128:  # repr() of a huge int is slow, or refused past 4300 digits
-            return f"<an integer of about {int(x.bit_length() * math.log10(2)) + 1} digits>"
-        return super().repr_int(x, level)
-
-
-_SHORT = _Short()
-
-
-def show(value: object) -> str:
-    """A client's value for an error message, cut short: a 4 MiB string or a deep list is not echoed back."""
-    return _SHORT.repr(value)
 
 
 def as_api_error(error: Exception) -> APIError:

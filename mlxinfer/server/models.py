@@ -18,7 +18,8 @@ import mlx.core as mx
 from ..api import Model, load
 from ..engine import Scheduler, SchedulerConfig
 from ..engine.threads import call_on_device_thread
-from .errors import APIError, show
+from ..untrusted import shown
+from .errors import APIError
 
 
 @dataclass
@@ -82,7 +83,7 @@ class ModelSet:
             loaded = ", ".join(self._slots) or "none"
             raise APIError(
                 404,
-                f"model {show(name)} is not loaded (loaded: {loaded}); it is never loaded on request",
+                f"model {shown(name)} is not loaded (loaded: {loaded}); it is never loaded on request",
                 "model",
                 "model_not_found",
             )

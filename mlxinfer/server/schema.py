@@ -19,7 +19,8 @@ from ..engine import SamplingParams
 from ..engine.sampling import is_finite_number, is_int
 from ..engine.text import check_stops
 from ..errors import SamplingError
-from .errors import APIError, as_api_error, show
+from ..untrusted import shown
+from .errors import APIError, as_api_error
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 UNSUPPORTED = (  # refused when set to anything but their default
@@ -146,7 +147,7 @@ def _params(body: dict[str, Any]) -> GenerationParams:
         raise APIError(400, "model must be a string naming a loaded model (see GET /v1/models)", "model")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
-        raise APIError(400, f"max_tokens must be a positive integer, got {show(max_tokens)}", "max_tokens")
+        raise APIError(400, f"max_tokens must be a positive integer, got {shown(max_tokens)}", "max_tokens")
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -166,13 +167,13 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
     temperature = 1.0 if temperature is None else temperature  # OpenAI's default
     # OpenAI's range; SamplingParams itself allows more for library callers.
     if not is_finite_number(temperature) or not 0 <= temperature <= 2:
-        raise APIError(400, f"temperature must be a number in [0, 2], got {show(temperature)}", "temperature")
+        raise APIError(400, f"temperature must be a number in [0, 2], got {shown(temperature)}", "temperature")
     fields = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "seed": None}
     values = {name: body.get(name, default) for name, default in fields.items()}
     values = {name: fields[name] if value is None and name != "seed" else value for name, value in values.items()}
     for name, value in values.items():
         if value is not None and not is_finite_number(value):
-            raise APIError(400, f"{name} must be a number, got {show(value)}", name)
+            raise APIError(400, f"{name} must be a number, got {shown(value)}", name)
     try:
         return SamplingParams(temperature=temperature, **values)
     except SamplingError as e:
@@ -196,5 +197,5 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise APIError(400, f"{name} must be true or false, got {show(value)}", name)
+        raise APIError(400, f"{name} must be true or false, got {shown(value)}", name)
     return value

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..engine import SchedulerConfig
 from ..errors import ServerConfigError
-from .errors import show
+from ..untrusted import shown
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 # Well below macOS's default limit of 256 open files: the model's files, logs and the
@@ -74,12 +74,12 @@ class ServerSettings:
             value = getattr(self, name)
             if not (_is_number(value, (int, float)) and 0 < value <= MAX_TIMEOUT_S):
                 raise ServerConfigError(
-                    f"the server setting {name} must be seconds in (0, {MAX_TIMEOUT_S}], got {show(value)}"
+                    f"the server setting {name} must be seconds in (0, {MAX_TIMEOUT_S}], got {shown(value)}"
                 )
         for name, lowest in (("max_connections", 1), ("prepare_workers", 1), ("prepare_queue", 0)):
             value = getattr(self, name)
             if not (_is_number(value, int) and value >= lowest):
-                raise ServerConfigError(f"the server setting {name} must be an integer >= {lowest}, got {show(value)}")
+                raise ServerConfigError(f"the server setting {name} must be an integer >= {lowest}, got {shown(value)}")
 
 
 def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:

@@ -157,7 +157,7 @@ def _valid_text(text: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise TokenizerError(
-            f"text has invalid Unicode at position {e.start} ({text[e.start : e.end]!r}); pass valid UTF-8 text"
+            f"text has invalid Unicode at position {e.start} ({shown(text[e.start : e.end])}); pass valid UTF-8 text"
         ) from None
     return text
 
@@ -167,7 +167,7 @@ def _validate(messages: Sequence[Message]) -> Sequence[Message]:
         raise ChatTemplateError("a chat needs at least one message")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {shown(m)}")
     return messages
 
 

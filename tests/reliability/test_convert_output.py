@@ -21,13 +21,22 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from mlxinfer.convert import ConvertSettings, convert, pipeline, plan_conversion, run_conversion, writer
+from mlxinfer.convert import (
+    ConvertSettings,
+    convert,
+    output_folder,
+    pipeline,
+    plan_conversion,
+    run_conversion,
+    writer,
+)
 
 import mlxinfer
+from mlxinfer import disk
 from mlxinfer.cli import main
 from mlxinfer.errors import ConversionError
 
-MANIFEST = writer.MANIFEST
+MANIFEST = output_folder.MANIFEST
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -201,7 +210,7 @@ def _replace(out: Path, make) -> None:
 
 def _huge_manifest(out: Path) -> None:
     with open(out / MANIFEST, "r+b") as f:
-        f.truncate(writer.MAX_MANIFEST_BYTES + 1)  # sparse: costs no disk
+        f.truncate(output_folder.MAX_MANIFEST_BYTES + 1)  # sparse: costs no disk
 
 
 def _manifest_moved_behind_a_link(out: Path) -> None:
@@ -260,7 +269,7 @@ for _name, _data in BAD_JSON.items():
     FOREIGN[f"manifest {_name}"] = (_manifest_bytes(_data), "not valid JSON")
 for _name, _data in NOT_A_DICT.items():
     FOREIGN[f"manifest {_name}"] = (_manifest_bytes(_data), "not one mlxinfer wrote")
-for _key in sorted(writer.MANIFEST_KEYS):
+for _key in sorted(output_folder.MANIFEST_KEYS):
     FOREIGN[f"manifest without {_key!r}"] = (_edit_manifest(lambda m, k=_key: m.pop(k)), "not one mlxinfer wrote")
 for _label, _files in {"a list": [], "a string": "x", "null": None, "a number": 1}.items():
     FOREIGN[f"manifest files {_label}"] = (
@@ -628,6 +637,42 @@ def test_a_failed_write_at_any_stage_is_one_line_and_changes_nothing(
     line = assert_one_line(result, ERRNOS[code])
     assert (target if how != "replace" or stage == "shard rename" else str(tmp_path / "out")) in line
     assert snapshot(tmp_path) == before
+
+
+# Names a user may give -o, or a folder may have: each must come out whole, on one line.
+ODD_NAMES = ["plain", "new\nline", "esc\x1b[2J", "rtl\u202eevil", "tab\there", "bell\a", "x" * 200]
+FIXED_WORDS = {**ERRNOS, errno.EPERM: "operation not permitted", errno.ENAMETOOLONG: "name too long"}
+
+
+def test_the_common_errnos_have_the_same_words_on_every_system():
+    for code, words in FIXED_WORDS.items():
+        assert words in disk.reason(OSError(code, "the OS's own text")), code
+
+
+@pytest.mark.parametrize(
+    "error",
+    [OSError("two\nlines"), OSError(), OSError(None, None), OSError(errno.EIO, "a\n\x1b[2Jb " * 100)],
+    ids=["no errno", "nothing", "None", "odd strerror"],
+)
+def test_an_odd_os_error_is_still_one_short_line(error):
+    why = disk.reason(error)
+    assert why and why.isprintable() and len(why) <= 200
+
+
+@pytest.mark.parametrize("code", sorted(errno.errorcode), ids=errno.errorcode.get)
+def test_any_failed_write_is_one_line_naming_the_file_and_what_to_do(tmp_path, monkeypatch, code):
+    def failing_open(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(writer, "open", failing_open, raising=False)
+    for name in ODD_NAMES:
+        path = str(tmp_path / name)
+        with pytest.raises(ConversionError) as caught:
+            writer.write_text(Path(path), "{}")
+        message = str(caught.value)
+        assert message.isprintable() and message.startswith(path if path.isprintable() else repr(path)), message
+        why = disk.reason(OSError(code, os.strerror(code)))
+        assert f": {why}; " in message and "pick another -o" in message, message
 
 
 def test_an_unwritable_parent_is_refused_before_any_work(tmp_path, src, monkeypatch):

@@ -31,6 +31,8 @@ from click.testing import CliRunner
 
 import mlxinfer
 import mlxinfer.api as api_module
+from mlxinfer import disk
+from mlxinfer.cache import PrefixStore, prefix_file
 from mlxinfer.cache import store as store_module
 from mlxinfer.cache.kv import KVCache, QuantizedKVCache
 from mlxinfer.cache.store import KVLayout, clear_prefixes, list_prefixes
@@ -179,7 +181,7 @@ def test_every_architecture_and_dtype_round_trips_its_warmed_prefix(arch, dtype,
 def test_the_layout_is_what_each_kv_cache_kind_holds(bits, head_dim, dtype):
     cache = KVCache() if bits is None else QuantizedKVCache(bits)
     cache.update_and_fetch(*(mx.zeros((1, 3, 7, head_dim), dtype) for _ in range(2)))
-    found = {f"layers.0.{j}": (store_module._DTYPE_NAMES[a.dtype], a.shape) for j, a in enumerate(cache.state)}
+    found = {f"layers.0.{j}": (prefix_file.DTYPE_NAMES[a.dtype], a.shape) for j, a in enumerate(cache.state)}
     expected = KVLayout.of(1, 3, head_dim, dtype, CONTEXT, kv_bits=bits).tensors(7)
     assert found == {name: (d, tuple(s)) for name, (d, s) in expected.items() if name != "token_ids"}
 
@@ -579,7 +581,15 @@ def test_a_root_that_points_at_a_model_folder_loses_nothing(root, victim, cold):
 
 # -- the disk refuses: cache warm says so in one line; generate still answers ---------------------------------------
 
-FAULTS = [errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EFBIG, errno.EDQUOT, errno.EIO, errno.EPERM]
+FAULTS = {  # errno -> the words the one-line error must hold (the OS's own for one without fixed words)
+    errno.ENOSPC: "no space left on the device; free some space or point MLXINFER_CACHE_DIR",
+    errno.EROFS: "read-only file system; point MLXINFER_CACHE_DIR",
+    errno.EACCES: "permission denied; point MLXINFER_CACHE_DIR",
+    errno.EFBIG: "(file-size limit, `ulimit -f`); raise the limit or point MLXINFER_CACHE_DIR",
+    errno.EDQUOT: "disk quota exceeded; free some space or point MLXINFER_CACHE_DIR",
+    errno.EIO: f"{os.strerror(errno.EIO)}; point MLXINFER_CACHE_DIR",
+    errno.EPERM: "operation not permitted; point MLXINFER_CACHE_DIR",
+}
 
 
 def _fail_on(mp: pytest.MonkeyPatch, stage: str, code: int) -> None:
@@ -605,8 +615,8 @@ def test_a_failing_disk_makes_warm_raise_one_cache_error(stage, code, root, monk
         _fail_on(mp, stage, code)
         model.warm(WARMED)
     message = str(raised.value)
-    assert message.startswith(f"cannot write warmed prefixes to {root}/") and os.strerror(code) in message
-    assert "MLXINFER_CACHE_DIR" in message and "\n" not in message
+    assert message.startswith(f"cannot write warmed prefixes to {root}/") and FAULTS[code] in message
+    assert "\n" not in message
     assert not [p for p in root.rglob("*") if p.is_file()]  # no file, no temporary
     assert model.generate(PROMPT, max_tokens=6).token_ids == cold  # the model still answers
 
@@ -618,7 +628,28 @@ def test_cache_warm_prints_one_line_for_a_failing_disk(code, root, tmp_path, mon
     _fail_on(monkeypatch, "write", code)
     result = CliRunner().invoke(main, ["cache", "warm", str(LLAMA), "--prefix-file", str(text)])
     assert result.exit_code == 1 and one_line_error(result.output), result.output
-    assert "cannot write warmed prefixes" in result.output and os.strerror(code) in result.output
+    assert "cannot write warmed prefixes" in result.output and FAULTS[code] in result.output
+
+
+ODD_NAMES = ["plain", "new\nline", "esc\x1b[2J", "rtl\u202eevil", "tab\there", "x" * 200]
+
+
+@pytest.mark.parametrize("code", sorted(errno.errorcode), ids=errno.errorcode.get)
+def test_any_failed_write_of_the_cache_is_one_line_naming_the_folder_and_what_to_do(code, tmp_path, monkeypatch):
+    layout = KVLayout.of(2, 2, 16, mx.float32, CONTEXT)
+
+    def failing(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    for name in ODD_NAMES:
+        store = PrefixStore(tmp_path / name / "prefixes", "0" * 24, layout)
+        with monkeypatch.context() as mp, pytest.raises(CacheError) as caught:
+            mp.setattr(store_module.os, "open", failing)
+            store.check_room(10)
+        message, folder = str(caught.value), str(store.folder)
+        shown = folder if folder.isprintable() else repr(folder)
+        assert message.isprintable() and message.startswith(f"cannot write warmed prefixes to {shown}: "), message
+        assert disk.reason(OSError(code, os.strerror(code))) in message and "MLXINFER_CACHE_DIR" in message, message
 
 
 def _a_file(tmp: Path) -> Path:
@@ -677,7 +708,7 @@ def test_an_unreadable_cache_folder_is_a_warning_for_generate_and_one_error_for_
         return real(path)
 
     monkeypatch.setattr(store_module.os, "scandir", denied)
-    with pytest.raises(CacheError, match=f"cannot read the prefix cache {re.escape(str(root))}: Permission denied"):
+    with pytest.raises(CacheError, match=f"cannot read the prefix cache {re.escape(str(root))}: permission denied"):
         clear_prefixes(root)
     result = CliRunner().invoke(main, ["cache", "ls"])
     assert result.exit_code == 1 and one_line_error(result.output)
@@ -695,7 +726,7 @@ def test_an_unreadable_fingerprint_folder_is_a_warning_for_generate(warmed, monk
     monkeypatch.setattr(store_module.os, "open", denied)
     result = answer()
     assert result.token_ids == cold and result.stats.cached_tokens == 0
-    assert f"not using the warmed prefixes in {warmed.parent} (Permission denied)" in caplog.text
+    assert f"not using the warmed prefixes in {warmed.parent} (permission denied)" in caplog.text
 
 
 @pytest.fixture
@@ -730,7 +761,7 @@ def test_a_disk_that_fills_up_while_writing_leaves_no_file(tmpfs, monkeypatch, c
     monkeypatch.setattr(store_module.shutil, "disk_usage", lambda path: plenty)
     model = mlxinfer.load(LLAMA)
     (tmpfs / "filler").write_bytes(b"\0" * 40_000)
-    with pytest.raises(CacheError, match=f"cannot write warmed prefixes to {tmpfs}/prefixes/.*: No space left"):
+    with pytest.raises(CacheError, match=f"cannot write warmed prefixes to {tmpfs}/prefixes/.*: no space left"):
         model.warm(list(range(60)))  # 30 KiB of KV, 24 KiB free
     assert sorted(p.name for p in tmpfs.rglob("*") if p.is_file()) == ["filler"]
     assert model.generate(PROMPT, max_tokens=6).token_ids == cold
@@ -742,23 +773,25 @@ def test_a_read_only_cache_refuses_warm_and_generate_still_answers(tmpfs, monkey
     (path,) = (tmpfs / "prefixes").glob("*/*.safetensors")
     flip_kv(path)
     subprocess.run(["mount", "-o", "remount,ro", str(tmpfs)], check=True)
-    with pytest.raises(CacheError, match="cannot write warmed prefixes to .*: Read-only file system"):
+    with pytest.raises(CacheError, match="cannot write warmed prefixes to .*: read-only file system"):
         mlxinfer.load(LLAMA).warm(PROMPT[:10])
     result = answer()
     assert result.token_ids == cold and result.stats.cached_tokens == 0
-    assert "left in place, not quarantined: Read-only file system" in caplog.text and path.exists()
+    assert "left in place, not quarantined: read-only file system" in caplog.text and path.exists()
     assert clear_prefixes(tmpfs / "prefixes") == [] and path.exists()  # what it really removed: nothing
-    assert f"left {path} alone: Read-only file system" in caplog.text
+    assert f"left {path} alone: read-only file system" in caplog.text
 
 
-@pytest.mark.parametrize("stage, expected", [("check", "file-size limit of 0.0 MiB"), ("write", "File too large")])
+@pytest.mark.parametrize(
+    "stage, expected", [("check", "file-size limit of 0.0 MiB"), ("write", "larger than this process may write")]
+)
 def test_a_file_size_limit_is_one_line_from_cache_warm(stage, expected, tmp_path):
     text = tmp_path / "system.txt"
     text.write_text("You are terse.")
     code = (
         "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.RLIM_INFINITY)); "
-        "import mlxinfer.cache.store as s; from mlxinfer.cli import main\n"
-        "if sys.argv[1] == 'write': s._file_size_limit = lambda: None  # the check passes: the write fails\n"
+        "import mlxinfer.disk as d; from mlxinfer.cli import main\n"
+        "if sys.argv[1] == 'write': d.file_size_limit = lambda: None  # the check passes: the write fails\n"
         f"sys.argv[1:] = ['cache', 'warm', {str(LLAMA)!r}, '--prefix-file', {str(text)!r}]; main()"
     )
     env = {**os.environ, "MLXINFER_CACHE_DIR": str(tmp_path / "cache")}
@@ -849,7 +882,11 @@ def test_clear_reports_exactly_the_files_it_removed(warmed, root, caplog):
     assert all(f"left {path} alone" in caplog.text for path in strangers)
 
 
-@pytest.mark.parametrize("label", ["\x1b[31mred\x1b[0m", "two\nlines", "tab\there", "\u202eevil", "\x00", "x" * 500])
+LABELS = ["\x1b[31mred\x1b[0m", "two\nlines", "tab\there", "\u202eevil", "\x00", "", "x" * 500, "y" * 120, "z" * 121]
+LABELS += [123, None, True, ["\x1b[31m"], {"k": "two\nlines" * 1000}, [[[["deep"]]]] * 1000]  # any JSON, not only text
+
+
+@pytest.mark.parametrize("label", LABELS)
 def test_ls_never_prints_control_characters_from_a_file(label, warmed, root):
     metadata, tensors = read_parts(warmed)
     metadata["model"] = label
@@ -857,7 +894,7 @@ def test_ls_never_prints_control_characters_from_a_file(label, warmed, root):
     result = CliRunner().invoke(main, ["cache", "ls"])
     line = result.stdout.rstrip("\n")
     assert result.exit_code == 0 and result.stdout.count("\n") == 1 and line.endswith(str(warmed))
-    assert all(c.isprintable() for c in line) and len(line) <= 80 + 40 + len(str(warmed))
+    assert all(c.isprintable() for c in line) and len(line) <= 120 + 40 + len(str(warmed))  # names up to 120 as is
 
 
 # -- the model folder that the fingerprint reads ---------------------------------------------------------------------

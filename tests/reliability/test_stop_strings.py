@@ -183,7 +183,7 @@ def test_truncating_a_long_text_at_adversarial_stops_is_linear():
     text = "a" * 1_000_000
     start = time.perf_counter()
     assert truncate_at_stop(text, adversarial_stops(MAX_STOP_CHARS)) == text
-    assert time.perf_counter() - start < 2.0  # about 0.1 s here
+    assert time.perf_counter() - start < 5.0  # about 0.1 s here: 50x slack for a busy machine
 
 
 def test_nothing_after_a_stop_leaks_out_of_the_stream():

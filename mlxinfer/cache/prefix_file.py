@@ -1,0 +1,272 @@
+"""The file format of a warmed prefix: what one file holds and the checks before its KV is used.
+
+One safetensors file per prefix, named after the hash of its token ids: the ids and
+each layer's keys and values, with string metadata (format version, fingerprint,
+token count, model name, the sha256 of the tensors) and nothing that names code to
+run. Tensors are written in name order, 8-byte aligned after the header.
+
+Files on disk are untrusted input. Before a file's KV is used, its header must
+match the model's KV layout exactly (names, dtypes, shapes, a token count within
+the context, offsets that tile the file) and its tensors must hash to the
+checksum written with them; the arrays are then made from those checked bytes,
+so no second parser reads the file. A header that does not say it is ours raises
+NotOurs (the file is left alone); one of ours that fails raises CacheError.
+store.py decides what happens to the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import CacheError
+from ..untrusted import listed, shown
+
+FORMAT = "mlxinfer-prefix-v2"  # v2: a checksum of the tensors and a header that tiles the file
+_FORMAT_FAMILY = "mlxinfer-prefix-"  # any version of ours; an older one is quarantined, not left alone
+MAX_HEADER_BYTES = 1 << 22  # ours take ~100 bytes a tensor: room for 6 arrays x 5000 layers
+DTYPE_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32"}
+# The safetensors dtypes of our files, as numpy reads them (little-endian; bfloat16's bits as uint16).
+_NUMPY_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "U32": "<u4", "I32": "<i4"}
+
+
+class NotOurs(CacheError):
+    """A path in the cache that mlxinfer did not write: never read as a prefix, moved or deleted."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What every prefix file of one model must hold, derived from the model, never from the file."""
+
+    layers: int
+    arrays: tuple[tuple[str, tuple[int, ...]], ...]  # per layer: (safetensors dtype, shape with 0 positions)
+    max_tokens: int  # the model's context: no prefix is longer
+
+    @classmethod
+    def of(cls, layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype, max_tokens: int,
+           kv_bits: int | None = None, group_size: int = 64) -> KVLayout:  # fmt: skip
+        """The layout of cache/kv.py's caches: keys and values, or their (packed, scales, biases) triplets."""
+        name = DTYPE_NAMES[dtype]
+        if kv_bits is None:
+            return cls(layers, ((name, (1, kv_heads, 0, head_dim)),) * 2, max_tokens)
+        packed = ("U32", (1, kv_heads, 0, head_dim * kv_bits // 32))
+        group = (name, (1, kv_heads, 0, head_dim // group_size))
+        return cls(layers, (packed, group, group) * 2, max_tokens)
+
+    def tensors(self, tokens: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of every tensor in the file of a `tokens`-long prefix."""
+        found = {"token_ids": ("I32", (tokens,))}
+        for i in range(self.layers):
+            for j, (dtype, shape) in enumerate(self.arrays):
+                found[f"layers.{i}.{j}"] = (dtype, (*shape[:2], tokens, *shape[3:]))
+        return found
+
+    def data_bytes(self, tokens: int) -> int:
+        return sum(_nbytes(dtype, shape) for dtype, shape in self.tensors(tokens).values())
+
+    def file_bytes(self, tokens: int) -> int:
+        """The size of the file, rounded up (a header takes well under 128 bytes a tensor, plus its metadata)."""
+        return self.data_bytes(tokens) + 4096 + 128 * (1 + self.layers * len(self.arrays))
+
+
+@dataclass(frozen=True)
+class Header:
+    metadata: dict
+    entries: dict  # tensor name -> its raw header entry, checked against the layout before use
+    data_start: int
+    size: int
+
+
+def file_name(token_ids: Sequence[int]) -> str:
+    """The name of the file of a prefix: a hash of its token ids."""
+    digest = hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+    return f"{digest}.safetensors"
+
+
+# --- writing -----------------------------------------------------------------------------------------------------
+
+
+def encode(token_ids: Sequence[int], layers: Sequence[tuple[mx.array, ...]], layout: KVLayout, fingerprint: str,
+           label: str) -> list[bytes | memoryview]:  # fmt: skip
+    """The chunks of a prefix file: its header (with the checksum of the tensors), then each tensor."""
+    tensors = {"token_ids": mx.array(list(token_ids), dtype=mx.int32)}
+    for i, state in enumerate(layers):
+        tensors.update({f"layers.{i}.{j}": mx.contiguous(a) for j, a in enumerate(state)})
+    mx.eval(tensors)
+    _check_arrays(tensors, layout, len(token_ids), label)
+    data = {name: memoryview(tensors[name]).cast("B") for name in sorted(tensors)}
+    metadata = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "tokens": str(len(token_ids)),
+        "model": label,
+        "sha256": _checksum(data.items()),
+    }
+    return [_encode_header(metadata, tensors), *data.values()]
+
+
+def _check_arrays(tensors: dict[str, mx.array], layout: KVLayout, tokens: int, label: str) -> None:
+    # A layout that differs from the model's real KV would write files that every load rejects.
+    found = {name: (DTYPE_NAMES.get(a.dtype, str(a.dtype)), tuple(a.shape)) for name, a in tensors.items()}
+    expected = layout.tensors(tokens)
+    if found != expected:
+        wrong = sorted(set(found.items()) ^ set(expected.items()))[:2]
+        raise CacheError(f"{label}: its KV does not have the layout the prefix cache expects ({wrong})")
+
+
+def _encode_header(metadata: dict[str, str], tensors: dict[str, mx.array]) -> bytes:
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name in sorted(tensors):
+        a, end = tensors[name], offset + tensors[name].nbytes
+        header[name] = {"dtype": DTYPE_NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # tensors start 8-byte aligned, as the format recommends
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# --- reading -----------------------------------------------------------------------------------------------------
+
+
+def read_header(f: BinaryIO, size: int) -> Header:
+    """The header of a prefix file of ours; NotOurs for anything whose header does not say so."""
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise NotOurs(f"{size} bytes is too short for a safetensors file")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(MAX_HEADER_BYTES, size - 8):
+        raise NotOurs(f"it declares a {length}-byte header in a {size}-byte file")
+    try:
+        header = json.loads(f.read(length), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise NotOurs("its header is not JSON with unique keys") from None
+    metadata = header.pop("__metadata__", None) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not str(metadata.get("format", "")).startswith(_FORMAT_FAMILY):
+        raise NotOurs("its header does not say it is an mlxinfer prefix")
+    return Header(metadata, header, 8 + length, size)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    # With a name twice, which entry counts would depend on the parser: refused instead.
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        raise ValueError("a key appears twice")
+    return found
+
+
+def read_ids(path: Path, f: BinaryIO, header: Header, fingerprint: str, layout: KVLayout) -> tuple[int, ...]:
+    """The token ids of a file whose header checks out for this model, and that match its name."""
+    tokens = _check_header(path, header, fingerprint, layout)
+    f.seek(header.data_start + header.entries["token_ids"]["data_offsets"][0])
+    raw = f.read(4 * tokens)
+    if len(raw) != 4 * tokens:
+        raise CacheError(f"{path}: truncated in its token ids")
+    ids = tuple(int(t) for t in np.frombuffer(raw, dtype="<i4"))
+    if path.name != file_name(ids):
+        raise CacheError(f"{path}: its token ids do not match the file's name")
+    return ids
+
+
+def read_kv(path: Path, f: BinaryIO, size: int, token_ids: tuple[int, ...], fingerprint: str,
+            layout: KVLayout) -> list[tuple[mx.array, ...]]:  # fmt: skip
+    """Each layer's KV arrays of the file of `token_ids`, once every check passed on the bytes read once."""
+    buffer = _read_whole(path, f, size, 8 + MAX_HEADER_BYTES + layout.data_bytes(len(token_ids)))
+    header = read_header(io.BytesIO(buffer), len(buffer))
+    if read_ids(path, io.BytesIO(buffer), header, fingerprint, layout) != token_ids:
+        raise CacheError(f"{path}: its token ids changed since start-up")
+    data = {name: _tensor_bytes(buffer, header, name) for name in sorted(header.entries)}
+    if _checksum(data.items()) != header.metadata.get("sha256"):
+        raise CacheError(f"{path}: the checksum of its tensors does not match its sha256 metadata")
+    # Arrays made from the checked bytes by the checked dtypes and shapes: no second parser reads the file.
+    expected = layout.tensors(len(token_ids))
+    arrays = {name: _array(view, *expected[name]) for name, view in data.items()}
+    return [tuple(arrays[f"layers.{i}.{j}"] for j in range(len(layout.arrays))) for i in range(layout.layers)]
+
+
+def _read_whole(path: Path, f: BinaryIO, size: int, limit: int) -> bytes:
+    # Bounded by what a prefix of this length takes, before reading: a file may grow or lie about its size.
+    buffer = f.read(min(size, limit) + 1)
+    if len(buffer) > limit:
+        raise CacheError(f"{path}: larger than the {limit} bytes a prefix of its token count takes")
+    return buffer
+
+
+def _check_header(path: Path, header: Header, expected_fingerprint: str, layout: KVLayout) -> int:
+    """The token count, once the header matches this model's layout exactly; CacheError names what differs."""
+    metadata = header.metadata
+    if metadata.get("format") != FORMAT:
+        raise CacheError(f"{path}: format {shown(metadata.get('format'))} is not {FORMAT}; warm the prefix again")
+    if metadata.get("fingerprint") != expected_fingerprint:
+        raise CacheError(f"{path}: made for other weights, tokenizer or settings")
+    tokens = token_count(metadata.get("tokens"))
+    if tokens is None or not 0 < tokens <= layout.max_tokens:
+        found = str(metadata.get("tokens"))[:20]
+        raise CacheError(f"{path}: metadata tokens={found!r} is not a count in [1, {layout.max_tokens}] (the context)")
+    _check_tensors(path, header, layout.tensors(tokens))
+    return tokens
+
+
+def token_count(value: object) -> int | None:
+    """A token count written as a short decimal string, else None (never int() of a huge or odd string)."""
+    ok = isinstance(value, str) and 0 < len(value) <= 12 and value.isascii() and value.isdigit()
+    return int(value) if ok else None
+
+
+def _check_tensors(path: Path, header: Header, expected: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Exactly the expected tensors, written in name order with no gap, ending at the end of the file."""
+    if set(header.entries) != set(expected):
+        odd = sorted(set(header.entries) ^ set(expected))
+        raise CacheError(
+            f"{path}: tensors {listed(odd, 3)} do not match the model's {len(expected)} (a wrong layer count?)"
+        )
+    offset = 0
+    for name in sorted(expected):
+        entry, (dtype, shape) = header.entries[name], expected[name]
+        if not isinstance(entry, dict) or entry.get("dtype") != dtype or not _same_ints(entry.get("shape"), shape):
+            raise CacheError(f"{path}: tensor {name} is not {dtype} of shape {list(shape)}, as the model needs")
+        end = offset + _nbytes(dtype, shape)
+        if not _same_ints(entry.get("data_offsets"), (offset, end)):
+            found = shown(entry.get("data_offsets"))
+            raise CacheError(f"{path}: tensor {name} has data_offsets {found}, not {[offset, end]}")
+        offset = end
+    if header.data_start + offset != header.size:
+        raise CacheError(f"{path}: {header.size} bytes, but its header describes {header.data_start + offset}")
+
+
+def _same_ints(value: object, expected: tuple[int, ...]) -> bool:
+    # type() is int: JSON's true or 2.0 compare equal to 1 or 2 but are not what we wrote.
+    return isinstance(value, list) and all(type(v) is int for v in value) and tuple(value) == expected
+
+
+def _tensor_bytes(buffer: bytes, header: Header, name: str) -> memoryview:
+    begin, end = header.entries[name]["data_offsets"]
+    return memoryview(buffer)[header.data_start + begin : header.data_start + end]
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+
+
+def _array(data: memoryview, dtype: str, shape: tuple[int, ...]) -> mx.array:
+    array = mx.array(np.frombuffer(data, dtype=_NUMPY_DTYPES[dtype]).reshape(shape))
+    return array.view(mx.bfloat16) if dtype == "BF16" else array
+
+
+def _checksum(tensors: Iterable[tuple[str, bytes | memoryview]]) -> str:
+    """sha256 over each tensor's name and bytes, in name order (the order the file holds them)."""
+    digest = hashlib.sha256()
+    for name, data in tensors:
+        digest.update(name.encode() + b"\0")
+        digest.update(data)
+    return digest.hexdigest()
