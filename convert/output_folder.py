@@ -5,12 +5,15 @@ end, so a failed or interrupted conversion never leaves a half-written OUT and n
 loses the previous one. `--force` replaces only what mlxinfer wrote: an empty folder,
 or an earlier conversion (plain files of ours, listed in our manifest). A later run
 removes the `.OUT.partial-<pid>` and `.OUT.old-<pid>` folders of dead processes, again
-only when they hold nothing but files we write. The files themselves: writer.py.
+only when they hold nothing but files we write (and the `.DS_Store` and `._NAME` files macOS
+adds). Where `.OUT.partial-<pid>` would be too long a name, OUT's name in it is shortened and
+hashed. The files themselves: writer.py.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -40,6 +43,10 @@ OUR_NAMES = re.compile(
     re.ASCII,  # \d is 0-9 only, not every Unicode digit
 )
 LEFTOVER = re.compile(r"(partial|old)-(\d{1,9})", re.ASCII)  # what follows ".OUT." in our temporary folders
+NAME_MAX = 255  # bytes in one path component (Linux, APFS and exFAT alike)
+SHORT_STEM_BYTES = 200  # of OUT's name in a temporary folder's name when the whole name would not fit
+FINDER_FILE = ".DS_Store"  # macOS Finder's view settings, written into any folder it shows
+APPLE_DOUBLE = "._"  # + a file's name: its metadata, on file systems without extended attributes (exFAT, SMB)
 
 
 class _Foreign(Exception):
@@ -60,6 +67,11 @@ def check_output(out: str | Path, force: bool, sources: Iterable[Path] = ()) -> 
     if out == Path(out.anchor) or out == _home():
         raise ConversionError(
             f"{shown_path(out)}: refusing to write a model over the root or home folder; pick a new -o"
+        )
+    if len(os.fsencode(out.name)) > NAME_MAX:
+        raise ConversionError(
+            f"{shown_path(out)}: name too long ({len(os.fsencode(out.name))} bytes; at most {NAME_MAX}); "
+            "pick a shorter -o"
         )
     for src in sources:
         check_apart(src, out)
@@ -104,7 +116,7 @@ def check_existing(out: Path, force: bool) -> None:
 def _check_replaceable(out: Path) -> None:
     if not stat.S_ISDIR(os.lstat(out).st_mode):
         raise _Foreign("is not a folder")
-    listing = _listing(out)
+    listing = _without_mac_metadata(_listing(out))
     if not listing:
         return
     if listing.get(MANIFEST) is not True:
@@ -177,6 +189,16 @@ def _listing(folder: Path | int) -> dict[str, bool]:
     return listing
 
 
+def _is_mac_metadata(name: str, plain: bool) -> bool:
+    """A plain `.DS_Store` or `._NAME` (NAME one of ours) that macOS adds to a folder it shows or copies."""
+    ours = name.startswith(APPLE_DOUBLE) and OUR_NAMES.fullmatch(name[len(APPLE_DOUBLE) :]) is not None
+    return plain and (name == FINDER_FILE or ours)
+
+
+def _without_mac_metadata(listing: dict[str, bool]) -> dict[str, bool]:
+    return {name: plain for name, plain in listing.items() if not _is_mac_metadata(name, plain)}
+
+
 def _stray(listing: dict[str, bool], allowed: Any) -> str | None:
     """The first entry that is not a plain file with an allowed name."""
     return next((name for name, plain in listing.items() if not plain or not allowed(name)), None)
@@ -202,7 +224,7 @@ def remove_ours(folder: Path) -> None:
 
 def _unlink_ours(folder: Path | int, unlink: Any) -> None:
     listing = _listing(folder)
-    stray = _stray(listing, lambda name: OUR_NAMES.fullmatch(name) is not None)
+    stray = _stray(_without_mac_metadata(listing), lambda name: OUR_NAMES.fullmatch(name) is not None)
     if stray:
         raise _Foreign(f"holds {stray!r}, which mlxinfer does not write")
     for name in listing:
@@ -221,9 +243,13 @@ def discard(folder: Path) -> bool:
 
 def remove_stale(out: Path) -> None:
     """Remove `.OUT.partial-PID` and `.OUT.old-PID` folders that dead conversions left behind."""
-    prefix = f".{out.name}."
+    prefixes = {f".{out.name}.", f".{_short_stem(out.name)}."}  # a long OUT name's leftovers use the short form
+
+    def leftover(name: str) -> re.Match | None:
+        return next((m for p in prefixes if name.startswith(p) and (m := LEFTOVER.fullmatch(name[len(p) :]))), None)
+
     with os.scandir(out.parent) as entries:
-        leftovers = [(e.name, LEFTOVER.fullmatch(e.name[len(prefix) :])) for e in entries if e.name.startswith(prefix)]
+        leftovers = [(e.name, leftover(e.name)) for e in entries]
     for name, match in leftovers:
         if match is None or _alive(int(match[2])):
             continue
@@ -234,6 +260,22 @@ def remove_stale(out: Path) -> None:
             continue
         if discard(path):
             log.warning("removed %s left by an interrupted conversion", shown_path(path))
+
+
+def temporary_name(out_name: str, kind: str) -> str:
+    """`.OUT.partial-PID` or `.OUT.old-PID`; with a shortened OUT where the whole would exceed NAME_MAX."""
+    name = f".{out_name}.{kind}-{os.getpid()}"
+    if len(os.fsencode(name)) <= NAME_MAX:
+        return name
+    return f".{_short_stem(out_name)}.{kind}-{os.getpid()}"
+
+
+def _short_stem(out_name: str) -> str:
+    """The first SHORT_STEM_BYTES of OUT's name (whole characters) and a hash of all of it."""
+    stem = out_name
+    while len(os.fsencode(stem)) > SHORT_STEM_BYTES:
+        stem = stem[:-1]
+    return f"{stem}~{hashlib.sha256(os.fsencode(out_name)).hexdigest()[:12]}"
 
 
 def _alive(pid: int) -> bool:
@@ -257,7 +299,7 @@ class AtomicFolder:
         with writing(out.parent):
             out.parent.mkdir(parents=True, exist_ok=True)
             remove_stale(out)
-        self.path = out.parent / f".{out.name}.partial-{os.getpid()}"
+        self.path = out.parent / temporary_name(out.name, "partial")
         with writing(self.path):
             self.path.mkdir()
 
@@ -266,7 +308,7 @@ class AtomicFolder:
         old = None
         if os.path.lexists(self.out):
             check_existing(self.out, self.force)  # it may have changed while we converted
-            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            old = self.out.parent / temporary_name(self.out.name, "old")
             with writing(self.out):
                 os.replace(self.out, old)
         try:

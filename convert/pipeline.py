@@ -24,18 +24,19 @@ from mlxinfer.quantize.affine import dequantize_rows, quantize_rows
 from tqdm.auto import tqdm
 
 from mlxinfer.disk import file_size_errors
-from mlxinfer.errors import ConversionError
+from mlxinfer.errors import ConversionError, MemoryBudgetError
 from mlxinfer.memory import peak_rss_bytes
 from mlxinfer.models.config import ModelConfig, normalize_config
 from mlxinfer.models.decoder import build_model
-from mlxinfer.models.dtype import choose_compute_dtype, parse_dtype
-from mlxinfer.models.sizing import check_checkpoint
+from mlxinfer.models.dtype import choose_compute_dtype, dtype_name, parse_dtype
+from mlxinfer.models.sizing import check_checkpoint, refuse_beyond_machine
+from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
 from .output_config import output_config
 from .output_folder import MANIFEST, AtomicFolder, check_apart, check_output, check_space
 from .sources import Quantized, Source, open_source
-from .writer import DEFAULT_SHARD_BYTES, ShardWriter, os_error, sha256_files, write_json
+from .writer import DEFAULT_SHARD_BYTES, ShardWriter, check_tokenizer_files, os_error, sha256_files, write_json
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ def plan_conversion(src: str | Path, out: str | Path, settings: ConvertSettings,
 def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPlan:
     config = normalize_config(source.config, source=f"{source.description} config")
     check_checkpoint(config, {n: t.shape for n, t in source.tensors.items()}, source.description)  # before building
+    if isinstance(getattr(source, "folder", None), Path):
+        check_tokenizer_files(source.folder)  # not after the weights are written
     model = build_model(config)  # parameters stay lazy: only shapes are used
     names = _check_tensors(source, model, config)
     block_quantized = any(t.dtype in BLOCK_BITS for t in source.tensors.values())
@@ -162,7 +165,25 @@ def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPla
     peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + 200 * 2**20
     if sensitivity or settings.method == "gptq":
         peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * largest + output_bytes
+    if settings.evaluate:
+        settings.evaluate = _evaluation_fits(source, params, output_bytes)
     return ConversionPlan(source, out, settings, config, layers, names, dtype, output_bytes, peak, params)
+
+
+def _evaluation_fits(source: Source, params: int, output_bytes: int) -> bool:
+    """Whether the source and the output fit in memory together, as evaluation loads them; a warning if not."""
+    compute = choose_compute_dtype(None)
+    source_bytes = params * compute.size
+    # The output's unquantized tensors widen to the compute dtype too; its packed ones stay as written.
+    needed = source_bytes + min(source_bytes, output_bytes * max(1, compute.size // 2))
+    what = f"the source and the output, loaded together in {dtype_name(compute)} for the quality report,"
+    try:
+        refuse_beyond_machine(needed, what, source.description)
+    except MemoryBudgetError as e:
+        reason = str(e).split("; use a smaller")[0]  # one line; that advice is for loading, not for converting
+        log.warning("%s; converting without the quality report (--no-eval skips evaluation)", reason)
+        return False
+    return True
 
 
 def _method(settings: ConvertSettings, sensitivity: bool) -> str:
@@ -254,7 +275,7 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
         config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
         write_json(folder.path / "config.json", config)
         bpw = 8 * data_bytes / plan.params
-        quality = _evaluate(plan, folder.path, bpw) if plan.settings.evaluate else None
+        quality = _evaluate_or_warn(plan, folder.path, bpw) if plan.settings.evaluate else None
         manifest = _manifest(plan, folder.path, quality, bpw)
         folder.commit()
     except OSError as e:  # one the writer did not already name (reading back our own files, say)
@@ -295,6 +316,15 @@ def _convert_tensor(plan: ConversionPlan, name: str, rounded: dict):
         return [(name, value.astype(plan.dtype) if mx.issubdtype(value.dtype, mx.floating) else value)]
     packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype)
     return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+
+
+def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float) -> QualityReport | None:
+    """The quality report; a failed evaluation is a warning, never the loss of the finished output."""
+    try:
+        return _evaluate(plan, folder, bpw)
+    except Exception as e:  # the output is complete: keep it, without a quality block
+        log.warning("%s: skipping the quality report: evaluation failed (%s)", shown_path(plan.out), first_line(e))
+        return None
 
 
 def _evaluate(plan: ConversionPlan, folder: Path, bpw: float) -> QualityReport:

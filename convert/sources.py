@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
-from mlxinfer.models.gguf import gguf_config, hf_tensor_name, unpermute_rows
+from mlxinfer.models.gguf import gguf_config, hf_names, unpermute_rows
 from mlxinfer.models.gguf_file import GGUFFile, QuantizedTensor
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 
@@ -95,7 +95,7 @@ class GGUFSource:
         self.description = str(path)
         self._file = GGUFFile(path)
         self.config = gguf_config(self._file)
-        self._names = {hf_tensor_name(name): name for name in self._file.tensors}
+        self._names = hf_names(self._file)  # refuses two tensors that map to one name
         self.tensors = {
             hf: Tensor(info.shape, GGMLQuantizationType(info.ggml_type).name, info.nbytes)
             for hf, info in ((hf, self._file.tensors[name]) for hf, name in self._names.items())

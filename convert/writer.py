@@ -20,10 +20,10 @@ import mlx.core as mx
 from mlxinfer.disk import write_error
 from mlxinfer.display import mib
 from mlxinfer.errors import ConversionError
-from mlxinfer.untrusted import shown_path
+from mlxinfer.tokenizer.tokenizer import MAX_TOKENIZER_BYTES
+from mlxinfer.untrusted import MAX_SIDE_FILE_BYTES, shown_path
 
 DEFAULT_SHARD_BYTES = 1 << 30
-MAX_TOKENIZER_BYTES = 256 << 20  # per copied tokenizer file; the largest real ones are ~35 MB
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -33,6 +33,13 @@ TOKENIZER_FILES = (
     "generation_config.json",
     "tokenizer.model",
 )
+# The most the loader reads of each (tokenizer.json, or any other side file): a larger one is refused here,
+# not written into an output that could never load.
+COPY_LIMITS = {"tokenizer.json": MAX_TOKENIZER_BYTES}
+
+
+def copy_limit(name: str) -> int:
+    return COPY_LIMITS.get(name, MAX_SIDE_FILE_BYTES)
 
 
 def os_error(error: OSError, path: str | Path) -> ConversionError:
@@ -102,13 +109,33 @@ def write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-def copy_file(src: Path, dst: Path, limit: int = MAX_TOKENIZER_BYTES) -> None:
-    """Copy at most `limit` bytes of a source file (a link is followed, the source is only read)."""
+def check_tokenizer_files(folder: Path) -> None:
+    """Before any work: refuse a tokenizer file in `folder` larger than the loader reads."""
+    for name in TOKENIZER_FILES:
+        try:
+            size = os.stat(folder / name).st_size
+        except OSError:
+            continue  # absent (or unreadable: copy_file names it)
+        if size > copy_limit(name):
+            raise _too_large(folder / name, copy_limit(name))
+
+
+def _too_large(src: Path, limit: int) -> ConversionError:
+    return ConversionError(
+        f"{shown_path(src)}: larger than {mib(limit, 0)}, the most mlxinfer loads; not a tokenizer file to copy"
+    )
+
+
+def copy_file(src: Path, dst: Path, limit: int | None = None) -> None:
+    """Copy at most `limit` bytes (default: what the loader reads of that file) of a source file.
+
+    A link is followed; the source is only read."""
+    limit = copy_limit(dst.name) if limit is None else limit
     try:
         source = open(src, "rb")
     except OSError as e:
         raise ConversionError(f"{shown_path(src)}: cannot read it ({e.strerror})") from e
-    too_large = ConversionError(f"{shown_path(src)}: larger than {mib(limit, 0)}; not a tokenizer file to copy")
+    too_large = _too_large(src, limit)
     with source:
         if os.fstat(source.fileno()).st_size > limit:
             raise too_large

@@ -18,7 +18,7 @@ from .default_model import cache_dir, default_model_path
 from .display import html_table, mib
 from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
 from .engine.sampling import is_int
-from .errors import CacheError, MemoryBudgetError, SamplingError, TokenizerError
+from .errors import MemoryBudgetError, SamplingError, TokenizerError
 from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
@@ -101,9 +101,10 @@ class Model:
         """
         ids = self._prefix_ids(prefix, chat)
         store = self.prefix_cache.store
-        if store is None:
-            raise CacheError(f"{self.path}: warmed prefixes cannot be kept for this model (see the warning at load)")
-        store.check_room(len(ids))  # a full or unwritable cache folder fails now, not after the prefill
+        if store is None:  # no tokenizer, or the model files could not be fingerprinted (warned at load)
+            log.warning("%s: warming the prefix in memory only; it will not be kept on disk", self.path)
+        else:
+            store.check_room(len(ids))  # a full or unwritable cache folder fails now, not after the prefill
         hit = self.prefix_cache.lookup(ids, reuse_all=True)
         kv = make_cache(len(self._loaded.model.layers), self.kv_bits)
         if hit:
@@ -113,7 +114,7 @@ class Model:
         chunk = self._fit_request(len(ids), len(ids), 512)
         if start < len(ids):
             prefill(self._loaded.model, mx.array(ids[start:], dtype=mx.uint32), kv, chunk)
-        if not self.prefix_cache.insert(ids, kv, persist=True):
+        if not self.prefix_cache.insert(ids, kv, persist=store is not None):
             raise MemoryBudgetError(f"a {len(ids)}-token prefix does not fit the prefix cache's budget")
         return len(ids)
 

@@ -402,6 +402,11 @@ def cache_warm(model: str | None, prefix_file: Path, raw: bool, kv_bits: str | N
       mlxinfer cache warm ~/models/m-4bit --prefix-file doc.txt --raw
     """
     llm = _load(model, dtype, quiet=True, kv_bits=kv_bits)
+    if llm.prefix_cache.store is None:  # warming in memory would be lost at exit: the point is the file
+        from .untrusted import shown_path
+
+        where = shown_path(llm.path)
+        raise click.ClickException(f"{where}: warmed prefixes cannot be kept on disk for this model (see the warning)")
     text = _read_prefix_file(prefix_file, llm.context_tokens * MAX_CHARS_PER_TOKEN * 4)  # UTF-8: <= 4 bytes a char
     tokens = llm.warm(text if raw else [{"role": "system", "content": text}])
     click.echo(f"warmed {tokens} tokens of {prefix_file} for {llm.path.name}")

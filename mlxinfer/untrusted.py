@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import reprlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,14 +68,25 @@ def first_line(error: BaseException) -> str:
     return lines[0][:200]
 
 
+# The one family of number checks for anything untrusted: JSON and GGUF values, HTTP request fields,
+# sampling parameters from Python callers and server settings. numpy scalars count (GGUF readers and
+# Python callers hand them in); bools never do (Python's bool is an int, but `true` is neither a size
+# nor a token id), and neither does numpy's bool_, which is not a number.
+
+
 def is_int(value: Any) -> bool:
-    """A JSON or GGUF integer (Python's bool is an int, but `true` is neither a size nor a token id)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer of any size (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
-    """A finite number (not a bool, NaN or infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+def is_finite_number(value: Any) -> bool:
+    """A real number (numpy's too) that is finite: not a bool, NaN, an infinity or an int too large for a float."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # 10**400: no usable size, epsilon or parameter either
+        return False
 
 
 def read_text(path: Path, error: type[MlxInferError], limit: int = MAX_SIDE_FILE_BYTES) -> str:

@@ -14,6 +14,13 @@ newer one (the previous turn of a chat) is dropped, since the newer one covers i
 With a PrefixStore, warmed prefixes (`insert(..., persist=True)`) are also on
 disk. Entries found there at start-up join the trie with their KV still on
 disk; a hit loads it, and evicting one only drops the loaded copy.
+
+A disk load happens on the thread that looks the prefix up (the scheduler's,
+so every running stream waits for it): it is I/O-bound, reading the file once
+in chunks (hashed as it goes, only the first time that very file is loaded)
+into arrays of at most the prefix cache's byte budget. A lookup tries at most
+MAX_LOADS_PER_LOOKUP files: if they are all bad (each is quarantined), the
+prompt is prefilled and later lookups try the next ones.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from .kv import Cache
 from .store import PrefixStore, StoredPrefix
 
 LayerState = tuple[mx.array, ...]  # a cache's `state`: arrays with positions on axis 2
+MAX_LOADS_PER_LOOKUP = 4  # disk files one lookup may try: bad ones beyond it wait for later lookups
 
 
 @dataclass
@@ -108,13 +116,19 @@ class PrefixCache:
         unless `reuse_all`, for warming a prefix that may already be cached whole."""
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(ids)
-        while True:  # a bad file on disk drops its entry: then the next best (a loop, however many are bad)
+        loads = 0
+        while True:  # a bad file on disk drops its entry: then the next best, up to MAX_LOADS_PER_LOOKUP files
             node, depth = self._deepest(ids if reuse_all else ids[:-1])
             if depth == 0 or not node.entries:
                 return None
             entry_id = max(node.entries, key=lambda i: self._entries[i].layers is not None)  # in memory first
             entry = self._entries[entry_id]
-            if entry.layers is not None or self._load(entry_id):
+            if entry.layers is not None:
+                break
+            if loads == MAX_LOADS_PER_LOOKUP:
+                return None  # enough disk reads for one prompt: it is prefilled
+            loads += 1
+            if self._load(entry_id):
                 break
             if entry_id in self._entries:
                 return None  # no room for it within the budget

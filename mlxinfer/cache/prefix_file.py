@@ -9,15 +9,17 @@ Files on disk are untrusted input. Before a file's KV is used, its header must
 match the model's KV layout exactly (names, dtypes, shapes, a token count within
 the context, offsets that tile the file) and its tensors must hash to the
 checksum written with them; the arrays are then made from those checked bytes,
-so no second parser reads the file. A header that does not say it is ours raises
-NotOurs (the file is left alone); one of ours that fails raises CacheError.
+so no second parser reads the file. The tensors are read once, in chunks, each into
+one buffer hashed as it fills (no copy of the whole file); a file the store has
+already verified, unchanged since (store.py), is read without hashing again.
+A header that does not say it is ours raises NotOurs (the file is left alone);
+one of ours that fails raises CacheError.
 store.py decides what happens to the file.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import math
 import struct
@@ -34,6 +36,7 @@ from ..untrusted import listed, shown
 
 FORMAT = "mlxinfer-prefix-v2"  # v2: a checksum of the tensors and a header that tiles the file
 _FORMAT_FAMILY = "mlxinfer-prefix-"  # any version of ours; an older one is quarantined, not left alone
+READ_CHUNK = 1 << 24  # bytes per read (and hash update) while loading a file's tensors
 MAX_HEADER_BYTES = 1 << 22  # ours take ~100 bytes a tensor: room for 6 arrays x 5000 layers
 DTYPE_NAMES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32"}
 # The safetensors dtypes of our files, as numpy reads them (little-endian; bfloat16's bits as uint16).
@@ -178,28 +181,44 @@ def read_ids(path: Path, f: BinaryIO, header: Header, fingerprint: str, layout: 
     return ids
 
 
-def read_kv(path: Path, f: BinaryIO, size: int, token_ids: tuple[int, ...], fingerprint: str,
-            layout: KVLayout) -> list[tuple[mx.array, ...]]:  # fmt: skip
-    """Each layer's KV arrays of the file of `token_ids`, once every check passed on the bytes read once."""
-    buffer = _read_whole(path, f, size, 8 + MAX_HEADER_BYTES + layout.data_bytes(len(token_ids)))
-    header = read_header(io.BytesIO(buffer), len(buffer))
-    if read_ids(path, io.BytesIO(buffer), header, fingerprint, layout) != token_ids:
+def read_kv(path: Path, f: BinaryIO, size: int, token_ids: tuple[int, ...], fingerprint: str, layout: KVLayout,
+            verified: bool = False) -> list[tuple[mx.array, ...]]:  # fmt: skip
+    """Each layer's KV arrays of the file of `token_ids`, once every check passed on the bytes read once.
+
+    Read in chunks, tensor by tensor, hashing as it goes: no copy of the whole file besides
+    the arrays themselves. `verified`: this very file (same identity) already hashed to its
+    checksum, so it is read but not hashed again; the header is still checked."""
+    header = read_header(f, size)
+    if read_ids(path, f, header, fingerprint, layout) != token_ids:
         raise CacheError(f"{path}: its token ids changed since start-up")
-    data = {name: _tensor_bytes(buffer, header, name) for name in sorted(header.entries)}
-    if _checksum(data.items()) != header.metadata.get("sha256"):
+    expected = layout.tensors(len(token_ids))
+    digest = None if verified else _tensor_digest()
+    f.seek(header.data_start)  # the tensors tile the rest of the file in name order (_check_tensors)
+    arrays = {name: _read_array(path, f, name, *expected[name], digest) for name in sorted(expected)}
+    if f.read(1):
+        raise CacheError(f"{path}: it grew while being read")
+    if digest is not None and digest.hexdigest() != header.metadata.get("sha256"):
         raise CacheError(f"{path}: the checksum of its tensors does not match its sha256 metadata")
     # Arrays made from the checked bytes by the checked dtypes and shapes: no second parser reads the file.
-    expected = layout.tensors(len(token_ids))
-    arrays = {name: _array(view, *expected[name]) for name, view in data.items()}
     return [tuple(arrays[f"layers.{i}.{j}"] for j in range(len(layout.arrays))) for i in range(layout.layers)]
 
 
-def _read_whole(path: Path, f: BinaryIO, size: int, limit: int) -> bytes:
-    # Bounded by what a prefix of this length takes, before reading: a file may grow or lie about its size.
-    buffer = f.read(min(size, limit) + 1)
-    if len(buffer) > limit:
-        raise CacheError(f"{path}: larger than the {limit} bytes a prefix of its token count takes")
-    return buffer
+def _read_array(path: Path, f: BinaryIO, name: str, dtype: str, shape: tuple[int, ...], digest) -> mx.array:
+    """One tensor read in chunks into one buffer (hashed per chunk), then made an MLX array (its one copy)."""
+    buffer = np.empty(_nbytes(dtype, shape), dtype=np.uint8)
+    view = memoryview(buffer)
+    if digest is not None:
+        digest.update(name.encode() + b"\0")
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done : done + READ_CHUNK])
+        if not got:
+            raise CacheError(f"{path}: truncated in tensor {name}")
+        if digest is not None:
+            digest.update(view[done : done + got])
+        done += got
+    array = mx.array(buffer.view(_NUMPY_DTYPES[dtype]).reshape(shape))
+    return array.view(mx.bfloat16) if dtype == "BF16" else array
 
 
 def _check_header(path: Path, header: Header, expected_fingerprint: str, layout: KVLayout) -> int:
@@ -249,24 +268,19 @@ def _same_ints(value: object, expected: tuple[int, ...]) -> bool:
     return isinstance(value, list) and all(type(v) is int for v in value) and tuple(value) == expected
 
 
-def _tensor_bytes(buffer: bytes, header: Header, name: str) -> memoryview:
-    begin, end = header.entries[name]["data_offsets"]
-    return memoryview(buffer)[header.data_start + begin : header.data_start + end]
-
-
 def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
 
 
-def _array(data: memoryview, dtype: str, shape: tuple[int, ...]) -> mx.array:
-    array = mx.array(np.frombuffer(data, dtype=_NUMPY_DTYPES[dtype]).reshape(shape))
-    return array.view(mx.bfloat16) if dtype == "BF16" else array
-
-
 def _checksum(tensors: Iterable[tuple[str, bytes | memoryview]]) -> str:
     """sha256 over each tensor's name and bytes, in name order (the order the file holds them)."""
-    digest = hashlib.sha256()
+    digest = _tensor_digest()
     for name, data in tensors:
         digest.update(name.encode() + b"\0")
         digest.update(data)
     return digest.hexdigest()
+
+
+def _tensor_digest() -> hashlib._Hash:
+    """The hash of a file's tensors (a function of its own so tests can count how often files are hashed)."""
+    return hashlib.sha256()

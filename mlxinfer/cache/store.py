@@ -47,7 +47,7 @@ QUARANTINE = "quarantine"
 MAX_FILES = 1024  # prefixes read at start-up; beyond this a folder is not what warm makes
 MAX_WRITE = 1 << 30  # per os.write call: macOS refuses more than 2 GiB at once
 _PREFIX_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
-_TEMP_NAME = re.compile(r"\.[0-9a-f]{32}\.\d+\.[0-9a-f]{8}\.safetensors")
+_TEMP_NAME = re.compile(r"\.([0-9a-f]{32}|probe)\.\d+\.[0-9a-f]{8}\.safetensors")  # unfinished writes, probes
 _FOLDER_NAME = re.compile(r"[0-9a-f]{24}")
 _FOLDER_FILES = re.compile(f"{_PREFIX_NAME.pattern}|{_TEMP_NAME.pattern}")  # what clear removes there
 _QUARANTINED_NAME = re.compile(r"[0-9a-f]{24}-[0-9a-f]{32}(\.[0-9a-f]{8})?\.safetensors")
@@ -94,6 +94,7 @@ class PrefixStore:
         self.folder = self.root / model_fingerprint
         self.layout = layout
         self.label = label  # the model's name, for `mlxinfer cache ls`
+        self._verified: dict[str, tuple[int, ...]] = {}  # file name -> identity of the file that hashed right
 
     def check_room(self, tokens: int) -> None:
         """Raise CacheError now if a `tokens`-long prefix cannot be written, before minutes of prefill."""
@@ -144,11 +145,16 @@ class PrefixStore:
 
     def load(self, stored: StoredPrefix) -> list[tuple[mx.array, ...]] | None:
         """The KV of a stored prefix, or None (and the file quarantined if ours) if it does not check out."""
-        identity = None
+        identity, name = None, stored.path.name
         try:
-            with self._folder() as (_, folder), _open_file(folder, stored.path.name) as (f, st):
+            with self._folder() as (_, folder), _open_file(folder, name) as (f, st):
                 identity = (st.st_dev, st.st_ino)
-                return read_kv(stored.path, f, st.st_size, stored.token_ids, self.fingerprint, self.layout)
+                # The same file as last time (a reload after eviction) is read again but not hashed again.
+                same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                verified = self._verified.pop(name, None) == same
+                layers = read_kv(stored.path, f, st.st_size, stored.token_ids, self.fingerprint, self.layout, verified)
+                self._verified[name] = same
+                return layers
         except NotOurs as e:
             log.warning("leaving %s alone and not using it: %s", stored.path, e)
             return None
@@ -296,7 +302,9 @@ def _our_files_in(root: Path, root_fd: int, folder_name: str, pattern: re.Patter
                     if not pattern.fullmatch(name):
                         raise NotOurs("not a name the cache writes")
                     with _open_file(folder, name) as (f, st):
-                        metadata = read_header(f, st.st_size).metadata
+                        # An empty unfinished write or probe (left by a kill) has no header to say it is ours.
+                        empty_temp = unlink and st.st_size == 0 and _TEMP_NAME.fullmatch(name)
+                        metadata = {} if empty_temp else read_header(f, st.st_size).metadata
                     if unlink:
                         _unlink_same(folder, name, st)
                     yield folder_path, name, st, metadata

@@ -7,14 +7,13 @@ and lazy, so the decode loop can queue the next step before reading this one.
 from __future__ import annotations
 
 import math
-import numbers
 import secrets
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..errors import SamplingError
-from ..untrusted import shown
+from ..untrusted import is_finite_number, is_int, shown
 
 
 @dataclass(frozen=True)
@@ -51,21 +50,6 @@ class SamplingParams:
 
 
 MIN_TEMPERATURE = 1e-5
-
-
-def is_int(value: object) -> bool:
-    """An integer (numpy's too), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_finite_number(value: object) -> bool:
-    """A real number (not a bool, not NaN or infinite)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int too large for a float (10**400) is no usable parameter either
-        return False
 
 
 def _number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
-from ..untrusted import is_int, is_number, shown
+from ..untrusted import is_finite_number, is_int, shown
 from .registry import ARCHITECTURES, ArchSpec, supported_model_types
 from .safetensors_header import MAX_DIM
 
@@ -76,6 +76,9 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         )
     spec = ARCHITECTURES[model_type]
     args = dict(raw)
+    for key in _NULL_IS_DEFAULT:  # transformers reads these with a default, which a null must not defeat
+        if key in args and args[key] is None:
+            del args[key]
     _check_types(args, source)
     _check_shapes(args, source, spec)
     _check_activation(args, source, spec)
@@ -124,6 +127,9 @@ _INT_RANGES: dict[str, tuple[int, int]] = {
     "sliding_window_pattern": (1, MAX_LAYERS),
     "max_window_layers": (0, MAX_DIM),
 }
+# Null in config.json means "the default" for these; for the numbers below that have no "off", null is refused.
+_NULL_IS_DEFAULT = ("sliding_window_pattern",)
+_NULL_IS_OFF = ("attn_logit_softcapping", "final_logit_softcapping")
 # (above, at most): RoPE bases, norm epsilons and soft caps are positive; 0 would divide by zero.
 _FLOAT_RANGES: dict[str, tuple[float, float]] = {
     "rms_norm_eps": (0.0, 1.0),
@@ -153,7 +159,9 @@ def _check_numbers(args: dict[str, Any], source: str) -> None:
             raise ConfigError(f"{source}: {key} must be an integer from {low} to {high}, got {shown(value)}")
     for key, (above, most) in _FLOAT_RANGES.items():
         value = args.get(key)
-        if value is not None and not (is_number(value) and above < value <= most):
+        if value is None and key in args and key not in _NULL_IS_OFF:
+            raise ConfigError(f"{source}: {key} is null, but the model needs a value (a finite number above {above:g})")
+        if value is not None and not (is_finite_number(value) and above < value <= most):
             limit = f" and at most {most:g}" if math.isfinite(most) else ""
             raise ConfigError(f"{source}: {key} must be a finite number above {above:g}{limit}, got {shown(value)}")
 
@@ -202,7 +210,9 @@ def _check_shapes(args: dict[str, Any], source: str, spec: ArchSpec) -> None:
     _positive_int(args, "num_hidden_layers", source, limit=MAX_LAYERS)
     intermediate = _positive_int(args, "intermediate_size", source)
     _positive_int(args, "vocab_size", source)
-    kv_heads = args.setdefault("num_key_value_heads", heads)
+    if args.get("num_key_value_heads") is None:  # absent or null: one key/value head per query head
+        args["num_key_value_heads"] = heads
+    kv_heads = args["num_key_value_heads"]
     _positive_int(args, "num_key_value_heads", source)
     if heads % kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
@@ -258,8 +268,9 @@ def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, A
         nested = isinstance(params, dict) and FULL in params
         full = _section(params, FULL, source) if nested else (params or {})
         local = _section(params, SLIDING, source) if nested else {}
-        out["rope_theta"] = full.get("rope_theta", args.get("rope_theta", 1_000_000.0))
-        out["rope_local_base_freq"] = local.get("rope_theta", args.get("rope_local_base_freq", 10_000.0))
+        out["rope_theta"] = _not_null(full, "rope_theta", args.get("rope_theta", 1_000_000.0), source, FULL)
+        base = args.get("rope_local_base_freq", 10_000.0)
+        out["rope_local_base_freq"] = _not_null(local, "rope_theta", base, source, SLIDING)
         out["rope_scaling"] = _scaling(full, source, spec)
         if not nested and args.get("rope_scaling"):
             out["rope_scaling"] = _scaling(args["rope_scaling"], source, spec)
@@ -267,15 +278,23 @@ def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, A
             raise UnsupportedModelError(f"{source}: rope scaling on sliding layers is not supported")
         return out
     if params is not None:
-        out["rope_theta"] = params.get("rope_theta", args.get("rope_theta", 10000.0))
+        out["rope_theta"] = _not_null(params, "rope_theta", args.get("rope_theta", 10000.0), source)
         out["rope_scaling"] = _scaling(params, source, spec)
         if "partial_rotary_factor" in params:
-            out["partial_rotary_factor"] = params["partial_rotary_factor"]
+            out["partial_rotary_factor"] = _not_null(params, "partial_rotary_factor", 1.0, source)
     else:
         out["rope_scaling"] = _scaling(args.get("rope_scaling"), source, spec)
     if out.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "phi3":
         raise UnsupportedModelError(f"{source}: partial_rotary_factor is only supported for phi3")
     return out
+
+
+def _not_null(params: dict[str, Any], key: str, default: Any, source: str, section: str = "") -> Any:
+    """`params[key]`, or `default` when absent; a null there is refused by its full name (a RoPE base has no off)."""
+    if key in params and params[key] is None:
+        name = ".".join(filter(None, ("rope_parameters", section, key)))
+        raise ConfigError(f"{source}: {name} is null, but the model needs a value (a positive number)")
+    return params.get(key, default)
 
 
 def _section(params: dict[str, Any], key: str, source: str) -> dict[str, Any]:
@@ -300,7 +319,7 @@ def _scaling(scaling: Any, source: str, spec: ArchSpec) -> dict[str, Any] | None
     if rope_type == "default":
         return None
     factor = scaling.get("factor")
-    if not is_number(factor) or factor <= 0:
+    if not is_finite_number(factor) or factor <= 0:
         raise ConfigError(f"{source}: rope scaling factor must be a positive number, got {shown(factor)}")
     if rope_type == "llama3":
         _check_llama3_scaling(scaling, source)
@@ -316,7 +335,7 @@ def _check_llama3_scaling(scaling: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: llama3 rope scaling needs {', '.join(missing)}")
     low, high, positions = (scaling[k] for k in needed)
     # The smoothing between the two bands divides by high - low.
-    if not (is_number(low) and is_number(high) and 0 < low < high):
+    if not (is_finite_number(low) and is_finite_number(high) and 0 < low < high):
         raise ConfigError(
             f"{source}: llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor, "
             f"got {shown(low)} and {shown(high)}"
@@ -342,6 +361,8 @@ def _layer_types(args: dict[str, Any], source: str, spec: ArchSpec) -> tuple[tup
     elif spec.sliding == "qwen":
         first = args.get("max_window_layers", n)
         slides = bool(args.get("use_sliding_window")) and window is not None
+        if slides and first is None:
+            raise ConfigError(f"{source}: max_window_layers is null, but use_sliding_window needs it (an integer)")
         types = tuple(SLIDING if slides and i >= first else FULL for i in range(n))
     elif spec.sliding == "all" and window is not None:
         types = (SLIDING,) * n

@@ -8,6 +8,7 @@ applies to Q and K. See https://github.com/ggml-org/ggml/blob/master/docs/gguf.m
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from pathlib import Path
@@ -17,11 +18,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
-from ..untrusted import is_int, is_number, plain, shown
+from ..untrusted import is_finite_number, is_int, plain, shown
 from .config import MAX_LAYERS
 from .gguf_file import REPACKED, GGUFFile, QuantizedTensor, TensorInfo
 from .safetensors_header import MAX_DIM
 from .sizing import StoredTensor
+
+log = logging.getLogger(__name__)
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -125,7 +128,7 @@ def _meta_int(
         return default
     if not is_int(value) or not low <= value <= high:
         raise ConfigError(f"{path}: GGUF metadata {key!r} must be an integer from {low} to {high}, got {shown(value)}")
-    return value
+    return int(value)  # a plain int, should a reader hand in a numpy scalar
 
 
 def _meta_float(path: Path, md: dict[str, Any], key: str, default: float) -> float:
@@ -133,7 +136,7 @@ def _meta_float(path: Path, md: dict[str, Any], key: str, default: float) -> flo
     value = md.get(key)
     if value is None:
         return default
-    if not is_number(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise ConfigError(f"{path}: GGUF metadata {key!r} must be a positive finite number, got {shown(value)}")
     return float(value)
 
@@ -160,10 +163,22 @@ def llama_config(path: Path, md: dict[str, Any], has_output: bool) -> dict[str, 
         "max_position_embeddings": _meta_int(path, md, "llama.context_length", 4096),
         "vocab_size": vocab,
         "tie_word_embeddings": not has_output,
-        # An id outside the vocabulary is refused here, by its GGUF key (llama.cpp writes none for "no token").
-        "bos_token_id": _meta_int(path, md, "tokenizer.ggml.bos_token_id", None, low=0, high=vocab - 1),
+        # An id outside the vocabulary is refused here, by its GGUF key (llama.cpp writes none for "no token"),
+        # but for a BOS the model never adds: llama.cpp then ignores it, and so do we (see tokenizer/gguf_vocab.py).
+        "bos_token_id": _bos_token_id(path, md, vocab),
         "eos_token_id": _meta_int(path, md, "tokenizer.ggml.eos_token_id", None, low=0, high=vocab - 1),
     }
+
+
+def _bos_token_id(path: Path, md: dict[str, Any], vocab: int) -> int | None:
+    key = "tokenizer.ggml.bos_token_id"
+    value = md.get(key)
+    if is_int(value) and not 0 <= value < vocab and md.get("tokenizer.ggml.add_bos_token") in (None, False, 0):
+        log.warning(
+            "%s: GGUF metadata %r is %s, outside the vocabulary, and never added; ignored", path, key, shown(value)
+        )
+        return None
+    return _meta_int(path, md, key, None, low=0, high=vocab - 1)
 
 
 def _rope_scaling(path: Path, md: dict[str, Any]) -> dict[str, Any] | None:

@@ -106,18 +106,42 @@ class API:
     async def chat_completions(self, request: Request) -> Response:
         request.state.arrived = time.perf_counter()
         raw = await read_body(request, self.settings)
-        messages, params = await self.preparing.run(lambda: parse_chat(parse_json(raw)))
-        served = await run_in_threadpool(self.models.get, params.model)  # may load an unloaded model
-        ids = await self.preparing.run(served.model.tokenizer.encode_chat, messages)
+        served, ids, params = await self._prepare(
+            raw, parse_chat, lambda m, messages: m.tokenizer.encode_chat(messages)
+        )
         return await self._generate(request, served, ids, params, Reply(served.id, chat=True))
 
     async def completions(self, request: Request) -> Response:
         request.state.arrived = time.perf_counter()
         raw = await read_body(request, self.settings)
-        prompt, params = await self.preparing.run(lambda: parse_completion(parse_json(raw)))
-        served = await run_in_threadpool(self.models.get, params.model)
-        ids = prompt if isinstance(prompt, list) else await self.preparing.run(served.model.tokenizer.encode, prompt)
+        served, ids, params = await self._prepare(
+            raw, parse_completion, lambda m, prompt: prompt if isinstance(prompt, list) else m.tokenizer.encode(prompt)
+        )
         return await self._generate(request, served, ids, params, Reply(served.id, chat=False))
+
+    async def _prepare(
+        self,
+        raw: bytes,
+        parse: Callable[[Any], tuple[Any, GenerationParams]],
+        encode: Callable[[Any, Any], list[int]],
+    ) -> tuple[ServedModel, list[int], GenerationParams]:
+        """Parse, template and tokenize in one pass through the gate, so a request is refused (429) before it
+        is parsed or never. A model that must be loaded first loads outside the gate (no place held for it);
+        the tokenizing then waits for a place without a 429."""
+
+        def everything() -> tuple[Any, GenerationParams, ServedModel | None, list[int] | None]:
+            body, params = parse(parse_json(raw))
+            name = params.model if params.model is not None else next(iter(self.models.ids), None)
+            if name is None or not self.models.is_loaded(name):
+                return body, params, None, None
+            served = self.models.get(name)
+            return body, params, served, encode(served.model, body)
+
+        body, params, served, ids = await self.preparing.run(everything)
+        if served is None or ids is None:
+            served = await run_in_threadpool(self.models.get, params.model)  # loads an unloaded model
+            ids = await self.preparing.run(encode, served.model, body, admitted=True)
+        return served, ids, params
 
     async def _generate(
         self, request: Request, served: ServedModel, ids: list[int], params: GenerationParams, reply: Reply

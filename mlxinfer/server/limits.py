@@ -24,9 +24,13 @@ class WorkGate:
         self._slots = asyncio.Semaphore(workers)
         self._workers, self._queue, self._waiting = workers, queue, 0
 
-    async def run(self, work: Callable[..., T], *args: Any) -> T:
-        """`work(*args)` on a worker thread once a place is free; 429 when too many wait already."""
-        if self._slots.locked() and self._waiting >= self._queue:
+    async def run(self, work: Callable[..., T], *args: Any, admitted: bool = False) -> T:
+        """`work(*args)` on a worker thread once a place is free; 429 when too many wait already, unless the
+        request was `admitted` by an earlier pass (it then waits: a parsed request is never turned away).
+
+        The place is freed when the thread's work ends, not when the awaiting task does: a client that
+        leaves (its task cancelled) cannot free a place while its tokenizing still runs."""
+        if not admitted and self._slots.locked() and self._waiting >= self._queue:
             raise APIError(
                 429,
                 f"the server is busy preparing {self._workers + self._waiting} other requests; retry shortly",
@@ -38,7 +42,11 @@ class WorkGate:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
-        try:
-            return await run_in_threadpool(work, *args)
-        finally:
-            self._slots.release()
+        running = asyncio.ensure_future(run_in_threadpool(work, *args))
+        running.add_done_callback(self._finished)
+        return await asyncio.shield(running)  # a cancelled caller leaves `running` to end on its own
+
+    def _finished(self, running: asyncio.Future[Any]) -> None:
+        self._slots.release()
+        if not running.cancelled():
+            running.exception()  # retrieved: a caller that left never reads it

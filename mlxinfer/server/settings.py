@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
-import math
 from dataclasses import dataclass, field
 
 from ..engine import SchedulerConfig
 from ..errors import ServerConfigError
-from ..untrusted import shown
+from ..untrusted import is_finite_number, is_int, shown
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 # Well below macOS's default limit of 256 open files: the model's files, logs and the
@@ -72,18 +71,11 @@ class ServerSettings:
     def _check_limits(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):
             value = getattr(self, name)
-            if not (_is_number(value, (int, float)) and 0 < value <= MAX_TIMEOUT_S):
+            if not (is_finite_number(value) and 0 < value <= MAX_TIMEOUT_S):
                 raise ServerConfigError(
                     f"the server setting {name} must be seconds in (0, {MAX_TIMEOUT_S}], got {shown(value)}"
                 )
         for name, lowest in (("max_connections", 1), ("prepare_workers", 1), ("prepare_queue", 0)):
             value = getattr(self, name)
-            if not (_is_number(value, int) and value >= lowest):
+            if not (is_int(value) and value >= lowest):
                 raise ServerConfigError(f"the server setting {name} must be an integer >= {lowest}, got {shown(value)}")
-
-
-def _is_number(value: object, kinds: type | tuple[type, ...]) -> bool:
-    """Of `kinds`, not a bool, and finite (an int of any size compares without turning into a float)."""
-    if not isinstance(value, kinds) or isinstance(value, bool):
-        return False
-    return isinstance(value, int) or math.isfinite(value)

@@ -9,7 +9,8 @@ and mutation of the values we pass in. Settings follow transformers'
 Each render also runs under a total budget, so no template can stall the
 thread that renders it or take the machine's memory: loop iterations plus calls
 (macros, methods, filters), nested calls, wall time, characters written and the
-size of any one value. Loops and calls are counted by code the template's
+size of any one value (wall time is only a generous backstop: the others do not
+depend on the machine's load). Loops and calls are counted by code the template's
 compiled form runs (a tick first in every loop body, a check in every call), and
 operations that multiply sizes (`*`, `+`, joins, replace, indent, format widths)
 are measured before they run. Going over ends the render with one ChatTemplateError.
@@ -42,7 +43,9 @@ MAX_WRITTEN_CHARS = 4 * MAX_RENDER_CHARS  # everything written, macro and {% set
 MAX_RENDER_ITEMS = 1_000_000  # in any one value, nested ones included (a 4 MiB request holds fewer)
 MAX_RENDER_STEPS = 1_000_000  # loop iterations plus calls; real templates take a few per message
 MAX_CALL_DEPTH = 64  # macros (or recursive loops) inside each other; real templates nest a few
-MAX_RENDER_SECONDS = 5.0
+# A backstop only: steps, depth and sizes are what stop an attack, on any machine. Renders share the GIL, so
+# on a loaded machine (4 renders on 2 cores) a legitimate large render may take several times its own speed.
+MAX_RENDER_SECONDS = 20.0
 MAX_POWER_BITS = 4096  # `**` on integers: real templates never need more
 
 

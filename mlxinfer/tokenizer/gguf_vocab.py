@@ -7,6 +7,7 @@ only named (`tokenizer.ggml.pre`), so the regexes below restate llama.cpp's
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
@@ -27,6 +28,8 @@ _QWEN2 = _SPLIT.replace("DIGITS", "")
 # Pre-tokenizers that split single digits, then apply GPT-2's byte-level regex.
 _DIGIT_SPLITTING = {"smollm", "starcoder", "refact", "codeshell"}
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+
+log = logging.getLogger(__name__)
 
 
 def _pre_tokenizer(name: str, where: str) -> pre_tokenizers.PreTokenizer:
@@ -65,11 +68,26 @@ def _strings(metadata: dict[str, Any], key: str, where: str) -> list[str]:
     return values
 
 
-def _token_id(metadata: dict[str, Any], key: str, tokens: list[str], where: str) -> int | None:
+def _token_id(metadata: dict[str, Any], key: str, tokens: list[str], where: str, needed: bool = True) -> int | None:
+    """A special-token id inside the vocabulary. One outside it is refused when `needed`, else dropped with a
+    warning, as llama.cpp does ("bad special token"): fine-tunes ship a <|pad|> id one past the token list."""
     value = _key(metadata, key, int, where)
     if value is not None and not 0 <= value < len(tokens):
-        raise TokenizerError(f"{where} metadata {key!r} is {value}, outside the {len(tokens)}-token vocabulary")
+        if needed:
+            raise TokenizerError(
+                f"{where} metadata {key!r} is {shown(value)}, outside the {len(tokens)}-token vocabulary"
+            )
+        log.warning(
+            "%s metadata %r is %s, outside the %d-token vocabulary; ignored", where, key, shown(value), len(tokens)
+        )
+        return None
     return value
+
+
+def _bos_id(metadata: dict[str, Any], tokens: list[str], where: str) -> int | None:
+    # A model that adds BOS to every prompt computes something else without it: an unusable id is refused then.
+    # Otherwise BOS is only the chat template's bos_token, which can do without it.
+    return _token_id(metadata, "tokenizer.ggml.bos_token_id", tokens, where, needed=_add_bos(metadata, where))
 
 
 def _vocabulary(metadata: dict[str, Any], where: str) -> tuple[list[str], list[tuple[str, ...]], list[int]]:
@@ -107,7 +125,7 @@ def backend_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Backend:
     backend.add_special_tokens(specials)
     user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
     backend.add_tokens(user)
-    bos = _token_id(metadata, "tokenizer.ggml.bos_token_id", tokens, where)
+    bos = _bos_id(metadata, tokens, where)
     if _add_bos(metadata, where) and bos is not None:
         # Raw prompts get the BOS token the model was trained with, as llama.cpp adds it.
         backend.post_processor = processors.TemplateProcessing(
@@ -127,9 +145,13 @@ def tokenizer_config_from_gguf(metadata: dict[str, Any], where: str = "GGUF") ->
     """The tokenizer_config.json fields a GGUF file carries: special tokens and chat template."""
     tokens = _strings(metadata, "tokenizer.ggml.tokens", where)
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
-    for key in ("bos", "eos", "padding"):
-        index = _token_id(metadata, f"tokenizer.ggml.{key}_token_id", tokens, where)
-        name = "pad_token" if key == "padding" else f"{key}_token"
+    # EOS must stop generation: an unusable one is refused. Padding is never needed to generate.
+    ids = {
+        "bos_token": _bos_id(metadata, tokens, where),
+        "eos_token": _token_id(metadata, "tokenizer.ggml.eos_token_id", tokens, where),
+        "pad_token": _token_id(metadata, "tokenizer.ggml.padding_token_id", tokens, where, needed=False),
+    }
+    for name, index in ids.items():
         config[name] = tokens[index] if index is not None else None
     config["add_bos_token"] = _add_bos(metadata, where)
     template = metadata.get("tokenizer.chat_template")
@@ -145,7 +167,10 @@ def tokenizer_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Tokeni
     config = tokenizer_config_from_gguf(metadata, where)
     tokens = _strings(metadata, "tokenizer.ggml.tokens", where)
     # End of generation: EOS, and the end-of-turn token chat models stop on (Llama 3's <|eot_id|>).
-    stops = [_token_id(metadata, f"tokenizer.ggml.{k}_token_id", tokens, where) for k in ("eos", "eot")]
+    stops = [
+        _token_id(metadata, "tokenizer.ggml.eos_token_id", tokens, where),
+        _token_id(metadata, "tokenizer.ggml.eot_token_id", tokens, where, needed=False),  # EOS still stops
+    ]
     return Tokenizer(
         backend_from_gguf(metadata, where),
         eos_token_ids=[i for i in stops if i is not None],

@@ -35,6 +35,9 @@ import mlxinfer
 from mlxinfer import disk
 from mlxinfer.cli import main
 from mlxinfer.errors import ConversionError
+from mlxinfer.memory import MachineMemory
+from mlxinfer.tokenizer.tokenizer import MAX_TOKENIZER_BYTES
+from mlxinfer.untrusted import MAX_SIDE_FILE_BYTES
 
 MANIFEST = output_folder.MANIFEST
 
@@ -253,6 +256,15 @@ FOREIGN = {
     "an extra folder": (lambda out: (out / "sub").mkdir(), "'sub'"),
     "an extra hidden file": (lambda out: (out / ".git").write_text("x"), "'.git'"),
     "one of our names as a symlink": (_tokenizer_as_link, "'tokenizer.json'"),
+    # macOS metadata is allowed only as plain files, and AppleDouble files only for our own names
+    "a .DS_Store folder": (lambda out: (out / ".DS_Store").mkdir(), "'.DS_Store'"),
+    "a .DS_Store symlink": (lambda out: (out / ".DS_Store").symlink_to(out.parent / "x"), "'.DS_Store'"),
+    "an AppleDouble file of a foreign name": (lambda out: (out / "._notes.txt").write_bytes(b"\0\5"), "'._notes.txt'"),
+    "an AppleDouble file alone": (lambda out: (out / "._").write_bytes(b"\0\5"), "'._'"),
+    "a user folder with a .DS_Store": (
+        lambda out: _replace(out, lambda p: (p.mkdir(), (p / ".DS_Store").touch(), (p / "notes.txt").touch())),
+        f"has no {MANIFEST}",
+    ),
     "OUT a symlink to an earlier conversion": (_out_links_to_a_conversion, "symbolic link"),
     "OUT a dangling symlink": (lambda out: _replace(out, lambda p: p.symlink_to(p.parent / "nowhere")), "symbolic"),
 }
@@ -289,8 +301,18 @@ def test_force_replaces_nothing_mlxinfer_did_not_write(tmp_path, src, earlier, c
     assert snapshot(tmp_path) == before
 
 
+def _mac_metadata(folder: Path) -> None:
+    """What Finder (.DS_Store) and a copy to exFAT/SMB (._NAME AppleDouble files) add to a folder."""
+    (folder / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    for name in [MANIFEST, *(n for n in os.listdir(folder) if not n.startswith("."))]:
+        (folder / f"._{name}").write_bytes(b"\0\5\26\7")
+
+
 REPLACEABLE = {
     "an empty folder": lambda out: _replace(out, Path.mkdir),
+    "an empty folder Finder has shown": lambda out: _replace(out, lambda p: (p.mkdir(), (p / ".DS_Store").touch())),
+    "an earlier conversion Finder has shown": lambda out: (out / ".DS_Store").write_bytes(b"\0\0\0\1Bud1"),
+    "an earlier conversion copied to exFAT": _mac_metadata,
     "an earlier conversion": lambda out: None,
     "an earlier conversion missing a file": lambda out: (out / "tokenizer_config.json").unlink(),
     "an earlier conversion, manifest listing more": _edit_manifest(
@@ -343,11 +365,36 @@ def test_a_hostile_output_name_stays_one_line(tmp_path, src, name):
     assert snapshot(tmp_path) == before
 
 
-@pytest.mark.parametrize("name", ["x" * 250, "y" * 255, "z" * 300])
+@pytest.mark.parametrize("name", ["z" * 256, "z" * 300, "\u00e9" * 128])
 def test_a_name_too_long_is_one_line(tmp_path, src, name):
     before = snapshot(tmp_path)
     assert_one_line(run(src, "-o", tmp_path / name), "name too long")
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("name", ["x" * 241, "y" * 250, "w" * 255, "\u00e9" * 127])
+def test_a_long_name_up_to_the_limit_converts_and_replaces(tmp_path, src, name):
+    # `.NAME.partial-PID` would exceed 255 bytes: the temporary folders use a shortened, hashed NAME.
+    out = tmp_path / name
+    assert run(src, "-o", out).exit_code == 0
+    assert_complete(out)
+    assert run(src, "-o", out, "--force").exit_code == 0  # sets the previous OUT aside as `.NAME.old-PID`
+    assert_complete(out)
+    assert sorted(os.listdir(tmp_path)) == sorted([src.name, name])
+
+
+@pytest.mark.parametrize("kind", ["partial", "old"])
+def test_leftovers_of_a_long_name_are_removed_in_both_forms(tmp_path, src, earlier, kind):
+    # A long name's leftover is `.NAME.KIND-PID` or the shortened form, depending on the PID's digits.
+    pid = dead_pid()
+    name = "n" * (255 - len(f"..{kind}-{pid}"))  # the plain form just fits for this pid
+    earlier.rename(tmp_path / name)
+    dead = [f".{name}.{kind}-{pid}", f".{output_folder._short_stem(name)}.{kind}-{pid}"]
+    for leftover in dead:
+        _ours(tmp_path / leftover)
+    assert run(src, "-o", tmp_path / name, "--force").exit_code == 0
+    assert_complete(tmp_path / name)
+    assert sorted(os.listdir(tmp_path)) == sorted([src.name, name])
 
 
 def test_a_nul_byte_in_the_output_is_one_line(tmp_path, src):
@@ -403,6 +450,8 @@ STALE = {
     "our own pid's partial": (".out.partial-{own}", _ours, True),
     "dead empty partial": (".out.partial-{dead}", Path.mkdir, True),
     "live partial": (".out.partial-{live}", _ours, False),
+    "dead partial with macOS metadata": (".out.partial-{dead}", lambda p: (_ours(p), _mac_metadata(p)), True),
+    "dead old with macOS metadata": (".out.old-{dead}", lambda p: (_ours(p), _mac_metadata(p)), True),
     "dead partial with a foreign file": (".out.partial-{dead}", lambda p: (_ours(p), (p / "a.txt").touch()), False),
     "dead partial with a subfolder": (".out.partial-{dead}", lambda p: (_ours(p), (p / "sub").mkdir()), False),
     "dead partial that is a file": (".out.partial-{dead}", lambda p: p.write_text("x"), False),
@@ -686,9 +735,56 @@ def test_an_unwritable_parent_is_refused_before_any_work(tmp_path, src, monkeypa
     assert snapshot(tmp_path) == before
 
 
-def test_a_tokenizer_file_past_the_bound_is_refused(tmp_path, src):
-    with open(src / "chat_template.jinja", "wb") as f:
-        f.truncate(writer.MAX_TOKENIZER_BYTES + 1)  # sparse
+@pytest.mark.parametrize(
+    ("name", "limit"),
+    [
+        ("tokenizer.json", MAX_TOKENIZER_BYTES),
+        ("chat_template.jinja", MAX_SIDE_FILE_BYTES),
+        ("tokenizer_config.json", MAX_SIDE_FILE_BYTES),
+        ("tokenizer.model", MAX_SIDE_FILE_BYTES),
+    ],
+)
+def test_a_tokenizer_file_the_loader_would_refuse_is_refused_before_writing(tmp_path, src, name, limit):
+    with open(src / name, "ab") as f:
+        f.truncate(limit + 1)  # sparse
     before = snapshot(tmp_path)
-    assert_one_line(run(src, "-o", tmp_path / "out"), "chat_template.jinja", "larger than")
+    assert_one_line(run(src, "-o", tmp_path / "out"), name, "larger than")
     assert snapshot(tmp_path) == before
+
+
+def test_copying_stops_at_the_loaders_limit(tmp_path):
+    (tmp_path / "chat_template.jinja").write_bytes(b"x" * 11)
+    with pytest.raises(ConversionError, match="larger than"):
+        writer.copy_file(tmp_path / "chat_template.jinja", tmp_path / "out.jinja", limit=10)
+    assert writer.copy_limit("tokenizer.json") == MAX_TOKENIZER_BYTES
+    assert writer.copy_limit("chat_template.jinja") == writer.copy_limit("tokenizer.model") == MAX_SIDE_FILE_BYTES
+
+
+# --- evaluation ------------------------------------------------------------------------------------
+
+TINY_MACHINE = MachineMemory(1 << 30, 1 << 30, 0, "cpu", None, None)  # all of it headroom: nothing fits
+
+
+def test_an_evaluation_that_cannot_fit_is_skipped_at_plan_time(tmp_path, src, monkeypatch, caplog):
+    monkeypatch.setattr("mlxinfer.models.sizing.machine_memory", lambda: TINY_MACHINE)
+    result = CliRunner().invoke(main, ["convert", str(src), "-o", str(tmp_path / "out")])
+    monkeypatch.undo()
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    warnings = [r.getMessage() for r in caplog.records if "without the quality report" in r.getMessage()]
+    assert len(warnings) == 1 and "at most" in warnings[0] and "--no-eval" in warnings[0], caplog.text
+    assert "\n" not in warnings[0] and "use a smaller" not in warnings[0], warnings
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert manifest["quality"] is None and manifest["settings"]["evaluate"] is False
+    assert_complete(tmp_path / "out")
+
+
+def test_a_failed_evaluation_keeps_the_finished_output(tmp_path, src, monkeypatch, caplog):
+    plan = plan_conversion(src, tmp_path / "out", ConvertSettings(), force=False)
+    assert plan.settings.evaluate  # it fits when planned; then memory runs short before evaluating
+    monkeypatch.setattr("mlxinfer.models.sizing.machine_memory", lambda: TINY_MACHINE)
+    result = run_conversion(plan, progress=False)
+    monkeypatch.undo()
+    assert result.quality is None and result.manifest["quality"] is None
+    assert any("skipping the quality report" in r.getMessage() for r in caplog.records), caplog.text
+    assert_complete(tmp_path / "out")
+    assert leftovers(tmp_path) == []

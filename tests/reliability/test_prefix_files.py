@@ -11,6 +11,7 @@ answer from generate); and prefixes longer than the context (refused before work
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -33,6 +34,7 @@ import mlxinfer
 import mlxinfer.api as api_module
 from mlxinfer import disk
 from mlxinfer.cache import PrefixStore, prefix_file
+from mlxinfer.cache import prefix as prefix_module
 from mlxinfer.cache import store as store_module
 from mlxinfer.cache.kv import KVCache, QuantizedKVCache
 from mlxinfer.cache.store import KVLayout, clear_prefixes, list_prefixes
@@ -359,7 +361,7 @@ def test_a_consistent_file_longer_than_the_context_is_quarantined(tokens, warmed
     assert_quarantined(path, root, caplog, cold, f"metadata tokens='{tokens}' is not a count in [1, 256]")
 
 
-def test_many_bad_files_fall_back_one_by_one_to_a_cold_prefill(root, caplog, cold):
+def test_many_bad_files_fall_back_a_few_per_lookup_to_a_cold_prefill(root, caplog, cold):
     model = mlxinfer.load(LLAMA)
     for n in range(12):  # nested prefixes of PROMPT: a lookup tries the longest first, then the next
         model.warm(PROMPT[: 6 + 2 * n])
@@ -369,7 +371,70 @@ def test_many_bad_files_fall_back_one_by_one_to_a_cold_prefill(root, caplog, col
     assert restarted.cache_stats.entries == 12  # their headers are fine: found at start-up
     result = restarted.generate(PROMPT, max_tokens=6)
     assert result.stats.cached_tokens == 0 and result.token_ids == cold
-    assert len(list((root / "quarantine").iterdir())) == 12 and restarted.cache_stats.entries == 1  # the new one
+    quarantined = lambda: len(list((root / "quarantine").iterdir()))  # noqa: E731
+    assert quarantined() == prefix_module.MAX_LOADS_PER_LOOKUP == 4  # not all 12 files on one prompt's path
+    cache = restarted.prefix_cache
+    for tried in (8, 12):  # later lookups try the next ones
+        cache.clear()  # the entry generate added would be found first
+        assert cache.lookup(PROMPT) is None and quarantined() == tried
+    assert cache.stats.entries == 0
+
+
+class _Reads:
+    """A file whose reads are recorded: how many bytes each asked for."""
+
+    def __init__(self, f, sizes: list[int]):
+        self._f, self._sizes = f, sizes
+
+    def read(self, n=-1):
+        self._sizes.append(n)
+        return self._f.read(n)
+
+    def readinto(self, buffer):
+        self._sizes.append(len(buffer))
+        return self._f.readinto(buffer)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_a_stored_prefix_is_read_in_chunks_and_hashed_once_per_file(warmed, root, monkeypatch, caplog, cold):
+    sizes, hashes, real_open, real_digest = [], [], store_module._open_file, prefix_file._tensor_digest
+
+    @contextlib.contextmanager
+    def recorded(folder, name):
+        with real_open(folder, name) as (f, st):
+            yield _Reads(f, sizes), st
+
+    monkeypatch.setattr(store_module, "_open_file", recorded)
+    monkeypatch.setattr(prefix_file, "READ_CHUNK", 512)
+    monkeypatch.setattr(prefix_file, "_tensor_digest", lambda: hashes.append(1) or real_digest())
+    model = mlxinfer.load(LLAMA)
+    cache = model.prefix_cache
+    sizes.clear()
+    first = model.generate(PROMPT, max_tokens=6, use_cache=True)
+    assert first.stats.cached_tokens == len(WARMED) and first.token_ids == cold and len(hashes) == 1
+    assert max(sizes) <= 1024 and sum(s for s in sizes if s > 0) < 2 * warmed.stat().st_size  # no whole-file read
+    for _ in range(2):  # evicted and loaded again: the same file is read, not hashed again
+        cache.clear()
+        again = model.generate(PROMPT, max_tokens=6)
+        assert again.stats.cached_tokens == len(WARMED) and again.token_ids == cold and len(hashes) == 1
+    cache.clear()
+    flip_kv(warmed)  # the file changed: it is checked again, and quarantined
+    assert_quarantined(warmed, root, caplog, cold, "the checksum of its tensors does not match")
+    assert len(hashes) >= 2
+
+
+def test_a_file_changed_in_place_with_its_old_mtime_is_hashed_again(warmed, root, caplog, cold):
+    model = mlxinfer.load(LLAMA)
+    assert model.generate(PROMPT, max_tokens=6).stats.cached_tokens == len(WARMED)
+    model.prefix_cache.clear()
+    st = warmed.stat()
+    flip_kv(warmed)  # same inode, size and (put back) mtime: only the change time says
+    os.utime(warmed, ns=(st.st_atime_ns, st.st_mtime_ns))
+    result = model.generate(PROMPT, max_tokens=6)
+    assert result.stats.cached_tokens == 0 and result.token_ids == cold
+    assert "the checksum of its tensors does not match" in caplog.text and not warmed.exists()
 
 
 def test_the_number_of_files_read_at_start_up_is_bounded(root, monkeypatch, caplog):
@@ -859,6 +924,32 @@ def test_cache_warm_refuses_a_prefix_file_in_one_line(make, why, root, tmp_path)
 # -- cache ls and cache clear report what is really there and what really went -----------------------------------
 
 
+def test_clear_removes_a_probe_and_empty_unfinished_files_left_by_a_kill(warmed, root, caplog):
+    probe = warmed.parent / ".probe.4242.0badf00d.safetensors"  # what check_room writes, if killed before its unlink
+    empty = warmed.parent / f".{warmed.stem}.4242.deadbeef.safetensors"  # killed before writing a byte
+    probe.touch()
+    empty.touch()
+    result = CliRunner().invoke(main, ["cache", "clear"])
+    assert result.exit_code == 0 and "removed 1 warmed prefixes (3 files)" in result.stdout, result.output
+    assert not probe.exists() and not empty.exists() and not warmed.exists() and "alone" not in caplog.text
+
+
+def test_the_probe_of_check_room_has_a_name_clear_removes(root, monkeypatch):
+    store = mlxinfer.load(LLAMA).prefix_cache.store
+    names = []
+    real = store_module.os.open
+
+    def recorded(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            names.append(path)
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(store_module.os, "open", recorded)
+    store.check_room(10)
+    (name,) = names
+    assert name.startswith(".probe.") and store_module._FOLDER_FILES.fullmatch(name)
+
+
 def test_clear_reports_exactly_the_files_it_removed(warmed, root, caplog):
     mlxinfer.load(TINY / "qwen2").warm(WARMED)
     (qwen,) = [p for p in root.glob("*/*.safetensors") if p != warmed]
@@ -922,13 +1013,34 @@ def test_odd_entries_in_the_model_folder_do_not_block_or_break_the_fingerprint(a
     assert done.returncode == 0 and done.stdout.strip() == str(len(WARMED)), done.stderr
 
 
-def test_a_model_that_cannot_be_fingerprinted_answers_and_refuses_warm(root, monkeypatch, caplog, cold):
+def test_a_model_that_cannot_be_fingerprinted_answers_and_warms_in_memory_only(
+    root, monkeypatch, caplog, cold, tmp_path
+):
     def unreadable(*args):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
     monkeypatch.setattr(api_module, "fingerprint", unreadable)
     model = mlxinfer.load(LLAMA)
     assert f"not using warmed prefixes: cannot fingerprint {LLAMA} (Permission denied)" in caplog.text
-    assert model.generate(PROMPT, max_tokens=6).token_ids == cold
-    with pytest.raises(CacheError, match=f"{LLAMA}: warmed prefixes cannot be kept for this model"):
-        model.warm(WARMED)
+    assert model.generate(PROMPT, max_tokens=6, use_cache=False).token_ids == cold
+    assert model.warm(WARMED) == len(WARMED)  # as before there was a store: in memory, with a warning
+    assert f"{LLAMA}: warming the prefix in memory only; it will not be kept on disk" in caplog.text
+    result = model.generate(PROMPT, max_tokens=6)
+    assert result.stats.cached_tokens == len(WARMED) and result.token_ids == cold
+    assert not root.exists()
+    text = tmp_path / "system.txt"  # `cache warm` is for the file: it fails in one line
+    text.write_text("You are terse.")
+    warmed = CliRunner().invoke(main, ["cache", "warm", str(LLAMA), "--prefix-file", str(text)])
+    assert warmed.exit_code == 1 and warmed.output.endswith(
+        f"Error: {LLAMA}: warmed prefixes cannot be kept on disk for this model (see the warning)\n"
+    ), warmed.output
+    assert "Traceback" not in warmed.output and not root.exists()
+
+
+def test_a_model_without_a_tokenizer_warms_token_ids_in_memory(root, caplog):
+    model = mlxinfer.load(LLAMA)
+    model._loaded.tokenizer = None  # as a model loaded without one
+    model.prefix_cache.store = model._prefix_store()
+    assert model.prefix_cache.store is None
+    assert model.warm(WARMED) == len(WARMED) and "will not be kept on disk" in caplog.text
+    assert model.cache_stats.entries == 1 and not root.exists()
