@@ -68,3 +68,9 @@ def _quantized(source: Path, out: Path, bits: int) -> Path:
     convert(str(source), mlx_path=str(tmp), quantize=True, q_bits=bits, q_group_size=GROUP_SIZE)
     os.replace(tmp, out)
     return out
+
+
+if __name__ == "__main__":
+    # `python -m bench.models`: a local Hugging Face folder for `mlxinfer convert`, made offline
+    # from the default model's GGUF (needs the reference extra: transformers and torch).
+    print(prepare_models(["bf16"])["bf16"])

@@ -32,15 +32,18 @@ def source_path(source: Source) -> Path:
 
 
 def sensitivity_layers(
-    source: Source, bpw: float, group_size: int, layers: dict[str, LayerQuant | None]
+    source: Source, bpw: float, group_size: int, layers: dict[str, LayerQuant | None], progress: bool = True
 ) -> dict[str, LayerQuant | None]:
     """`layers` with bits chosen per layer group by measured KL within the `bpw` budget."""
-    from mlxinfer.quantize.sensitivity import allocate, group_costs
+    from mlxinfer.quantize.sensitivity import allocate, group_costs, layer_groups
 
     loaded = _load(source)
     ids = _calibration_ids(loaded)[:SENSITIVITY_TOKENS]
     paths = [p for p, q in layers.items() if q is not None]
-    costs = group_costs(loaded.model, ids, paths, group_size, loaded.config.tie_word_embeddings)
+    tied = loaded.config.tie_word_embeddings
+    passes = 1 + len(layer_groups(paths, tied))  # the float model's, then one per group
+    with tqdm(total=passes, unit="pass", desc="sensitivity", disable=not progress) as bar:
+        costs = group_costs(loaded.model, ids, paths, group_size, tied, progress=bar.update)
     quantized = {f"{p}.weight" for p in paths}
     fixed = sum(v.size for k, v in tree_flatten(loaded.model.parameters()) if k not in quantized)
     table = allocate(costs, bpw, group_size, fixed, 16.0 * fixed)
@@ -60,7 +63,7 @@ def gptq_tensors(
     batch, length = GPTQ_BATCH
     batch = max(1, min(batch, len(ids) // length))
     tokens = mx.array(ids[: batch * length]).reshape(batch, -1)
-    with tqdm(total=len(loaded.model.layers), unit="block", desc="GPTQ", disable=not progress) as bar:
+    with tqdm(total=len(loaded.model.layers) + 1, unit="block", desc="GPTQ", disable=not progress) as bar:
         rounded = gptq_model(loaded.model, tokens, layers, dtype, progress=bar.update)
     del loaded
     mx.clear_cache()

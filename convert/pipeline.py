@@ -20,7 +20,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
-from mlxinfer.quantize.affine import dequantize_rows, quantize_rows
+from mlxinfer.quantize.affine import bits_per_weight, dequantize_rows, quantize_rows
+from mlxinfer.quantize.quality import scoring_bytes
 from tqdm.auto import tqdm
 
 from mlxinfer.disk import file_size_errors
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
 METHODS = ("rtn", "gptq")
+RUNTIME_BYTES = 200 * 2**20  # Python, MLX, the tokenizer and what the steps before left allocated
 
 
 @dataclass
@@ -71,17 +73,20 @@ class ConversionPlan:
     names: list[str]  # source tensors to write, in order
     dtype: mx.Dtype
     output_bytes: int
-    peak_bytes: int
+    peak_bytes: int  # the most the process will hold, over every step that runs
     params: int
     force: bool = False  # replace an existing OUT (only an empty folder or an earlier conversion)
+    no_eval_peak_bytes: int = 0  # the same without the quality report
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
         what = f"{self.settings.bits}-bit {self.settings.method}" if self.settings.bits != 16 else "unquantized"
+        peak = f"expected peak memory {self.peak_bytes / 2**20:.0f} MiB"
+        if self.settings.evaluate and self.no_eval_peak_bytes < self.peak_bytes:
+            peak += f" ({self.no_eval_peak_bytes / 2**20:.0f} MiB with --no-eval)"
         return (
             f"{self.source.description} -> {self.out}: {what}, {quantized} quantized layers; "
-            f"expected output {self.output_bytes / 2**20:.0f} MiB, "
-            f"expected peak memory {self.peak_bytes / 2**20:.0f} MiB"
+            f"expected output {self.output_bytes / 2**20:.0f} MiB, {peak}"
         )
 
 
@@ -95,6 +100,11 @@ class ConversionResult:
     bits_per_weight: float
     quality: QualityReport | None = None
     manifest: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def warning(self) -> str | None:
+        """The quality report's warning: the output answers noticeably worse than its source."""
+        return self.quality.warning if self.quality else None
 
     def summary(self) -> str:
         quality = f"; {self.quality.summary()}" if self.quality else ""
@@ -115,17 +125,22 @@ def convert(src: str | Path, out: str | Path, force: bool = False, progress: boo
         >>> from mlxinfer.convert import convert
         >>> convert("SmolLM2-135M-Instruct", "SmolLM2-4bit", bits=4, group_size=64).quality.summary()
     """
-    return run_conversion(plan_conversion(src, out, ConvertSettings(**settings), force=force), progress=progress)
+    plan = plan_conversion(src, out, ConvertSettings(**settings), force=force, progress=progress)
+    return run_conversion(plan, progress=progress)
 
 
-def plan_conversion(src: str | Path, out: str | Path, settings: ConvertSettings, force: bool = False):
-    """Open and validate the source and decide every layer's format; writes nothing."""
+def plan_conversion(
+    src: str | Path, out: str | Path, settings: ConvertSettings, force: bool = False, progress: bool = True
+):
+    """Open and validate the source and decide every layer's format; writes nothing.
+
+    The sensitivity recipe measures the source here (`progress` shows that)."""
     src_path = Path(src).expanduser()
     out = check_output(out, force, [src_path] if os.path.lexists(src_path) else [])
     source = open_source(src)
     try:
         check_apart(source_path(source), out)  # a Hub id's files are found only once it is opened
-        plan = _plan(source, out, settings)
+        plan = _plan(source, out, settings, progress)
     except BaseException:
         source.close()
         raise
@@ -133,7 +148,7 @@ def plan_conversion(src: str | Path, out: str | Path, settings: ConvertSettings,
     return plan
 
 
-def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPlan:
+def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) -> ConversionPlan:
     config = normalize_config(source.config, source=f"{source.description} config")
     check_checkpoint(config, {n: t.shape for n, t in source.tensors.items()}, source.description)  # before building
     if isinstance(getattr(source, "folder", None), Path):
@@ -153,7 +168,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPla
     sensitivity = settings.recipe == "sensitivity" or (settings.recipe is None and settings.bpw is not None)
     settings.method = _method(settings, sensitivity)
     if sensitivity:
-        layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers)
+        layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers, progress)
     layers = _keep_finer_blocks(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(_output_bytes(shapes[n], layers.get(n.removesuffix(".weight")), dtype) for n in names)
@@ -162,21 +177,38 @@ def _plan(source: Source, out: Path, settings: ConvertSettings) -> ConversionPla
     # float32 copies of the largest tensor, one pending output shard, the runtime itself;
     # calibration (sensitivity, GPTQ) also holds the whole model in its compute dtype (twice,
     # with MLX's buffer cache), numpy working copies of the largest tensor, and the output.
-    peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + 200 * 2**20
+    peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + RUNTIME_BYTES
     if sensitivity or settings.method == "gptq":
         peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * largest + output_bytes
+    evaluation = _evaluation_bytes(source, config, params, output_bytes, settings.eval_tokens)
     if settings.evaluate:
-        settings.evaluate = _evaluation_fits(source, params, output_bytes)
-    return ConversionPlan(source, out, settings, config, layers, names, dtype, output_bytes, peak, params)
+        settings.evaluate = _evaluation_fits(source, evaluation)
+    no_eval_peak = peak
+    if settings.evaluate:  # the steps run one after another: the process peaks in the larger one
+        peak = max(peak, RUNTIME_BYTES + evaluation)
+    return ConversionPlan(
+        source, out, settings, config, layers, names, dtype, output_bytes, peak, params, no_eval_peak_bytes=no_eval_peak
+    )
 
 
-def _evaluation_fits(source: Source, params: int, output_bytes: int) -> bool:
-    """Whether the source and the output fit in memory together, as evaluation loads them; a warning if not."""
+def _evaluation_bytes(source: Source, config: ModelConfig, params: int, output_bytes: int, tokens: int) -> int:
+    """What the quality report holds on top of the runtime: both models, their KV caches, one chunk's scores."""
     compute = choose_compute_dtype(None)
     source_bytes = params * compute.size
-    # The output's unquantized tensors widen to the compute dtype too; its packed ones stay as written.
-    needed = source_bytes + min(source_bytes, output_bytes * max(1, compute.size // 2))
-    what = f"the source and the output, loaded together in {dtype_name(compute)} for the quality report,"
+    # Loading the source holds its tensors as stored while they are cast to the compute
+    # dtype; the output is loaded next, into the memory those free. The output's
+    # unquantized tensors widen to the compute dtype too; its packed ones stay as written.
+    stored = sum(t.nbytes for t in source.tensors.values())
+    output = min(source_bytes, output_bytes * max(1, compute.size // 2))
+    args = config.args
+    kv = 2 * 2 * config.num_layers * int(args["num_key_value_heads"]) * int(args["head_dim"]) * tokens * compute.size
+    return source_bytes + max(stored, output) + kv + scoring_bytes(config.vocab_size)
+
+
+def _evaluation_fits(source: Source, needed: int) -> bool:
+    """Whether the quality report fits in memory (a warning if not)."""
+    compute = dtype_name(choose_compute_dtype(None))
+    what = f"the source and the output, loaded together in {compute} for the quality report,"
     try:
         refuse_beyond_machine(needed, what, source.description)
     except MemoryBudgetError as e:
@@ -275,7 +307,7 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
         config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
         write_json(folder.path / "config.json", config)
         bpw = 8 * data_bytes / plan.params
-        quality = _evaluate_or_warn(plan, folder.path, bpw) if plan.settings.evaluate else None
+        quality = _evaluate_or_warn(plan, folder.path, bpw, progress) if plan.settings.evaluate else None
         manifest = _manifest(plan, folder.path, quality, bpw)
         folder.commit()
     except OSError as e:  # one the writer did not already name (reading back our own files, say)
@@ -318,25 +350,52 @@ def _convert_tensor(plan: ConversionPlan, name: str, rounded: dict):
     return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
 
 
-def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float) -> QualityReport | None:
+def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: bool) -> QualityReport | None:
     """The quality report; a failed evaluation is a warning, never the loss of the finished output."""
+    mx.clear_cache()  # the tensor stream's buffers: the report needs that memory for the models
     try:
-        return _evaluate(plan, folder, bpw)
+        report = _evaluate(plan, folder, bpw, progress)
     except Exception as e:  # the output is complete: keep it, without a quality block
         log.warning("%s: skipping the quality report: evaluation failed (%s)", shown_path(plan.out), first_line(e))
         return None
+    finally:
+        mx.clear_cache()  # both models are gone; give their memory back (a notebook lives on)
+    report.advice = _advice(plan.settings)
+    return report
 
 
-def _evaluate(plan: ConversionPlan, folder: Path, bpw: float) -> QualityReport:
+def _evaluate(plan: ConversionPlan, folder: Path, bpw: float, progress: bool) -> QualityReport:
     from mlxinfer.quantize import compare_models
 
     from mlxinfer.api import load
     from mlxinfer.data import prose_text
 
-    output = load(folder)
-    source = load(source_path(plan.source))
-    ids = output.tokenizer.encode(prose_text(), add_special_tokens=False)[: plan.settings.eval_tokens]
-    return compare_models(source, output, ids, bits_per_weight=bpw)
+    tokens = plan.settings.eval_tokens
+    with tqdm(total=2 * tokens, unit="tok", desc="quality report", disable=not progress) as bar:
+        bar.set_postfix_str("loading both models")
+        # The source first: the output then fits in the memory its loading needed beyond the model.
+        source = load(source_path(plan.source))
+        output = load(folder)
+        ids = output.tokenizer.encode(prose_text(), add_special_tokens=False)[:tokens]
+        bar.reset(total=2 * len(ids))
+        bar.set_postfix_str("source and output, chunk by chunk", refresh=False)
+        return compare_models(source, output, ids, bits_per_weight=bpw, progress=bar.update)
+
+
+def _advice(settings: ConvertSettings) -> str | None:
+    """What to convert with instead when the report warns: on SmolLM2-135M-Instruct the sensitivity
+    recipe at a quarter bit over 4-bit came within the limits, and 8 bits matched the source
+    (numbers in quality.py)."""
+    if settings.bits == 16:
+        return None  # nothing was rounded
+    uniform = settings.recipe in (None, "uniform") and settings.bpw is None
+    if settings.bits == 8 and uniform:
+        return "try `--bits 16` (unquantized)"
+    eight = "`--bits 8`" + ("" if uniform else " with no --recipe or --bpw")
+    if settings.recipe == "sensitivity" or settings.bpw is not None:
+        return f"try a larger `--bpw` than {settings.bpw:g}, or, safest, {eight}"
+    bpw = bits_per_weight(4, settings.group_size) + 0.25
+    return f"try `--recipe sensitivity --bpw {bpw:g}` (more bits where they matter) or, safest, {eight}"
 
 
 def _manifest(plan: ConversionPlan, folder: Path, quality: QualityReport | None, bpw: float) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -280,18 +280,21 @@ class Model:
 
     def logits(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> np.ndarray:
         """Next-token logits at every position, float32 numpy of shape (T, vocab)."""
+        return np.concatenate(list(self.logit_chunks(token_ids, chunk_tokens)), axis=0)
+
+    def logit_chunks(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> Iterator[np.ndarray]:
+        """`logits` one chunk at a time, (chunk_tokens, vocab) each: for a progress bar, or to keep
+        only one chunk of a long text's logits in memory."""
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise SamplingError(f"chunk_tokens must be a positive integer, got {shown(chunk_tokens)}")
         if isinstance(token_ids, np.ndarray):
             token_ids = token_ids.tolist()
         ids = mx.array(_check_ids(list(token_ids), self.config.vocab_size), dtype=mx.uint32)
         cache = make_cache(len(self._loaded.model.layers), self.kv_bits)
-        parts = []
         for start in range(0, ids.size, chunk_tokens):
             part = self._loaded.model(ids[None, start : start + chunk_tokens], cache)[0].astype(mx.float32)
             mx.eval(part)
-            parts.append(np.array(part))
-        return np.concatenate(parts, axis=0)
+            yield np.array(part)
 
     def __repr__(self) -> str:
         loaded = self._loaded

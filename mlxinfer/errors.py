@@ -76,3 +76,15 @@ class ServerConfigError(MlxInferError):
 
 class CacheError(MlxInferError):
     """A prefix-cache file or folder is unusable (unwritable, foreign, corrupt, or not ours to touch)."""
+
+
+class BindError(MlxInferError):
+    """The server cannot listen on its address (a privileged port, an address this machine does not have)."""
+
+
+class PortInUseError(BindError):
+    """Another process already listens on the port."""
+
+
+class TrayError(MlxInferError):
+    """There is nowhere to show the tray icon (no display, no system tray), or the icon failed to show."""

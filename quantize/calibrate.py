@@ -51,6 +51,7 @@ def gptq_model(
 
     `model` is a DecoderLM with float weights (changed in place to the rounded
     values); `tokens` is a (batch, length) array of calibration token ids.
+    `progress` is called after each block and once after the output head.
     Layers GPTQ cannot see (an untied input embedding) are left out of the result.
     """
     results: dict[str, Triplet] = {}
@@ -71,6 +72,8 @@ def gptq_model(
     if layers.get(head) is not None:
         final = model.model.norm(h).reshape(-1, h.shape[-1]).astype(mx.float32)
         results[head] = _round(model, head, final.T @ final, layers[head], dtype)
+    if progress:
+        progress()  # the head: as long as a few blocks when the vocabulary is large
     return results
 
 

@@ -12,6 +12,7 @@ group with the least predicted KL within the bits-per-weight budget is chosen
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,16 +39,33 @@ def role(path: str, tied_head: bool) -> str:
     return path.rsplit(".", 1)[-1]
 
 
-def group_costs(model: nn.Module, ids: list[int], paths: list[str], group_size: int, tied_head: bool):
-    """One KL measurement per group of `paths` (fake-quantized to 4 bits, everything else float)."""
-    tokens = mx.array(ids)[None]
-    reference = nn.log_softmax(model(tokens)[0].astype(mx.float32), axis=-1)
-    params = dict(tree_flatten(model.parameters()))
+def layer_groups(paths: list[str], tied_head: bool) -> dict[str, list[str]]:
+    """`paths` by the group (role) each belongs to, groups in sorted order."""
     groups: dict[str, list[str]] = {}
     for path in paths:
         groups.setdefault(role(path, tied_head), []).append(path)
+    return dict(sorted(groups.items()))
+
+
+def group_costs(
+    model: nn.Module,
+    ids: list[int],
+    paths: list[str],
+    group_size: int,
+    tied_head: bool,
+    progress: Callable[[], None] | None = None,
+):
+    """One KL measurement per group of `paths` (fake-quantized to 4 bits, everything else float).
+
+    `progress` is called after each forward pass: the float model's, then each group's."""
+    tokens = mx.array(ids)[None]
+    reference = nn.log_softmax(model(tokens)[0].astype(mx.float32), axis=-1)
+    mx.eval(reference)
+    if progress:
+        progress()
+    params = dict(tree_flatten(model.parameters()))
     costs = []
-    for group, members in sorted(groups.items()):
+    for group, members in layer_groups(paths, tied_head).items():
         originals = [(f"{p}.weight", params[f"{p}.weight"]) for p in members]
         fake = [(name, _fake_quantize(w, 4, group_size)) for name, w in originals]
         model.load_weights(fake, strict=False)
@@ -57,6 +75,8 @@ def group_costs(model: nn.Module, ids: list[int], paths: list[str], group_size: 
         finally:
             model.load_weights(originals, strict=False)
         costs.append(GroupCost(group, tuple(members), sum(w.size for _, w in originals), max(kl, 0.0)))
+        if progress:
+            progress()
     return costs
 
 

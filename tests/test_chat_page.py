@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import re
 import time
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 from mlxinfer.engine import SchedulerConfig
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.run import BackgroundServer
+from mlxinfer.ui.tray import icon_image
 from tests.system_tools import require
 from tests.test_server import metric
 
@@ -36,6 +39,7 @@ def browser():
     options.binary_location = "/usr/bin/chromium"
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=900,700"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})  # the network events: what each request got
     driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
     yield driver
     driver.quit()
@@ -77,6 +81,46 @@ def test_page_is_served_with_a_strict_content_security_policy(page_server):
     assert "default-src 'self'" in response.headers["content-security-policy"]
     assert httpx.get(page_server.url + "/page/chat.js").headers["content-type"].startswith("text/javascript")
     assert httpx.get(page_server.url + "/page/..%2Fapp.py").status_code == 404
+
+
+@pytest.fixture(scope="module")
+def tiny_page_server(tiny_llama):
+    models = ModelSet()
+    models.add(tiny_llama, SchedulerConfig())
+    with BackgroundServer(models, ServerSettings(port=0)) as running:
+        yield running
+    models.close()  # its scheduler; the shared model stays loaded
+
+
+def test_the_favicon_is_the_tray_icon(tiny_page_server):
+    from PIL import Image
+
+    response = httpx.get(tiny_page_server.url + "/favicon.ico")
+    assert response.status_code == 200 and response.headers["content-type"] == "image/x-icon"
+    icon = Image.open(io.BytesIO(response.content))
+    for size in (16, 32, 48):
+        assert icon.ico.getimage((size, size)).convert("RGBA").tobytes() == icon_image(size).tobytes()
+    assert '<link rel="icon" href="/favicon.ico">' in httpx.get(tiny_page_server.url + "/").text
+
+
+def test_the_page_loads_with_no_failed_request(tiny_page_server, browser):
+    from selenium.webdriver.common.by import By
+
+    browser.get_log("performance")  # drop earlier pages' events
+    browser.get(tiny_page_server.url + "/")
+    wait_for(lambda: "llama_classic" in browser.find_element(By.ID, "model").text, timeout=30)
+    statuses: dict[str, int] = {}
+
+    def favicon_answered() -> bool:
+        for entry in browser.get_log("performance"):
+            message = json.loads(entry["message"])["message"]
+            if message["method"] == "Network.responseReceived":
+                response = message["params"]["response"]
+                statuses[response["url"]] = response["status"]
+        return tiny_page_server.url + "/favicon.ico" in statuses
+
+    wait_for(favicon_answered, timeout=30)
+    assert {url: status for url, status in statuses.items() if status >= 400} == {}
 
 
 def test_chat_streams_an_answer_keeps_history_and_stops(page_server, browser, tmp_path):

@@ -31,15 +31,15 @@ def test_generate_reads_the_prompt_from_stdin():
 
 
 def test_errors_are_one_line_with_non_zero_exit(tmp_path):
-    cases = [
-        (["generate", str(tmp_path / "missing"), "-p", "x"], "not a model folder"),
-        (["generate", MODEL, "-p", "x", "--temperature", "nan"], "temperature must be a finite number"),
-        (["generate", MODEL, "-p", "x", "--top-p", "0"], "top_p"),
-        (["generate", MODEL, "-p", "x", "--max-tokens", "0"], "max_tokens"),
+    cases = [  # a bad flag is a usage error (exit code 2), found before the model loads
+        (["generate", str(tmp_path / "missing"), "-p", "x"], "not a model folder", 1),
+        (["generate", MODEL, "-p", "x", "--temperature", "nan"], "temperature must be a finite number", 2),
+        (["generate", MODEL, "-p", "x", "--top-p", "0"], "top_p", 2),
+        (["generate", MODEL, "-p", "x", "--max-tokens", "0"], "max_tokens", 2),
     ]
-    for args, words in cases:
+    for args, words, code in cases:
         result = run(*args)
-        assert result.exit_code == 1, (args, result.output)
+        assert result.exit_code == code, (args, result.output)
         error_lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
         assert len(error_lines) == 1 and words in error_lines[0], result.stderr
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -62,6 +63,43 @@ def test_real_checkpoint_converts_and_mlx_lm_agrees(smol_hf, tmp_path, bits):
     if bits == 8:
         assert answer.text == ANSWER
         assert abs(result.quality.ppl_change_pct) < 1.0
+
+
+@pytest.fixture(scope="module")
+def readme_conversion(smol_hf, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The README's first conversion example (4-bit round-to-nearest) with the quality report,
+    in a process of its own so that its peak memory is the conversion's alone."""
+    out = tmp_path_factory.mktemp("readme") / "SmolLM2-4bit"
+    command = [sys.executable, "-m", "mlxinfer.cli", "convert", str(smol_hf), "-o", str(out), "--eval-tokens", "128"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-1500:]
+    return done, out
+
+
+def test_conversion_with_the_report_stays_within_its_printed_forecast(readme_conversion):
+    done, _ = readme_conversion
+    forecast = int(re.search(r"expected peak memory (\d+) MiB", done.stderr).group(1))
+    measured = int(re.search(r"peak memory (\d+) MiB", done.stdout).group(1))
+    assert measured <= forecast, (measured, forecast)
+    assert re.search(r"expected peak memory \d+ MiB \(\d+ MiB with --no-eval\)", done.stderr)
+
+
+def test_4bit_round_to_nearest_warns_and_names_a_fix(readme_conversion):
+    done, out = readme_conversion
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("quality warning:")]
+    assert len(warnings) == 1 and "answer noticeably worse than its source" in warnings[0], done.stderr
+    assert "try `--recipe sensitivity --bpw 4.75`" in warnings[0] and "`--bits 8`" in warnings[0]  # both measured
+    manifest = json.loads((out / "mlxinfer-manifest.json").read_text())
+    assert manifest["quality"]["warning"] == warnings[0]
+
+
+def test_readme_first_example_answers_the_capital_of_france(smol_hf, tmp_path):
+    # The README's first conversion line. 8 bits keep this 135M model's answers; 4 bits do not (above).
+    out = tmp_path / "SmolLM2-8bit"
+    result = cli(str(smol_hf), "-o", str(out), "--bits", "8", "--eval-tokens", "128")
+    assert result.exit_code == 0, result.output
+    assert "quality warning" not in result.stderr
+    assert "Paris" in mlxinfer.load(out).chat(QUESTION, max_tokens=16).text
 
 
 def layer(model: mlxinfer.Model, index: int, name: str):

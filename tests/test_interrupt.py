@@ -39,3 +39,74 @@ def test_interrupted_generation_leaves_everything_usable(tiny_llama, monkeypatch
     again = tiny_llama.generate(PROMPT, max_tokens=12)
     assert again.token_ids == expected.token_ids
     assert again.stats.cached_tokens >= 100  # the prefix cache still serves what it held
+
+
+def interrupt_in_layer(monkeypatch, model, layer: int, at: int) -> None:
+    """Ctrl-C inside a forward pass: layer `layer` raises on its `at`-th call, the layers before it already ran."""
+    target = model._loaded.model.layers[layer]
+    real = type(target).__call__
+    calls = {"n": 0}
+
+    def flaky(self, *args, **kwargs):
+        if self is target:
+            calls["n"] += 1
+            if calls["n"] == at:
+                raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "__call__", flaky)
+
+
+SHORT = PROMPT[:60]  # chunks of 16: 16, 16, 16, 12
+
+
+@pytest.mark.parametrize(
+    "where,at,kept",
+    [
+        ("hidden", 3, 32),  # the third chunk never ran: two chunks of 16
+        ("__call__", 3, len(SHORT) + 2),  # the third decode step never ran: two answer tokens were fed back
+        ("layer 1", 3, 32),  # layer 0 holds the third chunk, layer 1 does not: what both hold
+        ("layer 1", 4 + 3, len(SHORT) + 2),  # 4 prefill chunks, then the third decode step, cut after layer 0
+    ],
+    ids=["prefill", "decode", "prefill-mid-forward", "decode-mid-forward"],
+)
+def test_interrupted_generation_keeps_what_every_layer_computed(tiny_llama, monkeypatch, where, at, kept):
+    tiny_llama.prefix_cache.clear()
+    answer = tiny_llama.generate(SHORT, max_tokens=12, use_cache=False).token_ids
+    assert len(answer) >= 3
+    run = tiny_llama.stream(SHORT, max_tokens=12, prefill_chunk_tokens=16)
+    with monkeypatch.context() as patch:
+        if where == "layer 1":
+            interrupt_in_layer(patch, tiny_llama, 1, at)
+        else:
+            interrupt_on_call(patch, where, at)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in run:
+                pass
+    assert run.ids == answer[: max(0, kept - len(SHORT))]
+    assert run.stats.finish_reason == "cancelled"
+    assert no_pins(tiny_llama)
+    # The next turn extends the prompt and the cut answer: it reuses exactly what was computed, and the
+    # kept keys and values are right: its greedy answer is the one computed without any cache.
+    extended = SHORT + answer[:2] + [7, 8, 9]
+    again = tiny_llama.generate(extended, max_tokens=8)
+    assert again.stats.cached_tokens == kept
+    assert again.token_ids == tiny_llama.generate(extended, max_tokens=8, use_cache=False).token_ids
+
+
+def test_a_second_ctrl_c_while_keeping_the_prefix_still_stops(tiny_llama, monkeypatch):
+    tiny_llama.prefix_cache.clear()
+    answer = tiny_llama.generate(SHORT, max_tokens=12, use_cache=False).token_ids
+    entries = tiny_llama.prefix_cache.stats.entries
+    with monkeypatch.context() as patch:
+        interrupt_on_call(patch, "__call__", 3)
+
+        def second_ctrl_c(*args):
+            raise KeyboardInterrupt  # pressed again while the interrupted run's keys and values are copied
+
+        patch.setattr("mlxinfer.cache.prefix._copy_prefix", second_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            tiny_llama.generate(SHORT, max_tokens=12)
+    assert no_pins(tiny_llama) and tiny_llama.prefix_cache.stats.entries == entries  # nothing half-added
+    again = tiny_llama.generate(SHORT, max_tokens=12)
+    assert again.token_ids == answer and again.stats.cached_tokens == 0

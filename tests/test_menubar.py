@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -238,3 +242,122 @@ def test_an_idle_helper_uses_almost_no_cpu(controller, models_dir):
     # Nothing polls: the scheduler sleeps on a condition, the menu is pushed on events (uvicorn's own
     # 10 Hz housekeeping tick is all that wakes up).
     assert used < 0.15, f"{used:.2f} s of CPU in 3 s of idling"
+
+
+def without_display(**extra: str) -> dict[str, str]:
+    gone = ("DISPLAY", "WAYLAND_DISPLAY", "PYSTRAY_BACKEND")
+    return {**{k: v for k, v in os.environ.items() if k not in gone}, **extra}
+
+
+def test_menubar_without_a_display_says_so_before_loading(tmp_path):
+    # The model does not exist: an error about it would mean the load came before the display check.
+    command = [sys.executable, "-m", "mlxinfer.cli", "menubar", str(tmp_path / "nope"), "--port", "8123"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=without_display())
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        "Error: no display to show a tray icon on (neither DISPLAY nor WAYLAND_DISPLAY is set); "
+        "run `mlxinfer serve` and open http://127.0.0.1:8123/ instead"
+    ]
+
+
+def test_menubar_under_a_bare_x_server_names_the_missing_tray(tmp_path, models_dir):
+    require("Xvfb")
+    xvfb, display = start_display(tmp_path)
+    try:
+        command = [sys.executable, "-m", "mlxinfer.cli", "menubar", str(models_dir / "llama_classic")]
+        env = without_display(DISPLAY=display, MLXINFER_MODELS_DIR=str(models_dir))
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    finally:
+        xvfb.terminate()
+        xvfb.wait(10)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr  # no "Loading", no traceback
+    assert lines[0].startswith(f"Error: no system tray on display {display} (needs ")
+    assert "XEmbed tray" in lines[0] and lines[0].endswith(
+        "run `mlxinfer serve` and open http://127.0.0.1:8080/ instead"
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "platform", "expected"),
+    [
+        (
+            {"PYSTRAY_BACKEND": "xorg", "WAYLAND_DISPLAY": "wayland-0"},
+            "linux",
+            "on Wayland display wayland-0: it needs X",
+        ),
+        ({"PYSTRAY_BACKEND": "xorg"}, "linux", "no display to show a tray icon on"),
+        ({"PYSTRAY_BACKEND": "dummy"}, "linux", None),
+        ({}, "darwin", None),  # AppKit's menubar is always there
+    ],
+)
+def test_what_a_tray_icon_lacks(environ, platform, expected):
+    from mlxinfer.ui.desktop import tray_problem
+
+    problem = tray_problem(environ, platform)
+    assert problem == expected if expected is None else expected in problem
+
+
+class FakeIcon:
+    """Stands in for a pystray icon whose backend fails: it logs (xorg's dock failure) or raises."""
+
+    def __init__(self, failure: str, name: str, image: object, title: str, menu: object = None):
+        self.failure, self.stopped = failure, threading.Event()
+
+    @property
+    def visible(self) -> bool:
+        return False
+
+    @visible.setter
+    def visible(self, value: bool) -> None:
+        if self.failure == "logs":
+            logging.getLogger("pystray._base").error("Failed to dock icon", exc_info=AssertionError())
+
+    def run(self, setup=None) -> None:
+        if self.failure == "raises":
+            raise RuntimeError("no tray backend works here")
+        show = setup or (lambda icon: setattr(icon, "visible", True))  # pystray's default setup
+        threading.Thread(target=show, args=(self,)).start()
+        self.stopped.wait(20)  # the real loop runs until stop(); today's code never stops an undocked icon
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def update_menu(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("failure", ["logs", "raises"])
+def test_an_icon_that_fails_at_run_stops_the_server_with_one_error(
+    controller, models_dir, monkeypatch, capsys, failure
+):
+    from mlxinfer.errors import TrayError
+    from mlxinfer.ui.tray import run_tray
+
+    monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
+    import pystray
+
+    monkeypatch.setattr(pystray, "Icon", partial(FakeIcon, failure))
+    controller.start(models_dir / "llama_classic")
+    url = controller.url
+    with pytest.raises(TrayError, match="the tray icon could not be shown") as raised:
+        run_tray(controller)
+    assert str(raised.value).endswith(f"run `mlxinfer serve` and open {url}/ instead")
+    assert ("Failed to dock icon" if failure == "logs" else "no tray backend works here") in str(raised.value)
+    assert not controller.serving and not controller.loaded
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_taken_port_is_reported_before_the_model_loads(models_dir):
+    from mlxinfer.errors import PortInUseError
+
+    loads: list[Path] = []
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        controller = MenubarController(ServerSettings(port=port), models_dir=models_dir, loader=loads.append)
+        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
+            controller.start(models_dir / "llama_classic")
+    assert loads == [] and not controller.serving

@@ -156,9 +156,9 @@ def test_cache_commands_warm_list_and_clear(prefix_dir, tmp_path):
     warmed = runner.invoke(main, ["cache", "warm", str(TINY / "qwen2"), "--prefix-file", str(text)])
     assert warmed.exit_code == 0 and "warmed" in warmed.output
     listed = runner.invoke(main, ["cache", "ls"])
-    assert listed.exit_code == 0 and "qwen2" in listed.output and "1 warmed prefixes" in listed.output
+    assert listed.exit_code == 0 and "qwen2" in listed.output and "1 warmed prefix " in listed.output
     cleared = runner.invoke(main, ["cache", "clear"])
-    assert "removed 1 warmed prefixes" in cleared.output and not list(prefix_dir.rglob("*.safetensors"))
+    assert "removed 1 warmed prefix " in cleared.output and not list(prefix_dir.rglob("*.safetensors"))
     empty = tmp_path / "empty.txt"
     empty.write_text(" ")
     refused = runner.invoke(main, ["cache", "warm", str(TINY / "qwen2"), "--prefix-file", str(empty)])

@@ -392,3 +392,60 @@ def test_sigterm_ends_streams_with_a_final_event_and_exits(smol_path):
             process.kill()
         output = process.stdout.read() if process.stdout else ""
     assert "Traceback" not in output, output
+
+
+def test_serve_refuses_a_taken_port_before_loading():
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        command = [sys.executable, "-m", "mlxinfer.cli", "serve", str(TINY / "llama_classic"), "--port", str(port)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr  # no "Loading", no "Serving", no uvicorn log
+    assert lines[0].startswith(f"Error: port {port} on 127.0.0.1 is already in use (another mlxinfer serve?); ")
+    assert "pick another with --port, e.g. --port " in lines[0]
+
+
+def test_serve_says_serving_with_the_real_port_once_it_answers():
+    command = [sys.executable, "-m", "mlxinfer.cli", "serve", str(TINY / "llama_classic"), "--port", "0"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = next(line for line in process.stderr if line.startswith("Serving") or line.startswith("Error"))
+        found = re.fullmatch(r"Serving llama_classic on http://127\.0\.0\.1:(\d+)/v1 \(Ctrl-C to stop\)\n", line)
+        assert found, line
+        port = int(found.group(1))
+        assert port != 0
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200  # no retry: it is ready
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def test_background_server_on_a_taken_port_raises_port_in_use():
+    from mlxinfer.errors import PortInUseError
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"^port {port} on 127.0.0.1 is already in use .*--port"):
+            BackgroundServer(ModelSet(), ServerSettings(port=port)).start()
+
+
+def test_ipv6_loopback_serves_on_its_own_socket(tiny_llama):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    models = ModelSet()
+    models.add(tiny_llama, SchedulerConfig())
+    try:
+        with BackgroundServer(models, ServerSettings(host="::1", port=0)) as running:
+            assert running.url.startswith("http://[::1]:")
+            assert httpx.get(running.url + "/health").status_code == 200
+    finally:
+        models.close()  # its scheduler; the shared model stays loaded

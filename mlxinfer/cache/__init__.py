@@ -1,6 +1,6 @@
 """Attention caches: the per-layer KV cache, the prompt-prefix cache over it, and its disk store."""
 
-from .kv import KV_BITS, Cache, KVCache, QuantizedKVCache, make_cache
+from .kv import KV_BITS, Cache, KVCache, QuantizedKVCache, held_positions, make_cache
 from .prefix import PrefixCache, PrefixCacheStats, PrefixHit
 from .store import PrefixStore, clear_prefixes, fingerprint, list_prefixes
 
@@ -15,6 +15,7 @@ __all__ = [
     "PrefixStore",
     "clear_prefixes",
     "fingerprint",
+    "held_positions",
     "list_prefixes",
     "make_cache",
 ]

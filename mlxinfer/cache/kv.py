@@ -16,6 +16,8 @@ for continuous batching): rows are right-aligned, a shorter row starting after
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 
 STEP = 256  # positions added per growth
@@ -110,6 +112,15 @@ class QuantizedKVCache(_PositionCache):
 
 
 KV_BITS = (4, 8)
+
+
+def held_positions(caches: Sequence[Cache]) -> int:
+    """Positions every layer's cache holds.
+
+    A forward pass stopped part-way (Ctrl-C) leaves its first layers ahead of the
+    rest; each cache's `length` moves only after all its arrays were written, so
+    the shortest one counts positions that are complete in every layer."""
+    return min((c.length for c in caches), default=0)
 
 
 Cache = KVCache | QuantizedKVCache

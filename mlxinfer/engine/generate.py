@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cache import Cache, PrefixCache, make_cache
+from ..cache import Cache, PrefixCache, held_positions, make_cache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from ..untrusted import shown
@@ -64,8 +64,9 @@ def generate_ids(
     """Generated ids for `request`, filling `stats` as it goes (EOS itself is not yielded).
 
     With a `prefix_cache`, the longest cached prefix of the prompt is reused and
-    only the rest is prefilled; when the generation ends (or is closed early) the
-    prompt and the tokens fed back while decoding are offered to the cache.
+    only the rest is prefilled; when the generation ends (or is closed early, or
+    stopped by Ctrl-C) the prompt and the tokens fed back while decoding, as far
+    as every layer holds them, are offered to the cache.
     """
     check_request(request.prompt_ids, request.max_tokens, model.model.embed_tokens.weight.shape[0])
     chunk = request.prefill_chunk_tokens
@@ -74,7 +75,7 @@ def generate_ids(
     prompt_ids = list(request.prompt_ids)
     cache = make_cache(len(model.layers), request.kv_bits)
     drawn: list[int] = []  # every token decode() produced, each of them already fed into `cache`
-    hit, finished = None, False
+    hit, sound = None, False
     try:
         hit = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
         if hit:
@@ -82,15 +83,21 @@ def generate_ids(
         stats.cached_tokens = hit.tokens if hit else 0
         stats.diverged_at = hit.diverged_at if hit else None
         yield from _generate(model, request, stats, cache, drawn)
-        finished = True
+        sound = True
     except GeneratorExit:
-        finished = True  # the caller stopped reading (a stop string, a closed stream): the cache is sound
+        sound = True  # the caller stopped reading (a stop string, a closed stream): the cache is sound
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C is raised between two bytecodes, never by a failed computation: whatever the
+        # layers hold is sound, even mid-forward (held_positions keeps what every layer has).
+        # Errors from the device are not kept: their graph might fail again in the next request.
+        sound, stats.finish_reason = True, "cancelled"
         raise
     finally:
         if prefix_cache is not None:
             prefix_cache.release(hit)
-            if finished:
-                prefix_cache.insert((prompt_ids + drawn)[: cache[0].length], cache)
+            if sound:  # the next turn of a chat starts with this prompt and answer
+                prefix_cache.insert((prompt_ids + drawn)[: held_positions(cache)], cache)
 
 
 def _generate(

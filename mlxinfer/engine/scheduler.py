@@ -200,7 +200,7 @@ class Scheduler:
         prefill = self._prefill
         if prefill and (prefill.sequence.job.cancelled or prefill.sequence.job.expired(now)):
             self._prefill = None
-            self._release(prefill.sequence)
+            self._keep_prefix(prefill.sequence, prefill.cache)  # the chunks run so far serve a retry of the prompt
             self._finish(prefill.sequence, "cancelled" if prefill.sequence.job.cancelled else "length")
         ended = [i for i, s in enumerate(self._batch.rows) if s.job.cancelled or s.job.expired(now)]
         for row in ended:

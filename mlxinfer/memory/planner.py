@@ -123,6 +123,21 @@ class MemoryPlan:
                 high = mid - 1
         return low
 
+    def context_limit(self) -> str:
+        """Why max_context() is what it is, in one clause: memory, or the context the model was trained for.
+
+        Example:
+            >>> plan.context_limit()
+            "the model's trained limit is 8192 tokens (max_position_embeddings); 32768 is past it"
+        """
+        longest, trained = self.max_context(), self.footprint.max_positions
+        if trained is None or longest < trained:
+            return f"memory is the limit: the largest context that fits is {longest} tokens"
+        limit = f"the model's trained limit is {trained} tokens (max_position_embeddings)"
+        if self.context > trained:  # the plan is for the context asked; the model was not trained that far
+            return f"{limit}; {self.context} is past it (`serve` refuses longer requests)"
+        return f"{limit}, and memory allows all of it"
+
     def suggestions(self) -> list[str]:
         if self.verdict == "fits":
             return []
@@ -139,7 +154,7 @@ class MemoryPlan:
     def _repr_html_(self) -> str:
         rows = [(part, mib(size)) for part, size in self.parts.items()]
         rows += [("needed", mib(self.needed_bytes)), ("usable", mib(self.usable_bytes)), ("verdict", self.verdict)]
-        rows += [("largest context that fits", f"{self.max_context()} tokens")]
+        rows += [("largest context that fits", f"{self.max_context()} tokens"), ("limit", self.context_limit())]
         rows += [("suggestion", tip) for tip in self.suggestions()]
         return html_table(f"Memory plan: {self.context} tokens on {self.machine.backend}", rows)
 
@@ -153,6 +168,7 @@ class MemoryPlan:
             "usable_bytes": self.usable_bytes,
             "verdict": self.verdict,
             "max_context": self.max_context(),
+            "context_limit": self.context_limit(),
             "suggestions": self.suggestions(),
         }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+MAX_ENTRIES = 10_000  # files and folders disk_bytes looks at in one model folder
+
 
 def models_dir() -> Path:
     """Where converted models live: $MLXINFER_MODELS_DIR, else ~/models (what the README's examples use)."""
@@ -19,6 +21,43 @@ def local_models(folder: Path | None = None) -> list[Path]:
         return []
     found = [p for p in folder.iterdir() if _is_model(p)]
     return sorted(found, key=lambda p: p.name.lower())
+
+
+def disk_bytes(path: Path, max_entries: int = MAX_ENTRIES) -> tuple[int, bool]:
+    """Bytes a model takes on disk (a file's size, or the sum of a folder's files) and whether all were counted.
+
+    A linked file counts as its target (a folder of links into the Hugging Face cache is
+    that big); linked folders are not entered, so the walk stays inside `path` and ends. It
+    stops after `max_entries` entries: a model folder holds a few dozen files.
+
+    Example:
+        >>> size, complete = disk_bytes(models_dir() / "SmolLM2-4bit")
+    """
+    if not path.is_dir():
+        return _size(path), True
+    total, seen, folders = 0, 0, [path]
+    while folders:
+        try:
+            with os.scandir(folders.pop()) as listing:
+                entries = list(listing)
+        except OSError:  # unreadable: count what can be read
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > max_entries:
+                return total, False
+            if entry.is_dir(follow_symlinks=False):
+                folders.append(Path(entry.path))
+            elif not entry.is_dir():  # a file, or a link to one (a link to a folder is skipped)
+                total += _size(Path(entry.path))
+    return total, True
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # a dangling link, a file removed meanwhile
+        return 0
 
 
 def _is_model(path: Path) -> bool:

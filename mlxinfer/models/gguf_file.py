@@ -26,6 +26,7 @@ MAX_COUNT = 1 << 24  # tensors, metadata keys or array items: far above any real
 MAX_DIMS = 4
 MAX_DEPTH = 8  # arrays of arrays: real files nest none; each level is a Python call
 MAX_ALIGNMENT = 1 << 20  # llama.cpp writes 32
+MAX_FILE_BYTES = 1 << 44  # 16 TiB: a larger tensor offset is garbage, not a big model
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
@@ -110,7 +111,10 @@ class GGUFFile:
 
     def _take(self, n: int, what: str) -> bytes:
         if n < 0 or self._pos + n > len(self._map):
-            raise CorruptFileError(f"{self.path}: {what} runs past the end of the file (truncated or not GGUF)")
+            raise CorruptFileError(
+                f"{self.path}: the file ends inside its header ({what}): it is incomplete or not GGUF; "
+                "download it again"
+            )
         data = self._map[self._pos : self._pos + n]
         self._pos += n
         return data
@@ -173,6 +177,12 @@ class GGUFFile:
             if name in self.tensors:
                 raise CorruptFileError(f"{self.path}: tensor {plain(name)} appears twice")
             self.tensors[name] = self._locate(name, shape, kind, data_start + offset)
+        end = max((t.offset + t.nbytes for t in self.tensors.values()), default=0)
+        if end > len(self._map):  # a cut-off download: the header is whole, the tensor data is not
+            raise CorruptFileError(
+                f"{self.path}: the file is incomplete ({len(self._map):,} bytes, its tensors need {end:,}); "
+                "download it again"
+            )
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string("tensor name")
@@ -183,7 +193,7 @@ class GGUFFile:
         limit = min(MAX_DIM, len(self._map) * 32)
         dims = [self._count(f"dimension of {label}", limit=limit) for _ in range(n_dims)]
         kind = self._scalar("<I", f"type of {label}")
-        offset = self._count(f"offset of {label}", limit=len(self._map))
+        offset = self._count(f"offset of {label}", limit=MAX_FILE_BYTES)  # past the end: checked once, in _parse
         return name, tuple(reversed(dims)), kind, offset
 
     def _locate(self, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorInfo:
@@ -192,10 +202,6 @@ class GGUFFile:
         if shape[-1] % block:
             raise CorruptFileError(f"{self.path}: tensor {plain(name)} row of {shape[-1]} is not a multiple of {block}")
         nbytes = elements // block * block_bytes
-        if offset + nbytes > len(self._map):
-            raise CorruptFileError(
-                f"{self.path}: tensor {plain(name)} ({nbytes} bytes at offset {offset}) runs past the end of the file"
-            )
         return TensorInfo(name, shape, kind, offset, nbytes)
 
 

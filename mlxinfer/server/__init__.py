@@ -2,7 +2,7 @@
 
 from .app import create_app
 from .models import ModelSet, ServedModel
-from .run import serve
+from .run import listen, serve
 from .settings import ServerSettings
 
-__all__ = ["ModelSet", "ServedModel", "ServerSettings", "create_app", "serve"]
+__all__ = ["ModelSet", "ServedModel", "ServerSettings", "create_app", "listen", "serve"]

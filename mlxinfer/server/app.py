@@ -86,6 +86,7 @@ class API:
             Route("/health", self.health, methods=["GET"]),
             Route("/", self.page, methods=["GET"]),
             Route("/page/{name}", self.page_asset, methods=["GET"]),
+            Route("/favicon.ico", self.favicon, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
         ]
 
@@ -256,6 +257,10 @@ class API:
         if name not in PAGE_ASSETS:  # a fixed list: no path from the request ever reaches the file system
             return APIError(404, f"no page asset {name!r}").response()
         return FileResponse(PAGE / name, media_type=PAGE_ASSETS[name], headers=PAGE_HEADERS)
+
+    async def favicon(self, request: Request) -> Response:
+        # The tray icon (ui/tray.py's icon_image at 16, 32 and 48 px), where browsers look for it.
+        return FileResponse(PAGE / "favicon.ico", media_type="image/x-icon", headers=PAGE_HEADERS)
 
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

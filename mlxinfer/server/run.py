@@ -1,5 +1,7 @@
 """Running the app on uvicorn: in the foreground (`mlxinfer serve`) or on a background thread.
 
+The listening sockets are opened first (`listen`), before a model loads, so a taken port is
+reported in one line at once; uvicorn is then handed those very sockets (no second bind to race).
 On SIGTERM or Ctrl-C every scheduler is told to end its requests first, so each in-flight
 stream gets a final error event and ends; uvicorn then finds its connections
 closing and exits instead of waiting out long generations.
@@ -8,27 +10,104 @@ closing and exits instead of waiting out long generations.
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from types import FrameType
 
 import uvicorn
 
 from ..engine import GenerationStats
+from ..errors import BindError, PortInUseError
 from .app import create_app
 from .connections import accept_backlog, protocol_class
 from .models import ModelSet
 from .settings import ServerSettings
 
 GRACEFUL_SHUTDOWN_S = 10
+PORTS_TO_SUGGEST = 10  # how far past a taken port to look for a free one to suggest
+
+
+def listen(settings: ServerSettings) -> list[socket.socket]:
+    """Bind and listen on `settings.host`:`settings.port` now, and return the sockets for `serve`.
+
+    Listening, not just binding, holds the port: on Linux a bound but idle socket does not keep
+    another SO_REUSEADDR process (another uvicorn) off it. Connections that arrive before serving
+    starts wait in the backlog. A name like "localhost" gets a socket per address, as uvicorn would.
+
+    Example:
+        >>> sockets = listen(ServerSettings(port=0))  # raises PortInUseError when the port is taken
+    """
+    host, port = settings.host.strip("[]"), settings.port
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise BindError(f"--host {settings.host} cannot be resolved ({e.strerror}); use 127.0.0.1") from None
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in found:
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: old connections in TIME_WAIT
+            if family == socket.AF_INET6:  # as asyncio: the IPv4 socket, if any, takes IPv4
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((address[0], port, *address[2:]))  # with --port 0, every address gets the first one's port
+            sock.listen(accept_backlog(settings))
+            port = sock.getsockname()[1]
+    except OSError as e:
+        for sock in sockets:
+            sock.close()
+        raise _bind_error(e, settings) from None
+    return sockets
+
+
+def url_of(sock: socket.socket) -> str:
+    """http://host:port of a listening socket (its real port, also with --port 0)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _bind_error(error: OSError, settings: ServerSettings) -> BindError:
+    where = f"port {settings.port} on {settings.host}"
+    if error.errno == errno.EADDRINUSE:
+        free = _free_port_after(settings.host.strip("[]"), settings.port)
+        example = f"--port {free}" if free else "--port 0 (any free port)"
+        return PortInUseError(
+            f"{where} is already in use (another mlxinfer serve?); pick another with --port, e.g. {example}"
+        )
+    if error.errno == errno.EACCES:
+        return BindError(f"{where} needs administrator rights (ports below 1024 are privileged); use --port 8080")
+    if error.errno == errno.EADDRNOTAVAIL:
+        return BindError(f"--host {settings.host} is not an address of this machine; use 127.0.0.1 or one of its own")
+    return BindError(f"cannot listen on {where}: {error.strerror or error}")
+
+
+def _free_port_after(host: str, port: int) -> int | None:
+    """A port just above `port` that binds right now (a suggestion; nothing is held)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for candidate in range(port + 1, min(port + 1 + PORTS_TO_SUGGEST, 65536)):
+        with socket.socket(family) as probe:
+            try:
+                probe.bind((host, candidate))
+            except OSError:
+                continue
+            return candidate
+    return None
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, models: ModelSet):
+    def __init__(self, config: uvicorn.Config, models: ModelSet, on_ready: Callable[[], None] | None = None):
         super().__init__(config)
-        self.models = models
+        self.models, self.on_ready = models, on_ready
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:  # accepting from here on
+            self.on_ready()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.models.abort_all("the server is shutting down")
@@ -52,7 +131,11 @@ class _Server(uvicorn.Server):
 
 
 def _server(
-    models: ModelSet, settings: ServerSettings, log_level: str, on_finished: Callable[[GenerationStats], None] | None
+    models: ModelSet,
+    settings: ServerSettings,
+    log_level: str,
+    on_finished: Callable[[GenerationStats], None] | None = None,
+    on_ready: Callable[[], None] | None = None,
 ) -> _Server:
     app = create_app(models, settings, on_finished)
     config = uvicorn.Config(
@@ -66,13 +149,24 @@ def _server(
         backlog=accept_backlog(settings),
         ws="none",  # no WebSocket routes: an upgrade request stays an ordinary (refused) request
     )
-    return _Server(config, models)
+    return _Server(config, models, on_ready)
 
 
-def serve(models: ModelSet, settings: ServerSettings, log_level: str = "info") -> None:
-    """Serve until SIGTERM / Ctrl-C; the models are closed on the way out."""
+def serve(
+    models: ModelSet,
+    settings: ServerSettings,
+    log_level: str = "info",
+    sockets: list[socket.socket] | None = None,
+    on_ready: Callable[[str], None] | None = None,
+) -> None:
+    """Serve until SIGTERM / Ctrl-C; the models are closed on the way out.
+
+    `sockets` come from `listen` (called here when None); `on_ready(url)` runs once connections are answered.
+    """
     try:
-        _server(models, settings, log_level, None).run()
+        sockets = sockets or listen(settings)
+        ready = None if on_ready is None else partial(on_ready, url_of(sockets[0]))
+        _server(models, settings, log_level, on_ready=ready).run(sockets=sockets)
     finally:
         models.close()
 
@@ -92,28 +186,38 @@ class BackgroundServer:
         log_level: str = "warning",
         on_finished: Callable[[GenerationStats], None] | None = None,
     ):
+        self._sockets = listen(settings)  # here: a taken port is a PortInUseError before anything slow starts
+        self.url = url_of(self._sockets[0])
         self._server = _server(models, settings, log_level, on_finished)
-        self._thread = threading.Thread(target=self._server.run, name="mlxinfer-server", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="mlxinfer-server", daemon=True)
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start (is the port taken?)")
+                raise RuntimeError(f"the server on {self.url} did not start within {timeout:g} s (see the log)")
             time.sleep(0.02)
         return self
 
-    @property
-    def url(self) -> str:
-        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
     def stop(self, timeout: float = 30.0) -> None:
         """Stop serving: requests in flight end with an error event; the models stay loaded."""
+        if self._thread.ident is None:  # never started: only the port to give back
+            self._close()
+            return
         self._server.models.abort_all("the server is stopping")
         self._server.should_exit = True
         self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=self._sockets)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
 
     @property
     def running(self) -> bool:

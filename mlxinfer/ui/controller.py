@@ -94,9 +94,14 @@ class MenubarController:
     # -- what the menu does -----------------------------------------------
 
     def start(self, path: Path) -> None:
-        """Load `path` and start serving it."""
-        self._use(path)
-        self.start_server()
+        """Take the port, load `path` and serve it; a taken port (PortInUseError) is found before the slow load."""
+        server = self._bind()
+        try:
+            self._use(path)
+        except BaseException:
+            server.stop()
+            raise
+        self._serve(server)
 
     def open_chat(self) -> None:
         """Open the chat page in the browser, starting the server first if it is stopped."""
@@ -121,10 +126,8 @@ class MenubarController:
         self.on_change()
 
     def start_server(self) -> None:
-        if self.serving:
-            return
-        self.server = BackgroundServer(self.models, self.settings, on_finished=self._finished).start()
-        self.on_change()
+        if not self.serving:
+            self._serve(self._bind())
 
     def stop_server(self) -> None:
         if self.server is not None:
@@ -147,6 +150,13 @@ class MenubarController:
         self.models.add(model, self.settings.scheduler, name=model_id(model))
         self.current = path
         log.info("serving %s", path)
+
+    def _bind(self) -> BackgroundServer:
+        return BackgroundServer(self.models, self.settings, on_finished=self._finished)  # listens from here on
+
+    def _serve(self, server: BackgroundServer) -> None:
+        self.server = server.start()
+        self.on_change()
 
     def _finished(self, stats: GenerationStats) -> None:  # on a scheduler's thread
         if stats.generated_tokens:

@@ -68,6 +68,7 @@ def cold() -> list[int]:
 @pytest.fixture
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("MLXINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLXINFER_MODELS_DIR", str(tmp_path / "models"))  # `cache ls` lists no model of the user's
     return tmp_path / "cache" / "prefixes"
 
 
@@ -930,7 +931,7 @@ def test_clear_removes_a_probe_and_empty_unfinished_files_left_by_a_kill(warmed,
     probe.touch()
     empty.touch()
     result = CliRunner().invoke(main, ["cache", "clear"])
-    assert result.exit_code == 0 and "removed 1 warmed prefixes (3 files)" in result.stdout, result.output
+    assert result.exit_code == 0 and "removed 1 warmed prefix (3 files)" in result.stdout, result.output
     assert not probe.exists() and not empty.exists() and not warmed.exists() and "alone" not in caplog.text
 
 
@@ -964,9 +965,9 @@ def test_clear_reports_exactly_the_files_it_removed(warmed, root, caplog):
     strangers[-1].write_bytes(b"partial")
     listed = CliRunner().invoke(main, ["cache", "ls"])
     assert listed.exit_code == 0 and listed.stdout.count("\n") == 1 and "llama_classic" in listed.stdout
-    assert str(warmed) in listed.stdout and "1 warmed prefixes" in listed.stderr
+    assert str(warmed) in listed.stdout and "1 warmed prefix " in listed.stderr
     result = CliRunner().invoke(main, ["cache", "clear"])
-    assert result.exit_code == 0 and f"removed 1 warmed prefixes (3 files) from {root}" in result.stdout
+    assert result.exit_code == 0 and f"removed 1 warmed prefix (3 files) from {root}" in result.stdout
     for path in (warmed, unfinished, quarantined):
         assert f"removed {path}\n" in result.stderr and not path.exists()
     assert all(path.exists() for path in strangers) and not qwen.parent.exists()

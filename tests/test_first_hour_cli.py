@@ -1,0 +1,192 @@
+"""What a new user meets first: flags checked before a load, plan's limits, help texts, `cache ls`, a cut GGUF."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import gguf
+import pytest
+from click.testing import CliRunner
+
+import mlxinfer
+from mlxinfer.cli import main
+from mlxinfer.errors import DefaultModelError
+from mlxinfer.memory import MachineMemory, plan_memory
+from mlxinfer.models import disk_bytes
+from tests.conftest import TINY
+from tests.test_gguf import write_tiny_gguf
+
+MIB = 1 << 20
+MODEL_FORMS = "MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct."
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+@pytest.fixture
+def loads(monkeypatch) -> list[object]:
+    """Calls of the CLI's model loader; each one ends the command with a one-line error instead of loading."""
+    calls: list[object] = []
+
+    def load(path, **kwargs):
+        calls.append(path)
+        raise DefaultModelError("the loader was reached")
+
+    monkeypatch.setattr("mlxinfer.cli.load", load)
+    return calls
+
+
+BAD_FLAGS = [
+    (["--temperature", "-1"], "'--temperature'", "temperature must be"),
+    (["--top-p", "2"], "'--top-p'", "top_p must be"),
+    (["--top-k", "-1"], "'--top-k'", "top_k must be"),
+    (["--min-p", "2"], "'--min-p'", "min_p must be"),
+    (["--repetition-penalty", "0"], "'--repetition-penalty'", "repetition_penalty must be"),
+    (["--seed", "-1"], "'--seed'", "seed must be"),
+    (["--max-tokens", "0"], "'--max-tokens'", "max_tokens must be"),
+    (["--stop", ""], "'--stop'", "empty stop string"),
+    (["--stop", "x" * 300], "'--stop'", "at most 256 characters"),
+]
+
+
+@pytest.mark.parametrize("command", [["generate", "-p", "hi"], ["chat"]])
+@pytest.mark.parametrize(("flag", "named", "words"), BAD_FLAGS)
+def test_a_bad_flag_fails_before_the_model_loads(loads, command, flag, named, words):
+    result = run(*command, str(TINY / "llama_classic"), *flag, input="hello\n")
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for {named}" in result.stderr and words in result.stderr, result.stderr
+    assert loads == []
+
+
+def test_good_flags_reach_the_loader(loads):
+    flags = ["--temperature", "0.7", "--top-p", "1", "--top-k", "5", "--min-p", "0", "--seed", "1", "--stop", "."]
+    result = run("generate", "-p", "hi", "--max-tokens", "1", *flags)
+    assert result.exit_code == 1 and "the loader was reached" in result.stderr, result.output
+    assert loads == [None]  # the default model
+
+
+def test_plan_names_the_trained_limit_when_the_context_is_past_it():
+    trained = json.loads((TINY / "qwen2" / "config.json").read_text())["max_position_embeddings"]
+    result = run("plan", str(TINY / "qwen2"), "--context", str(4 * trained))
+    assert result.exit_code == 0, result.output
+    expected = f"the model's trained limit is {trained} tokens (max_position_embeddings); {4 * trained} is past it"
+    assert f"verdict: fits at {4 * trained} tokens; {expected}" in result.stdout
+    data = json.loads(run("plan", str(TINY / "qwen2"), "--context", str(4 * trained), "--json").stdout)
+    assert data["max_context"] == trained and expected in data["context_limit"]
+
+
+def test_plan_says_when_memory_is_the_limit():
+    footprint = dataclasses.replace(mlxinfer.load(TINY / "qwen2").footprint, max_positions=200_000)
+    tight = MachineMemory(4 << 30, (1 << 30) + 64 * MIB + 20 * MIB, 0, "cpu", None, None)
+    plan = plan_memory(tight, footprint, context=200_000, prefix_cache_bytes=0)
+    longest = plan.max_context()
+    assert 0 < longest < plan.footprint.max_positions  # memory, not training, stops it
+    assert plan.context_limit() == f"memory is the limit: the largest context that fits is {longest} tokens"
+
+
+def _help(*command: str) -> str:
+    result = run(*command, "--help")
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())  # click rewraps paragraphs to the terminal's width
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "plan", "serve", "menubar", "bench", "eval", "cache warm"])
+def test_each_command_taking_model_says_which_forms_it_takes(command):
+    assert MODEL_FORMS in _help(*command.split())
+
+
+def test_help_says_where_models_are_and_never_this_mac():
+    top = _help()
+    assert ".gguf file" in top and "mlxinfer cache ls" in top and "MLXINFER_MODELS_DIR" in top
+    assert "this machine" in _help("plan")
+    for command in main.commands:
+        assert "this Mac" not in _help(command), command
+    assert "--bits [4|8|16] Bits per quantized weight" in _help("convert")
+
+
+def _write(path: Path, n_bytes: int) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * n_bytes)
+    return n_bytes
+
+
+def test_cache_ls_lists_models_with_sizes_then_warmed_prefixes(tmp_path, monkeypatch):
+    cache, models = tmp_path / "cache", tmp_path / "models"
+    monkeypatch.setenv("MLXINFER_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MLXINFER_MODELS_DIR", str(models))
+    gguf_size = _write(cache / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf", 3 * MIB)
+    folder = models / "m-4bit"
+    folder_size = _write(folder / "model.safetensors", 2 * MIB) + _write(folder / "config.json", 2)
+    folder_size += _write(folder / "sub" / "extra.bin", MIB // 2)
+    outside = tmp_path / "elsewhere"
+    _write(outside / "huge.bin", 5 * MIB)
+    (folder / "linked").symlink_to(outside, target_is_directory=True)  # not walked into
+    bench_size = _write(cache / "bench-models" / "x-bf16" / "model.safetensors", MIB)
+    bench_size += _write(cache / "bench-models" / "x-bf16" / "config.json", 2)
+    _write(models / "notes.txt", 10)  # not a model
+    mlxinfer.load(TINY / "qwen2").warm("You are a terse assistant.")
+
+    result = run("cache", "ls")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4 and "notes.txt" not in result.stdout
+    for line, name, size in [(lines[0], "SmolLM2", gguf_size), (lines[1], "m-4bit", folder_size)]:
+        assert line.startswith(name) and f"{size / MIB:,.1f} MiB" in line
+    assert lines[2].startswith("x-bf16") and f"{bench_size / MIB:,.1f} MiB" in lines[2]
+    assert lines[3].startswith("qwen2")
+    total = (gguf_size + folder_size + bench_size) / MIB
+    assert f"3 models ({total:,.1f} MiB) in {cache / 'models'}, {models}, {cache / 'bench-models'}" in result.stderr
+    assert "1 warmed prefix (" in result.stderr and str(cache / "prefixes") in result.stderr
+
+    cleared = run("cache", "clear")
+    assert "removed 1 warmed prefix (1 file) from" in cleared.stdout, cleared.output
+    assert (cache / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+
+
+def test_empty_cache_ls_says_where_it_looked_and_how_to_fill_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLXINFER_MODELS_DIR", str(tmp_path / "models"))
+    result = run("cache", "ls")
+    assert result.exit_code == 0 and result.stdout == "", result.output
+    assert f"no models yet in {tmp_path / 'cache' / 'models'}, {tmp_path / 'models'}: `mlxinfer chat`" in result.stderr
+    assert f"`mlxinfer convert SRC -o {tmp_path / 'models' / 'NAME'}` adds one" in result.stderr
+    assert "no warmed prefixes in" in result.stderr and "mlxinfer cache warm --prefix-file" in result.stderr
+
+
+def test_disk_bytes_stops_after_max_entries(tmp_path):
+    for i in range(5):
+        _write(tmp_path / f"f{i}", 100)
+    assert disk_bytes(tmp_path) == (500, True)
+    assert disk_bytes(tmp_path, max_entries=3) == (300, False)
+
+
+def _tensor_end(path: Path) -> int:
+    """Where the last tensor's data ends, read by the `gguf` package's own reader."""
+    reader = gguf.GGUFReader(path)
+    return max(t.data_offset + t.n_bytes for t in reader.tensors)
+
+
+@pytest.mark.parametrize("kept", [0.5, 0.99])
+def test_a_cut_off_gguf_says_it_is_incomplete(tmp_path, kept):
+    whole = write_tiny_gguf(tmp_path / "whole.gguf")
+    data, needed = whole.read_bytes(), _tensor_end(whole)
+    header = gguf.GGUFReader(whole).tensors[0].data_offset
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: header + int(kept * (needed - header))])
+    result = run("generate", str(cut), "-p", "hi")
+    assert result.exit_code == 1, result.output
+    expected = f"{cut}: the file is incomplete ({os.path.getsize(cut):,} bytes, its tensors need {needed:,}); "
+    assert f"Error: {expected}download it again" in result.stderr
+
+
+def test_a_gguf_cut_inside_its_header_says_download_it_again(tmp_path):
+    whole = write_tiny_gguf(tmp_path / "whole.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:200])
+    result = run("generate", str(cut), "-p", "hi")
+    assert result.exit_code == 1 and "the file ends inside its header" in result.stderr, result.output
+    assert "incomplete or not GGUF; download it again" in result.stderr
