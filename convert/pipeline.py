@@ -24,6 +24,7 @@ from mlxinfer.quantize.affine import bits_per_weight, dequantize_rows, quantize_
 from mlxinfer.quantize.quality import scoring_bytes
 from tqdm.auto import tqdm
 
+from mlxinfer.cache.kv import STEP as KV_STEP
 from mlxinfer.disk import file_size_errors
 from mlxinfer.errors import ConversionError, MemoryBudgetError
 from mlxinfer.memory import peak_rss_bytes
@@ -76,14 +77,15 @@ class ConversionPlan:
     peak_bytes: int  # the most the process will hold, over every step that runs
     params: int
     force: bool = False  # replace an existing OUT (only an empty folder or an earlier conversion)
-    no_eval_peak_bytes: int = 0  # the same without the quality report
+    no_eval_peak_bytes: int | None = None  # the same without the quality report; None: peak_bytes
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
         what = f"{self.settings.bits}-bit {self.settings.method}" if self.settings.bits != 16 else "unquantized"
         peak = f"expected peak memory {self.peak_bytes / 2**20:.0f} MiB"
-        if self.settings.evaluate and self.no_eval_peak_bytes < self.peak_bytes:
-            peak += f" ({self.no_eval_peak_bytes / 2**20:.0f} MiB with --no-eval)"
+        no_eval = self.peak_bytes if self.no_eval_peak_bytes is None else self.no_eval_peak_bytes
+        if self.settings.evaluate and no_eval < self.peak_bytes:
+            peak += f" ({no_eval / 2**20:.0f} MiB with --no-eval)"
         return (
             f"{self.source.description} -> {self.out}: {what}, {quantized} quantized layers; "
             f"expected output {self.output_bytes / 2**20:.0f} MiB, {peak}"
@@ -180,7 +182,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + RUNTIME_BYTES
     if sensitivity or settings.method == "gptq":
         peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * largest + output_bytes
-    evaluation = _evaluation_bytes(source, config, params, output_bytes, settings.eval_tokens)
+    evaluation = _evaluation_bytes(source, config, layers, names, settings.eval_tokens)
     if settings.evaluate:
         settings.evaluate = _evaluation_fits(source, evaluation)
     no_eval_peak = peak
@@ -191,18 +193,21 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     )
 
 
-def _evaluation_bytes(source: Source, config: ModelConfig, params: int, output_bytes: int, tokens: int) -> int:
+def _evaluation_bytes(
+    source: Source, config: ModelConfig, layers: dict[str, LayerQuant | None], names: list[str], tokens: int
+) -> int:
     """What the quality report holds on top of the runtime: both models, their KV caches, one chunk's scores."""
     compute = choose_compute_dtype(None)
-    source_bytes = params * compute.size
-    # Loading the source holds its tensors as stored while they are cast to the compute
-    # dtype; the output is loaded next, into the memory those free. The output's
-    # unquantized tensors widen to the compute dtype too; its packed ones stay as written.
-    stored = sum(t.nbytes for t in source.tensors.values())
-    output = min(source_bytes, output_bytes * max(1, compute.size // 2))
-    args = config.args
-    kv = 2 * 2 * config.num_layers * int(args["num_key_value_heads"]) * int(args["head_dim"]) * tokens * compute.size
-    return source_bytes + max(stored, output) + kv + scoring_bytes(config.vocab_size)
+    # Loading the source holds the tensors stored in another float type until their cast to
+    # the compute dtype is done (a bf16 source on a bf16 GPU is never cast); the output is
+    # loaded next, into the memory those free. Its unquantized tensors, scales and biases
+    # follow the compute dtype too; its packed weights stay as written.
+    loaded, cast = source.load_bytes(compute)
+    output = sum(_output_bytes(source.tensors[n].shape, layers.get(n.removesuffix(".weight")), compute) for n in names)
+    positions = -(-tokens // KV_STEP) * KV_STEP  # the KV cache grows in steps of KV_STEP positions
+    per_position = 2 * config.num_layers * int(config.args["num_key_value_heads"]) * int(config.args["head_dim"])
+    kv = 2 * per_position * positions * compute.size  # two models, keys and values each
+    return loaded + max(cast, output) + kv + scoring_bytes(config.vocab_size, compute.size)
 
 
 def _evaluation_fits(source: Source, needed: int) -> bool:
@@ -278,7 +283,7 @@ def _output_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dt
     count = math.prod(shape)
     if quant is None:
         return count * dtype.size
-    return count * quant.bits // 8 + 2 * (count // quant.group_size) * 2
+    return count * quant.bits // 8 + 2 * (count // quant.group_size) * dtype.size  # packed, scales and biases
 
 
 def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionResult:
@@ -306,6 +311,7 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
         plan.source.write_tokenizer(folder.path)
         config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
         write_json(folder.path / "config.json", config)
+        plan.source.close()  # read to the end: its mapped pages must not count against the quality report
         bpw = 8 * data_bytes / plan.params
         quality = _evaluate_or_warn(plan, folder.path, bpw, progress) if plan.settings.evaluate else None
         manifest = _manifest(plan, folder.path, quality, bpw)
@@ -361,6 +367,8 @@ def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: 
     finally:
         mx.clear_cache()  # both models are gone; give their memory back (a notebook lives on)
     report.advice = _advice(plan.settings)
+    if report.warning:  # logged once, here: a script or notebook shows it as the CLI does
+        log.warning("%s", report.warning)
     return report
 
 
@@ -384,18 +392,23 @@ def _evaluate(plan: ConversionPlan, folder: Path, bpw: float, progress: bool) ->
 
 def _advice(settings: ConvertSettings) -> str | None:
     """What to convert with instead when the report warns: on SmolLM2-135M-Instruct the sensitivity
-    recipe at a quarter bit over 4-bit came within the limits, and 8 bits matched the source
-    (numbers in quality.py)."""
+    recipe at a quarter bit over 4-bit (group size 64, 4.75 bits/weight) came within the limits, and
+    8 bits matched the source (numbers in quality.py). A budget is named with its group size: a rerun
+    without --group-size uses 64, where 4.5 bits/weight (a quarter bit over 4-bit at 128) is plain 4-bit."""
     if settings.bits == 16:
         return None  # nothing was rounded
     uniform = settings.recipe in (None, "uniform") and settings.bpw is None
-    if settings.bits == 8 and uniform:
-        return "try `--bits 16` (unquantized)"
-    eight = "`--bits 8`" + ("" if uniform else " with no --recipe or --bpw")
-    if settings.recipe == "sensitivity" or settings.bpw is not None:
-        return f"try a larger `--bpw` than {settings.bpw:g}, or, safest, {eight}"
-    bpw = bits_per_weight(4, settings.group_size) + 0.25
-    return f"try `--recipe sensitivity --bpw {bpw:g}` (more bits where they matter) or, safest, {eight}"
+    flags = "" if uniform else " with no --recipe or --bpw"
+    most = bits_per_weight(8, settings.group_size)
+    if (uniform and settings.bits == 8) or (settings.bpw is not None and settings.bpw >= most):
+        return f"try `--bits 16`{flags} (unquantized): every layer already has 8 bits"
+    if settings.bpw is not None:
+        return f"try a larger `--bpw` than {settings.bpw:g} (at most {most:g}), or, safest, `--bits 8`{flags}"
+    quarter_over = bits_per_weight(4, settings.group_size) + 0.25
+    return (
+        f"try `--recipe sensitivity --group-size {settings.group_size} --bpw {quarter_over:g}` "
+        f"(more bits where they matter) or, safest, `--bits 8`{flags}"
+    )
 
 
 def _manifest(plan: ConversionPlan, folder: Path, quality: QualityReport | None, bpw: float) -> dict[str, Any]:

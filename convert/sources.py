@@ -7,6 +7,7 @@ for one tensor at a time, and `write_tokenizer(folder)`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,13 +18,14 @@ from gguf import GGMLQuantizationType
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
-from mlxinfer.models.gguf import gguf_config, hf_names, unpermute_rows
-from mlxinfer.models.gguf_file import GGUFFile, QuantizedTensor
+from mlxinfer.models.gguf import gguf_config, gguf_tensors, hf_names, unpermute_rows
+from mlxinfer.models.gguf_file import REPACKED, GGUFFile, QuantizedTensor
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 
 from .writer import TOKENIZER_FILES, copy_file, write_json, write_text
 
-FLOAT_DTYPES = {"F32", "F16", "BF16"}
+FLOAT_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
+PACKED_TYPES = {GGMLQuantizationType(t).name for t in REPACKED}  # GGUF types the loader keeps quantized
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class Source(Protocol):
     def read(self, name: str) -> mx.array | Quantized: ...
 
     def write_tokenizer(self, folder: Path) -> None: ...
+
+    def load_bytes(self, compute: mx.Dtype) -> tuple[int, int]: ...
 
     def close(self) -> None: ...
 
@@ -84,6 +88,12 @@ class FolderSource:
             if (self.folder / name).is_file():
                 copy_file(self.folder / name, folder / name)
 
+    def load_bytes(self, compute: mx.Dtype) -> tuple[int, int]:
+        """(bytes the runtime's loader holds once the model is loaded in `compute`, bytes of the
+        stored tensors it holds on top while it casts them)."""
+        loaded = sum(math.prod(t.shape) for t in self.tensors.values()) * compute.size
+        return loaded, _cast_bytes(self.tensors, compute)
+
     def close(self) -> None:
         self._arrays.clear()
 
@@ -115,12 +125,28 @@ class GGUFSource:
         write_text(folder / "tokenizer.json", backend_from_gguf(metadata).to_str())
         write_json(folder / "tokenizer_config.json", tokenizer_config_from_gguf(metadata))
 
+    def load_bytes(self, compute: mx.Dtype) -> tuple[int, int]:
+        """As FolderSource.load_bytes; Q4_0/Q4_1/Q8_0 tensors stay packed, as the loader keeps them."""
+        loaded = sum(t.loaded_bytes for t in gguf_tensors(self._file, compute.size).values())
+        return loaded, _cast_bytes(self.tensors, compute)
+
     def close(self) -> None:
-        self._file.close()
+        self._file.close()  # safe twice: the file and its map ignore a second close
 
 
 def _itemsize(dtype: str) -> int:
     return {"F32": 4, "F16": 2, "BF16": 2}.get(dtype, 1)
+
+
+def _cast_bytes(tensors: dict[str, Tensor], compute: mx.Dtype) -> int:
+    """Bytes of the float tensors stored in a type other than `compute`: loading holds them until
+    the cast is done. GGUF's other block types (K-quants) arrive dequantized to float32."""
+    held = 0
+    for t in tensors.values():
+        stored = FLOAT_DTYPES.get(t.dtype, None if t.dtype in PACKED_TYPES else mx.float32)
+        if stored is not None and stored != compute:
+            held += math.prod(t.shape) * stored.size
+    return held
 
 
 def open_source(src: str | Path) -> Source:

@@ -284,12 +284,15 @@ class Model:
 
     def logit_chunks(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> Iterator[np.ndarray]:
         """`logits` one chunk at a time, (chunk_tokens, vocab) each: for a progress bar, or to keep
-        only one chunk of a long text's logits in memory."""
+        only one chunk of a long text's logits in memory. Bad arguments raise here, not at the first chunk."""
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
             raise SamplingError(f"chunk_tokens must be a positive integer, got {shown(chunk_tokens)}")
         if isinstance(token_ids, np.ndarray):
             token_ids = token_ids.tolist()
         ids = mx.array(_check_ids(list(token_ids), self.config.vocab_size), dtype=mx.uint32)
+        return self._logit_chunks(ids, chunk_tokens)
+
+    def _logit_chunks(self, ids: mx.array, chunk_tokens: int) -> Iterator[np.ndarray]:
         cache = make_cache(len(self._loaded.model.layers), self.kv_bits)
         for start in range(0, ids.size, chunk_tokens):
             part = self._loaded.model(ids[None, start : start + chunk_tokens], cache)[0].astype(mx.float32)

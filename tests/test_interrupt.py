@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
 import pytest
 
+import mlxinfer
 from mlxinfer.models.decoder import DecoderLM
+from mlxinfer.models.footprint import KV_GROUP_SIZE
+from tests.conftest import TINY
 
 PROMPT = [(i * 37) % 250 + 3 for i in range(150)]
 
@@ -60,6 +69,42 @@ def interrupt_in_layer(monkeypatch, model, layer: int, at: int) -> None:
 SHORT = PROMPT[:60]  # chunks of 16: 16, 16, 16, 12
 
 
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory) -> Path:
+    """The tiny llama with head_dim 64 (a quantized KV cache quantizes groups of 64 along it) and random weights."""
+    folder = tmp_path_factory.mktemp("llama_head_dim_64")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(TINY / "llama_classic" / name, folder / name)
+    config = json.loads((TINY / "llama_classic" / "config.json").read_text()) | {"head_dim": KV_GROUP_SIZE}
+    (folder / "config.json").write_text(json.dumps(config))
+    h, f, d = config["hidden_size"], config["intermediate_size"], KV_GROUP_SIZE
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], h)}
+    layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+             "self_attn.o_proj": (h, q), "mlp.gate_proj": (f, h), "mlp.up_proj": (f, h),
+             "mlp.down_proj": (h, f)}  # fmt: skip
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}.weight": shape for name, shape in layer.items()})
+    rng = np.random.default_rng(0)  # std 0.2, like the fixtures: greedy margins stay clear of rounding
+    weights = {name: mx.array(rng.normal(0, 0.2, shape).astype(np.float32)) for name, shape in shapes.items()}
+    norms = ["model.norm.weight"] + [f"model.layers.{i}.{n}.weight" for i in range(config["num_hidden_layers"])
+                                     for n in ("input_layernorm", "post_attention_layernorm")]  # fmt: skip
+    weights |= {name: mx.ones((h,)) for name in norms}
+    # Tied embeddings: small rows for the special tokens (256 on, EOS among them) keep their logits near 0, far
+    # below the likeliest token's, so the random model never ends its answer early.
+    weights["model.embed_tokens.weight"][256:] *= 0.01
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture(params=[None, 8, 4], ids=["float-kv", "kv8", "kv4"])
+def interrupted_model(request, tiny_llama) -> mlxinfer.Model:
+    """The tiny llama, or (for a quantized KV cache, which needs head_dim 64) its wide-headed sibling."""
+    if request.param is None:
+        return tiny_llama
+    return mlxinfer.load(request.getfixturevalue("wide_heads"), kv_bits=request.param)
+
+
 @pytest.mark.parametrize(
     "where,at,kept",
     [
@@ -70,7 +115,8 @@ SHORT = PROMPT[:60]  # chunks of 16: 16, 16, 16, 12
     ],
     ids=["prefill", "decode", "prefill-mid-forward", "decode-mid-forward"],
 )
-def test_interrupted_generation_keeps_what_every_layer_computed(tiny_llama, monkeypatch, where, at, kept):
+def test_interrupted_generation_keeps_what_every_layer_computed(interrupted_model, monkeypatch, where, at, kept):
+    tiny_llama = interrupted_model
     tiny_llama.prefix_cache.clear()
     answer = tiny_llama.generate(SHORT, max_tokens=12, use_cache=False).token_ids
     assert len(answer) >= 3

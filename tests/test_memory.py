@@ -11,7 +11,8 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.errors import MemoryBudgetError
-from mlxinfer.memory import MachineMemory, apply_limits, plan_memory
+from mlxinfer.memory import MachineMemory, ModelFootprint, apply_limits, plan_memory
+from mlxinfer.memory.planner import RUNTIME_BYTES, MemoryPlan
 from tests.conftest import TINY
 
 GIB = 1 << 30
@@ -51,6 +52,37 @@ def test_verdicts_and_suggestions():
     assert plan_memory(machine(6 * GIB, swap=2 * GIB), model.footprint, 4096, prefix_cache_bytes=0).verdict == (
         "fits but risks swap"
     )
+
+
+def plan_with_kv_steps(steps: int, context: int, trained: int | None) -> MemoryPlan:
+    """A model whose every byte is counted by hand: no weights, 2 KV bytes a position (1 layer, 1 KV head of
+    1 dim, K and V, 1 byte each), grown 256 positions at a time; one-token prefill chunks keep 4 bytes of
+    temporaries (q of 0 heads, k and v: 2 x 2 x 1 byte); room for exactly `steps` KV growth steps."""
+    footprint = ModelFootprint(0, 1, 1, 1, 0, 0, 0, 0, compute_bytes=1, kv_bytes=1.0, max_positions=trained)
+    usable = RUNTIME_BYTES + steps * 256 * 2 + 4
+    return MemoryPlan(machine(GIB), footprint, context, 1, usable, prefix_cache_bytes=0)
+
+
+LIMITS = [
+    # memory fits 100 steps of 256 positions: 25600 tokens
+    (100, 1000, None, "memory is the limit: the largest context that fits is 25600 tokens"),
+    (100, 1000, 32768, "memory is the limit: the largest context that fits is 25600 tokens"),
+    (100, 65536, 32768, "memory is the limit: the largest context that fits is 25600 tokens; 65536 is also past "
+     "the model's trained limit of 32768 tokens (max_position_embeddings; `serve` refuses longer requests)"),
+    # memory fits 32 steps, 8192 tokens: all the model was trained for
+    (32, 8192, 8192, "the model's trained limit is 8192 tokens (max_position_embeddings), and memory allows all of it"),
+    (32, 32768, 8192, "the model's trained limit is 8192 tokens (max_position_embeddings); 32768 is past it "
+     "(`serve` refuses longer requests)"),
+    # no trained limit, memory for 2**16 steps (2**24 tokens): the search stops at 2**24, memory did not stop it
+    (1 << 16, 1000, None, "memory allows at least 16777216 tokens, as far as the plan looks (the model states no "
+     "limit)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("steps", "context", "trained", "expected"), LIMITS)
+def test_the_context_limit_names_every_limit_that_applies(steps, context, trained, expected):
+    plan = plan_with_kv_steps(steps, context, trained)
+    assert plan.context_limit() == expected
 
 
 def test_a_request_that_cannot_fit_is_refused_and_a_tight_one_is_rechunked(monkeypatch):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -251,13 +251,34 @@ def without_display(**extra: str) -> dict[str, str]:
 
 def test_menubar_without_a_display_says_so_before_loading(tmp_path):
     # The model does not exist: an error about it would mean the load came before the display check.
-    command = [sys.executable, "-m", "mlxinfer.cli", "menubar", str(tmp_path / "nope"), "--port", "8123"]
+    model = tmp_path / "no such model"
+    command = [sys.executable, "-m", "mlxinfer.cli", "menubar", str(model), "--port", "8123", "--kv-bits", "4"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=without_display())
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
         "Error: no display to show a tray icon on (neither DISPLAY nor WAYLAND_DISPLAY is set); "
-        "run `mlxinfer serve` and open http://127.0.0.1:8123/ instead"
+        f"run `mlxinfer serve {shlex.quote(str(model))} --port 8123 --kv-bits 4` "
+        "and open http://127.0.0.1:8123/ instead"
     ]
+
+
+@pytest.mark.parametrize(
+    ("model", "port", "kv_bits", "expected"),
+    [
+        (None, 8080, None, "run `mlxinfer serve` and open http://127.0.0.1:8080/ instead"),
+        (
+            "/m/Qwen3 4bit",
+            9000,
+            "8",
+            "run `mlxinfer serve '/m/Qwen3 4bit' --port 9000 --kv-bits 8` and open http://127.0.0.1:9000/ instead",
+        ),
+        ("/m/it's", 0, None, "run `mlxinfer serve '/m/it'\"'\"'s' --port 0` instead and open the address it prints"),
+    ],
+)
+def test_the_advice_is_the_serve_command_the_user_would_type(model, port, kv_bits, expected):
+    from mlxinfer.ui.desktop import instead
+
+    assert instead(model, port, kv_bits) == expected
 
 
 def test_menubar_under_a_bare_x_server_names_the_missing_tray(tmp_path, models_dir):
@@ -275,7 +296,7 @@ def test_menubar_under_a_bare_x_server_names_the_missing_tray(tmp_path, models_d
     assert len(lines) == 1, result.stderr  # no "Loading", no traceback
     assert lines[0].startswith(f"Error: no system tray on display {display} (needs ")
     assert "XEmbed tray" in lines[0] and lines[0].endswith(
-        "run `mlxinfer serve` and open http://127.0.0.1:8080/ instead"
+        f"run `mlxinfer serve {shlex.quote(str(models_dir / 'llama_classic'))}` and open http://127.0.0.1:8080/ instead"
     )
 
 
@@ -299,11 +320,61 @@ def test_what_a_tray_icon_lacks(environ, platform, expected):
     assert problem == expected if expected is None else expected in problem
 
 
-class FakeIcon:
-    """Stands in for a pystray icon whose backend fails: it logs (xorg's dock failure) or raises."""
+@pytest.mark.parametrize("has_watcher", [True, False])
+def test_appindicator_needs_a_status_notifier_watcher_on_wayland(monkeypatch, has_watcher):
+    from mlxinfer.ui import desktop
 
-    def __init__(self, failure: str, name: str, image: object, title: str, menu: object = None):
-        self.failure, self.stopped = failure, threading.Event()
+    monkeypatch.setattr(desktop, "_has_status_notifier_watcher", lambda environ: has_watcher)
+    problem = desktop.tray_problem({"PYSTRAY_BACKEND": "appindicator", "WAYLAND_DISPLAY": "wayland-1"}, "linux")
+    expected = "no system tray on Wayland display wayland-1 (needs a status-notifier tray, e.g. a desktop panel)"
+    assert problem == (None if has_watcher else expected)
+
+
+def test_no_session_bus_means_no_watcher_without_asking_dbus():
+    from mlxinfer.ui.desktop import _has_status_notifier_watcher
+
+    assert _has_status_notifier_watcher({}) is False
+
+
+def test_an_unreachable_x_display_is_reported_without_waiting_for_xlib(monkeypatch):
+    from Xlib import display as xdisplay
+
+    from mlxinfer.ui import desktop
+
+    tried: list[tuple] = []
+
+    def no_answer(address, timeout):
+        tried.append((address, timeout))
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(desktop.socket, "create_connection", no_answer)
+    monkeypatch.setattr(xdisplay, "Display", lambda name: pytest.fail("Xlib would wait for the TCP timeout"))
+    problem = desktop.tray_problem({"PYSTRAY_BACKEND": "xorg", "DISPLAY": "10.255.255.1:3.0"}, "linux")
+    assert problem == "cannot reach X display 10.255.255.1:3.0 (timed out)"
+    assert tried == [(("10.255.255.1", 6003), 2.0)]  # X display n listens on TCP port 6000 + n
+
+
+@pytest.mark.parametrize(("session", "expected"), [(None, "no macOS GUI session (logged in over ssh?)"), ({}, None)])
+def test_macos_over_ssh_has_no_gui_session(monkeypatch, session, expected):
+    import types
+
+    from mlxinfer.ui.desktop import tray_problem
+
+    quartz = types.ModuleType("Quartz")
+    quartz.CGSessionCopyCurrentDictionary = lambda: session  # None: no window server session for this user
+    monkeypatch.setitem(sys.modules, "Quartz", quartz)
+    assert tray_problem({}, "darwin") == expected
+
+
+class FakeIcon:
+    """Stands in for a pystray icon whose backend fails: it logs (xorg's dock failure) or raises.
+
+    "later" shows, then logs what xorg logs when the panel restarts, calls `after`, and clicks Quit;
+    "dies" shows, then its loop ends with xorg's main-loop error (a click action that raised).
+    """
+
+    def __init__(self, failure: str, name: str, image: object, title: str, menu: object = None, after=None):
+        self.failure, self.stopped, self.menu, self.after = failure, threading.Event(), menu, after
 
     @property
     def visible(self) -> bool:
@@ -318,8 +389,24 @@ class FakeIcon:
         if self.failure == "raises":
             raise RuntimeError("no tray backend works here")
         show = setup or (lambda icon: setattr(icon, "visible", True))  # pystray's default setup
-        threading.Thread(target=show, args=(self,)).start()
+        shown = threading.Thread(target=show, args=(self,))
+        shown.start()
+        if self.failure in ("later", "dies"):
+            shown.join()
+            self.loop_logs_errors()
+        if self.failure == "dies":
+            return
         self.stopped.wait(20)  # the real loop runs until stop(); today's code never stops an undocked icon
+
+    def loop_logs_errors(self) -> None:
+        logger = logging.getLogger("pystray._xorg")
+        if self.failure == "dies":
+            logger.error("An error occurred in the main loop", exc_info=RuntimeError("a click action raised"))
+            return
+        for _ in range(2):  # the panel restarted twice
+            logger.error("Failed to dock icon", exc_info=AssertionError())
+        self.after()
+        next(item for item in self.menu.items if item.text == "Quit")(self)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -340,24 +427,83 @@ def test_an_icon_that_fails_at_run_stops_the_server_with_one_error(
 
     monkeypatch.setattr(pystray, "Icon", partial(FakeIcon, failure))
     controller.start(models_dir / "llama_classic")
-    url = controller.url
     with pytest.raises(TrayError, match="the tray icon could not be shown") as raised:
-        run_tray(controller)
-    assert str(raised.value).endswith(f"run `mlxinfer serve` and open {url}/ instead")
+        run_tray(controller, "ADVICE")
+    assert str(raised.value).endswith("; ADVICE")
     assert ("Failed to dock icon" if failure == "logs" else "no tray backend works here") in str(raised.value)
     assert not controller.serving and not controller.loaded
     assert "Traceback" not in capsys.readouterr().err
 
 
-def test_a_taken_port_is_reported_before_the_model_loads(models_dir):
+def test_errors_pystray_logs_once_the_icon_shows_are_warnings(controller, models_dir, monkeypatch, caplog):
+    from mlxinfer.ui import tray
+
+    monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
+    import pystray
+
+    seen: list[tuple[bool, int]] = []
+    after = lambda: seen.append((controller.serving, chat(controller.url).status_code))  # noqa: E731
+    monkeypatch.setattr(pystray, "Icon", partial(FakeIcon, "later", after=after))
+    monkeypatch.setattr(tray, "_exit_now", lambda *args: None)  # Quit's watchdog would end pytest
+    controller.start(models_dir / "llama_classic")
+    with caplog.at_level(logging.WARNING, logger="mlxinfer.menubar"):
+        tray.run_tray(controller, "ADVICE")  # no TrayError: the user quit
+    assert seen == [(True, 200)]  # still serving after the dock failures
+    warnings = [r.getMessage() for r in caplog.records if r.name == "mlxinfer.menubar"]
+    assert warnings == ["Warning: the tray icon reported an error (pystray: Failed to dock icon); serving goes on"]
+    assert not controller.serving
+
+
+def test_an_icon_loop_that_ends_by_itself_stops_the_helper(controller, models_dir, monkeypatch):
+    from mlxinfer.errors import TrayError
+    from mlxinfer.ui.tray import run_tray
+
+    monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
+    import pystray
+
+    monkeypatch.setattr(pystray, "Icon", partial(FakeIcon, "dies"))
+    controller.start(models_dir / "llama_classic")
+    with pytest.raises(TrayError) as raised:
+        run_tray(controller, "ADVICE")
+    assert str(raised.value) == "the tray icon stopped (pystray: An error occurred in the main loop); ADVICE"
+    assert not controller.serving and not controller.loaded
+
+
+def test_a_failing_menu_action_shows_its_error_in_the_menu(models_dir, monkeypatch, held_port, caplog):
+    monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
+    import pystray
+
+    controller = MenubarController(ServerSettings(port=held_port), models_dir=models_dir, open_url=lambda url: None)
+    try:
+        menu = build_menu(controller, pystray)
+        icon = pystray.Icon("test", icon_image(), "test", menu=menu)
+        items = {item.text: item for item in menu.items}
+        with caplog.at_level(logging.ERROR, logger="mlxinfer.menubar"):
+            items["Start Server"](icon)  # the port is taken: PortInUseError inside pystray's callback
+        said = f"Error: port {held_port} on 127.0.0.1 is already in use (another mlxinfer serve?); "
+        assert menu.items[0].text.startswith(said)
+        assert [r.getMessage() for r in caplog.records if r.name == "mlxinfer.menubar"] == [menu.items[0].text]
+        items["Unload"](icon)  # succeeds (nothing to unload): the model line is back
+        assert menu.items[0].text == "No model"
+    finally:
+        controller.quit()
+
+
+def test_a_taken_port_is_reported_before_the_model_loads(models_dir, held_port):
     from mlxinfer.errors import PortInUseError
 
     loads: list[Path] = []
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        controller = MenubarController(ServerSettings(port=port), models_dir=models_dir, loader=loads.append)
-        with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is already in use"):
-            controller.start(models_dir / "llama_classic")
+    controller = MenubarController(ServerSettings(port=held_port), models_dir=models_dir, loader=loads.append)
+    with pytest.raises(PortInUseError, match=f"port {held_port} on 127.0.0.1 is already in use"):
+        controller.start(models_dir / "llama_classic")
     assert loads == [] and not controller.serving
+
+
+def test_cli_menubar_on_a_taken_port_says_one_line(models_dir, held_port):
+    command = [sys.executable, "-m", "mlxinfer.cli", "menubar", str(models_dir / "llama_classic")]
+    env = {**os.environ, "PYSTRAY_BACKEND": "dummy", "MLXINFER_MODELS_DIR": str(models_dir)}
+    result = subprocess.run(command + ["--port", str(held_port)], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr  # no "Loading" before the error
+    assert lines[0].startswith(f"Error: port {held_port} on 127.0.0.1 is already in use (another mlxinfer serve?); ")

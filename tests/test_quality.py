@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -12,6 +15,7 @@ from mlxinfer.quantize import QualityReport, compare_models, perplexity
 
 import mlxinfer
 from mlxinfer.cli import main
+from mlxinfer.errors import SamplingError
 from tests.conftest import TINY
 
 # Reports measured on SmolLM2-135M-Instruct (bf16 source, 512 tokens of the shipped prose):
@@ -33,18 +37,22 @@ def test_warning_names_the_cost_and_the_fix_past_either_threshold():
     assert "+5.0%" in kl_only.warning and "+21.1%" in QualityReport(**GPTQ4).warning
 
 
-def full_text_scores(source: mlxinfer.Model, output: mlxinfer.Model, ids: list[int]) -> tuple[float, float, float]:
-    """Perplexities and mean KL from whole-text logits, the way the report was first computed."""
+def whole_text_scores(src_logits: np.ndarray, out_logits: np.ndarray, ids: list[int]) -> tuple[float, float, float]:
+    """Perplexities and mean KL from all of a text's logits at once, the way the report was first computed."""
 
     def log_softmax(x):
         x = x.astype(np.float64)
         x = x - x.max(axis=-1, keepdims=True)
         return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
-    src, out = log_softmax(source.logits(ids)[:-1]), log_softmax(output.logits(ids)[:-1])
+    src, out = log_softmax(src_logits[:-1]), log_softmax(out_logits[:-1])
     rows = np.arange(len(ids) - 1), ids[1:]
     kl = (np.exp(src) * (src - out)).sum(axis=-1).mean()
     return math.exp(-src[rows].mean()), math.exp(-out[rows].mean()), kl
+
+
+def chunked_logits(model: mlxinfer.Model, ids: list[int], chunk_tokens: int) -> np.ndarray:
+    return np.concatenate(list(model.logit_chunks(ids, chunk_tokens)))
 
 
 def test_streamed_report_matches_whole_text_scores_and_reports_progress(tiny_llama, tmp_path):
@@ -53,14 +61,32 @@ def test_streamed_report_matches_whole_text_scores_and_reports_progress(tiny_lla
     ids = [int(i) for i in np.random.default_rng(0).integers(0, tiny_llama.config.vocab_size, 70)]
     ticks: list[int] = []
     report = compare_models(tiny_llama, output, ids, chunk_tokens=32, progress=ticks.append)
-    source_ppl, output_ppl, kl = full_text_scores(tiny_llama, output, ids)
-    assert report.source_ppl == pytest.approx(source_ppl, rel=1e-9)
-    assert report.output_ppl == pytest.approx(output_ppl, rel=1e-9)
-    assert report.mean_kl == pytest.approx(kl, rel=1e-9)
+    # The running sums against the same chunks' logits scored at once: only the summing differs.
+    same = whole_text_scores(chunked_logits(tiny_llama, ids, 32), chunked_logits(output, ids, 32), ids)
+    assert (report.source_ppl, report.output_ppl, report.mean_kl) == pytest.approx(same, rel=1e-9)
+    # Against one pass over the whole text: chunking changes the arithmetic order (and, in a 16-bit
+    # compute dtype, the rounding), within the 1e-4 that tests/test_parity.py allows between chunkings.
+    whole = whole_text_scores(tiny_llama.logits(ids, chunk_tokens=512), output.logits(ids, chunk_tokens=512), ids)
+    assert (report.source_ppl, report.output_ppl) == pytest.approx(whole[:2], rel=1e-4)
+    assert report.mean_kl == pytest.approx(whole[2], rel=1e-3, abs=1e-4)
     assert ticks == [32, 32, 32, 32, 6, 6]  # each model, chunk by chunk
     ticks.clear()
-    assert perplexity(output, ids, chunk_tokens=64, progress=ticks.append) == pytest.approx(output_ppl, rel=1e-9)
+    assert perplexity(output, ids, chunk_tokens=64, progress=ticks.append) == pytest.approx(same[1], rel=1e-9)
     assert ticks == [64, 6]
+
+
+def test_scoring_fewer_than_two_tokens_is_a_clear_error(tiny_llama):
+    for score in (lambda ids: perplexity(tiny_llama, ids), lambda ids: compare_models(tiny_llama, tiny_llama, ids)):
+        for ids in ([], [5]):
+            with pytest.raises(SamplingError, match=f"at least 2 tokens .*got {len(ids)}"):
+                score(ids)
+
+
+def test_logit_chunks_refuses_bad_arguments_before_the_first_chunk(tiny_llama):
+    with pytest.raises(SamplingError, match="chunk_tokens must be a positive integer, got 0"):
+        tiny_llama.logit_chunks([1, 2, 3], 0)  # not iterated: the call itself refuses
+    with pytest.raises(SamplingError):
+        tiny_llama.logit_chunks([1, tiny_llama.config.vocab_size], 8)
 
 
 def test_eval_command_shows_progress(tmp_path):
@@ -87,3 +113,139 @@ def test_plan_prints_both_forecasts_when_the_report_costs_more(tmp_path):
     no_eval = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4, evaluate=False))
     no_eval.source.close()
     assert no_eval.summary().endswith(f"expected peak memory {plan.no_eval_peak_bytes / 2**20:.0f} MiB")
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (dict(bits=16), None),
+        (dict(bits=8), "try `--bits 16` (unquantized): every layer already has 8 bits"),
+        # 4-bit at group size 64 stores 4.5 bits/weight; a quarter bit over it measured within the limits.
+        (
+            dict(bits=4),
+            "try `--recipe sensitivity --group-size 64 --bpw 4.75` (more bits where they matter) or, "
+            "safest, `--bits 8`",
+        ),
+        # At 128 a quarter bit over 4-bit is 4.5: the group size must be named, or a rerun at 64 gets plain 4-bit.
+        (
+            dict(bits=4, group_size=128),
+            "try `--recipe sensitivity --group-size 128 --bpw 4.5` (more bits where "
+            "they matter) or, safest, `--bits 8`",
+        ),
+        (
+            dict(bits=4, recipe="mixed-4-8"),
+            "try `--recipe sensitivity --group-size 64 --bpw 4.75` (more bits "
+            "where they matter) or, safest, `--bits 8` with no --recipe or --bpw",
+        ),
+        (
+            dict(bits=4, recipe="sensitivity", bpw=5.0),
+            "try a larger `--bpw` than 5 (at most 8.5), or, safest, `--bits 8` with no --recipe or --bpw",
+        ),
+        # 8.5 bits/weight at group size 64 is 8 bits everywhere: no larger budget exists.
+        (
+            dict(bits=4, bpw=8.5),
+            "try `--bits 16` with no --recipe or --bpw (unquantized): every layer already has 8 bits",
+        ),
+        (
+            dict(bits=4, bpw=9.0, group_size=32),
+            "try `--bits 16` with no --recipe or --bpw (unquantized): every layer already has 8 bits",
+        ),
+    ],
+)
+def test_advice_names_a_rerun_that_changes_something(settings, expected):
+    from mlxinfer.convert.pipeline import _advice
+
+    assert _advice(ConvertSettings(**{"group_size": 64, **settings})) == expected
+
+
+def test_a_plan_without_a_separate_no_eval_forecast_prints_one_peak(tmp_path):
+    plan = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4))
+    plan.source.close()
+    plan.no_eval_peak_bytes = None  # as a plan built by hand, without the field, has it
+    assert plan.summary().endswith(f"expected peak memory {plan.peak_bytes / 2**20:.0f} MiB")
+
+
+# SmolLM2-135M's shapes, from its config.json: hidden, vocab, layers, KV heads, head_dim, MLP width.
+H, V, L, KV, D, MLP = 576, 49152, 30, 3, 64, 1536
+LINEAR = L * (2 * H * H + 2 * KV * D * H + 3 * MLP * H)  # q, o; k, v; gate, up, down
+EMBED, NORMS = V * H, (2 * L + 1) * H  # tied head; two norms a layer and the final one
+
+
+def kv_bytes(positions: int, size: int) -> int:
+    return 2 * 2 * L * KV * D * positions * size  # two models, keys and values
+
+
+def evaluation_bytes(plan, compute, monkeypatch) -> int:
+    from mlxinfer.convert import pipeline
+
+    monkeypatch.setattr(pipeline, "choose_compute_dtype", lambda requested=None: compute)
+    return pipeline._evaluation_bytes(plan.source, plan.config, plan.layers, plan.names, plan.settings.eval_tokens)
+
+
+def test_report_forecast_counts_a_bf16_source_once_when_it_computes_in_bf16(smol_hf, tmp_path, monkeypatch):
+    plan = plan_conversion(smol_hf, tmp_path / "o", ConvertSettings(bits=4, group_size=64))
+    plan.source.close()
+    source = (LINEAR + EMBED + NORMS) * 2  # loaded as stored: nothing to cast
+    output = (LINEAR + EMBED) * (4 / 8 + 2 * 2 / 64) + NORMS * 2  # 4-bit weights, bf16 scales and biases
+    scores = 32 * V * (2 * (2 + 4 + 4) + 6 * 8)  # bf16 and float32 logits in MLX, numpy's float32 and float64 ones
+    expected = source + output + kv_bytes(512, 2) + scores
+    assert evaluation_bytes(plan, mx.bfloat16, monkeypatch) == expected
+    # In float32 the bf16 tensors are held while they are cast, and the output loads into that memory.
+    cast = (LINEAR + EMBED + NORMS) * 2
+    scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
+    assert evaluation_bytes(plan, mx.float32, monkeypatch) == 2 * source + cast + kv_bytes(512, 4) + scores
+
+
+def test_report_forecast_keeps_a_gguf_source_packed(smol_path, tmp_path, monkeypatch):
+    plan = plan_conversion(smol_path, tmp_path / "o", ConvertSettings(bits=4, eval_tokens=300))
+    plan.source.close()
+    # Q4_1 blocks: 32 weights in 16 bytes plus two float16 numbers; Q8_0: 32 bytes and one; norms float32.
+    source = LINEAR * 20 // 32 + EMBED * 34 // 32 + NORMS * 4
+    # The output keeps the Q4_1 grid and the Q8_0 embedding at 8 bits; its scales load as float32.
+    output = LINEAR * (4 / 8 + 2 * 4 / 32) + EMBED * (1 + 2 * 4 / 32) + NORMS * 4
+    scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
+    # 300 tokens: the KV cache grows 256 positions at a time, to 512.
+    assert evaluation_bytes(plan, mx.float32, monkeypatch) == source + output + kv_bytes(512, 4) + scores
+
+
+def test_the_quality_warning_is_logged_once_for_scripts(tmp_path, caplog):
+    # The tiny random model's 4-bit copy is far from it (KL about 0.4 nats): the report warns.
+    result = convert(TINY / "llama_classic", tmp_path / "o", bits=4, eval_tokens=40, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert result.warning and warnings == [result.warning]
+
+
+def test_the_cli_shows_the_quality_warning_once(tmp_path):
+    command = [sys.executable, "-m", "mlxinfer.cli", "convert", str(TINY / "llama_classic"), "-o", str(tmp_path / "o")]
+    done = subprocess.run([*command, "--eval-tokens", "40"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert (done.stdout + done.stderr).count("quality warning:") == 1, done.stderr
+
+
+def test_a_conversion_without_progress_writes_nothing_to_stderr(tmp_path, capfd):
+    convert(TINY / "llama_classic", tmp_path / "o", bits=4, eval_tokens=40, progress=False)
+    assert capfd.readouterr().err == ""
+
+
+def test_eval_reads_and_tokenizes_only_a_bounded_prefix(tmp_path, monkeypatch):
+    from mlxinfer.tokenizer import Tokenizer
+
+    # Ample text for 4 tokens, then a byte that is not UTF-8 far past what 4 tokens could need.
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"The quick brown fox jumps over the lazy dog. " * 200 + b"\xff")
+    seen: list[int] = []
+    encode = Tokenizer.encode
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, s, *a, **k: seen.append(len(s)) or encode(self, s, *a, **k))
+    result = CliRunner().invoke(main, ["eval", str(TINY / "llama_classic"), "--text", str(text), "--max-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.startswith(f"Loading {TINY / 'llama_classic'}...")
+    assert seen and max(seen) <= 4 * mlxinfer.api.MAX_CHARS_PER_TOKEN
+    assert "over 4 tokens" in result.stdout
+
+
+def test_eval_of_a_text_that_is_not_utf8_is_one_line(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"ok \xff\xfe")
+    result = CliRunner().invoke(main, ["eval", str(TINY / "llama_classic"), "--text", str(text)])
+    assert result.exit_code == 1 and result.exception.__class__ is SystemExit
+    assert result.output.strip().endswith(f"{text}: not UTF-8 text (byte 3); save it as UTF-8")

@@ -394,13 +394,10 @@ def test_sigterm_ends_streams_with_a_final_event_and_exits(smol_path):
     assert "Traceback" not in output, output
 
 
-def test_serve_refuses_a_taken_port_before_loading():
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        command = [sys.executable, "-m", "mlxinfer.cli", "serve", str(TINY / "llama_classic"), "--port", str(port)]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+def test_serve_refuses_a_taken_port_before_loading(held_port):
+    port = held_port
+    command = [sys.executable, "-m", "mlxinfer.cli", "serve", str(TINY / "llama_classic"), "--port", str(port)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr  # no "Loading", no "Serving", no uvicorn log
@@ -427,15 +424,11 @@ def test_serve_says_serving_with_the_real_port_once_it_answers():
         process.wait()
 
 
-def test_background_server_on_a_taken_port_raises_port_in_use():
+def test_background_server_on_a_taken_port_raises_port_in_use(held_port):
     from mlxinfer.errors import PortInUseError
 
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen()
-        port = held.getsockname()[1]
-        with pytest.raises(PortInUseError, match=f"^port {port} on 127.0.0.1 is already in use .*--port"):
-            BackgroundServer(ModelSet(), ServerSettings(port=port)).start()
+    with pytest.raises(PortInUseError, match=f"^port {held_port} on 127.0.0.1 is already in use .*--port"):
+        BackgroundServer(ModelSet(), ServerSettings(port=held_port)).start()
 
 
 def test_ipv6_loopback_serves_on_its_own_socket(tiny_llama):
@@ -449,3 +442,103 @@ def test_ipv6_loopback_serves_on_its_own_socket(tiny_llama):
             assert httpx.get(running.url + "/health").status_code == 200
     finally:
         models.close()  # its scheduler; the shared model stays loaded
+
+
+def test_the_probe_finds_a_wildcard_listener_through_loopback():
+    # What listen() asks first on macOS, where binding 127.0.0.1:P succeeds beside a listener on *:P.
+    from mlxinfer.server.run import port_answers
+
+    with socket.socket() as wildcard:
+        wildcard.bind(("0.0.0.0", 0))
+        wildcard.listen()
+        port = wildcard.getsockname()[1]
+        assert port_answers("127.0.0.1", port)
+    assert not port_answers("127.0.0.1", port)  # closed: refused at once
+
+
+def test_listen_probes_first_where_binding_cannot_tell(monkeypatch):
+    from mlxinfer.errors import PortInUseError
+    from mlxinfer.server import run
+
+    asked: list[tuple[str, int]] = []
+    monkeypatch.setattr(run, "PROBE_BEFORE_BIND", True)
+    monkeypatch.setattr(run, "port_answers", lambda address, port: asked.append((address, port)) or True)
+    with pytest.raises(PortInUseError, match="^port 5000 on 0.0.0.0 is already in use"):
+        run.listen(ServerSettings(host="0.0.0.0", port=5000, allow_remote=True, api_key="k" * 16))
+    assert asked == [("127.0.0.1", 5000)]  # the wildcard is reached through loopback
+
+
+def fake_addresses(*hosts: str):
+    return lambda *args, **kwargs: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (h, 0)) for h in hosts]
+
+
+def test_listen_binds_a_repeated_address_once(monkeypatch):
+    from mlxinfer.server import run
+
+    monkeypatch.setattr(run.socket, "getaddrinfo", fake_addresses("127.0.0.1", "127.0.0.1"))  # a repeated hosts line
+    sockets = run.listen(ServerSettings(host="localhost", port=0))
+    try:
+        assert [s.getsockname()[0] for s in sockets] == ["127.0.0.1"]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_listen_names_a_bad_host_in_one_line():
+    from mlxinfer.errors import BindError
+    from mlxinfer.server import run
+
+    with pytest.raises(BindError, match=r"^--host a\.\.b is not a valid host name; use 127\.0\.0\.1$"):
+        run.listen(ServerSettings(host="a..b", port=0, allow_remote=True, api_key="k" * 16))
+
+
+def test_port_0_clashing_on_a_second_address_says_so(monkeypatch):
+    from mlxinfer.errors import PortInUseError
+    from mlxinfer.server import run
+
+    # 0.0.0.0 after 127.0.0.1 always clashes with that first socket's port, on every try.
+    monkeypatch.setattr(run.socket, "getaddrinfo", fake_addresses("127.0.0.1", "0.0.0.0"))
+    with pytest.raises(PortInUseError) as raised:
+        run.listen(ServerSettings(host="localhost", port=0))
+    assert re.fullmatch(
+        r"--port 0 picked port [1-9]\d* on one address of localhost, but another .*--port", str(raised.value)
+    )
+
+
+def test_background_server_closes_its_sockets_when_the_app_cannot_be_made(monkeypatch):
+    from mlxinfer.server import run
+
+    opened: list[socket.socket] = []
+    real_listen = run.listen
+    monkeypatch.setattr(run, "listen", lambda settings: opened.extend(real_listen(settings)) or opened)
+    monkeypatch.setattr(run, "create_app", lambda *args: (_ for _ in ()).throw(ValueError("broken app")))
+    with pytest.raises(ValueError, match="broken app"):
+        BackgroundServer(ModelSet(), ServerSettings(port=0))
+    assert opened and all(sock.fileno() == -1 for sock in opened)
+
+
+class StuckServer:
+    """Stands in for uvicorn: never starts, and either exits at once or waits until told to exit."""
+
+    def __init__(self, exits: bool):
+        self.exits, self.started, self.should_exit = exits, False, False
+        self.models = ModelSet()
+
+    def run(self, sockets) -> None:
+        while not self.exits and not self.should_exit:
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("exits", "timeout", "said"), [(True, 30, "exited as it started"), (False, 0.1, "did not start within 0.1 s")]
+)
+def test_background_server_that_does_not_start_is_one_error(monkeypatch, exits, timeout, said):
+    from mlxinfer.errors import BindError
+    from mlxinfer.server import run
+
+    monkeypatch.setattr(run, "_server", lambda *args: StuckServer(exits))
+    server = BackgroundServer(ModelSet(), ServerSettings(port=0))
+    with pytest.raises(BindError, match=f"^the server on {re.escape(server.url)} {said}"):
+        server.start(timeout=timeout)
+    server._thread.join(5)
+    assert not server.running and all(sock.fileno() == -1 for sock in server._sockets)

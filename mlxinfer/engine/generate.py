@@ -22,6 +22,7 @@ from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
+MAX_TOKENS = 1_000_000  # tokens one request may ask for
 
 
 @dataclass
@@ -145,5 +146,10 @@ def check_request(prompt_ids: Sequence[int], max_tokens: object, vocab_size: int
             f"prompt token id {high if high >= vocab_size else low} is outside the model's vocabulary "
             f"[0, {vocab_size}); the tokenizer does not match the weights"
         )
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 1_000_000:
-        raise SamplingError(f"max_tokens must be an integer in [1, 1000000], got {shown(max_tokens)}")
+    check_max_tokens(max_tokens)
+
+
+def check_max_tokens(max_tokens: object) -> None:
+    """A SamplingError unless max_tokens is an integer in [1, MAX_TOKENS] (the CLI checks its flag with this)."""
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS:
+        raise SamplingError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {shown(max_tokens)}")

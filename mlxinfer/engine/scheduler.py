@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import Cache, PrefixCache, PrefixHit, make_cache
+from ..cache import Cache, PrefixCache, PrefixHit, held_positions, make_cache
 from ..errors import BusyError, ConfigError, MemoryBudgetError, RequestTimeoutError, SamplingError, ShutdownError
 from ..memory import MachineMemory, ModelFootprint, batch_peak_bytes, machine_memory
 from ..models.decoder import DecoderLM
@@ -334,7 +334,7 @@ class Scheduler:
         prefix = self.runtime.prefix_cache
         try:
             if prefix is not None:
-                prefix.insert(sequence.ids_in_cache(cache[0].length), cache)
+                prefix.insert(sequence.ids_in_cache(held_positions(cache)), cache)  # generate_ids' rule too
         except Exception:  # noqa: BLE001 - a cache that cannot keep this prefix must not fail the answer
             log.warning("could not keep a finished request's prefix", exc_info=True)
         self._release(sequence)

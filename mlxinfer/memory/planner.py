@@ -23,6 +23,7 @@ KV_STEP = 256  # the KV cache grows in steps of this many positions (cache/kv.py
 PREFIX_CACHE_FRACTION = 0.1  # of usable memory, for the prompt-prefix cache
 PREFIX_CACHE_MAX_BYTES = 4 << 30
 RUNTIME_BYTES = 64 << 20  # MLX's own buffers, the sampler, the tokenizer's arrays
+MAX_SEARCH_CONTEXT = 1 << 24  # max_context() looks no further for a model that states no trained limit
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class MemoryPlan:
 
     def max_context(self) -> int:
         """The longest context (up to the trained one) whose plan still fits without risking swap."""
-        low, high = 0, self.footprint.max_positions or 1 << 24
+        low, high = 0, self.footprint.max_positions or MAX_SEARCH_CONTEXT
         while low < high:
             mid = (low + high + 1) // 2
             if _with(self, context=mid).needed_bytes <= self.usable_bytes:
@@ -124,19 +125,28 @@ class MemoryPlan:
         return low
 
     def context_limit(self) -> str:
-        """Why max_context() is what it is, in one clause: memory, or the context the model was trained for.
+        """Why max_context() is what it is (memory, the trained context, or how far the plan looks), in a sentence.
+
+        A plan for a context past the trained one says so too, whichever limit is the tighter.
 
         Example:
             >>> plan.context_limit()
-            "the model's trained limit is 8192 tokens (max_position_embeddings); 32768 is past it"
+            "the model's trained limit is 8192 tokens (max_position_embeddings); 32768 is past it (...)"
         """
         longest, trained = self.max_context(), self.footprint.max_positions
-        if trained is None or longest < trained:
-            return f"memory is the limit: the largest context that fits is {longest} tokens"
-        limit = f"the model's trained limit is {trained} tokens (max_position_embeddings)"
-        if self.context > trained:  # the plan is for the context asked; the model was not trained that far
-            return f"{limit}; {self.context} is past it (`serve` refuses longer requests)"
-        return f"{limit}, and memory allows all of it"
+        past = trained is not None and self.context > trained  # the plan is for the context asked, not the trained one
+        refused = "`serve` refuses longer requests"
+        if longest < (trained or MAX_SEARCH_CONTEXT):
+            why = f"memory is the limit: the largest context that fits is {longest} tokens"
+            if past:
+                why += f"; {self.context} is also past the model's trained limit of {trained} tokens"
+                why += f" (max_position_embeddings; {refused})"
+        elif trained is None:
+            why = f"memory allows at least {longest} tokens, as far as the plan looks (the model states no limit)"
+        else:
+            why = f"the model's trained limit is {trained} tokens (max_position_embeddings)"
+            why += f"; {self.context} is past it ({refused})" if past else ", and memory allows all of it"
+        return why
 
     def suggestions(self) -> list[str]:
         if self.verdict == "fits":

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 10_000  # files and folders disk_bytes looks at in one model folder
 
@@ -15,11 +18,19 @@ def models_dir() -> Path:
 
 
 def local_models(folder: Path | None = None) -> list[Path]:
-    """Loadable models directly inside `folder` (default: models_dir()), sorted by name; none if it is missing."""
+    """Loadable models directly inside `folder` (default: models_dir()), sorted by name.
+
+    None if it is missing; an unreadable folder is skipped with a warning naming it, so
+    `cache ls` still lists the other folders and the menubar's Switch Model menu still opens.
+    """
     folder = folder or models_dir()
-    if not folder.is_dir():
+    try:
+        if not folder.is_dir():
+            return []
+        found = [p for p in folder.iterdir() if _is_model(p)]
+    except OSError as e:
+        log.warning("skipping models folder %s: %s", folder, e.strerror or e)
         return []
-    found = [p for p in folder.iterdir() if _is_model(p)]
     return sorted(found, key=lambda p: p.name.lower())
 
 
@@ -39,17 +50,16 @@ def disk_bytes(path: Path, max_entries: int = MAX_ENTRIES) -> tuple[int, bool]:
     while folders:
         try:
             with os.scandir(folders.pop()) as listing:
-                entries = list(listing)
+                for entry in listing:  # one entry at a time: a folder of millions stops at the limit
+                    seen += 1
+                    if seen > max_entries:
+                        return total, False
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(Path(entry.path))
+                    elif not entry.is_dir():  # a file, or a link to one (a link to a folder is skipped)
+                        total += _size(Path(entry.path))
         except OSError:  # unreadable: count what can be read
             continue
-        for entry in entries:
-            seen += 1
-            if seen > max_entries:
-                return total, False
-            if entry.is_dir(follow_symlinks=False):
-                folders.append(Path(entry.path))
-            elif not entry.is_dir():  # a file, or a link to one (a link to a folder is skipped)
-                total += _size(Path(entry.path))
     return total, True
 
 
@@ -61,6 +71,9 @@ def _size(path: Path) -> int:
 
 
 def _is_model(path: Path) -> bool:
-    if path.is_file():
-        return path.suffix == ".gguf"
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    try:
+        if path.is_file():
+            return path.suffix == ".gguf"
+        return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+    except OSError:  # an entry that cannot be looked into is not one mlxinfer could load
+        return False

@@ -177,12 +177,24 @@ class GGUFFile:
             if name in self.tensors:
                 raise CorruptFileError(f"{self.path}: tensor {plain(name)} appears twice")
             self.tensors[name] = self._locate(name, shape, kind, data_start + offset)
-        end = max((t.offset + t.nbytes for t in self.tensors.values()), default=0)
-        if end > len(self._map):  # a cut-off download: the header is whole, the tensor data is not
-            raise CorruptFileError(
-                f"{self.path}: the file is incomplete ({len(self._map):,} bytes, its tensors need {end:,}); "
-                "download it again"
-            )
+        self._check_tensor_end(data_start, alignment)
+
+    def _check_tensor_end(self, data_start: int, alignment: int) -> None:
+        """Refuse a file whose tensor data runs past its end, naming the tensor; nothing is read before this."""
+        size = len(self._map)
+        last = max(self.tensors.values(), key=lambda t: t.offset + t.nbytes, default=None)
+        if last is None or last.offset + last.nbytes <= size:
+            return
+        end = last.offset + last.nbytes
+        # Writers pack the tensors one after another (each padded to the alignment), so a cut-off
+        # download (the issue's case) needs no more than that packed span; an end past it is an
+        # offset no writer wrote: a damaged or crafted header, not a short file.
+        packed = data_start + sum(-(-t.nbytes // alignment) * alignment for t in self.tensors.values())
+        why = "it is incomplete" if end <= packed else "its header is damaged (the offset is past all the tensors)"
+        raise CorruptFileError(
+            f"{self.path}: the file is cut off or corrupt: tensor {plain(last.name)} needs bytes up to {end:,} "
+            f"but the file has {size:,}; {why}: download it again"
+        )
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self._string("tensor name")

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,11 @@ from .settings import ServerSettings
 
 GRACEFUL_SHUTDOWN_S = 10
 PORTS_TO_SUGGEST = 10  # how far past a taken port to look for a free one to suggest
+PROBE_TIMEOUT_S = 0.2  # a listener on this machine answers a connect at once
+# BSD/macOS let a SO_REUSEADDR socket bind 127.0.0.1:P while another process listens on *:P
+# (AirPlay Receiver holds *:5000 and *:7000), so a successful bind there does not mean the port is free.
+PROBE_BEFORE_BIND = sys.platform == "darwin"
+WILDCARD_PROBES = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # a wildcard address is reached through loopback
 
 
 def listen(settings: ServerSettings) -> list[socket.socket]:
@@ -42,15 +48,36 @@ def listen(settings: ServerSettings) -> list[socket.socket]:
     Example:
         >>> sockets = listen(ServerSettings(port=0))  # raises PortInUseError when the port is taken
     """
-    host, port = settings.host.strip("[]"), settings.port
+    found = _addresses(settings)
     try:
-        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        return _listen_on(found, settings)
+    except PortInUseError:
+        if settings.port != 0:
+            raise
+        # --port 0 takes the first address's free port for the others too, where it may be taken: pick again, once.
+        return _listen_on(found, settings)
+
+
+def _addresses(settings: ServerSettings) -> list[tuple[socket.AddressFamily, tuple]]:
+    """(family, sockaddr) of each address `settings.host` names, each once (a hosts file may repeat one)."""
+    host = settings.host.strip("[]")
+    try:
+        found = socket.getaddrinfo(host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise BindError(f"--host {settings.host} cannot be resolved ({e.strerror}); use 127.0.0.1") from None
+    except UnicodeError:  # the IDNA codec refuses an empty or over-long label ("a..b")
+        raise BindError(f"--host {settings.host} is not a valid host name; use 127.0.0.1") from None
+    return list(dict.fromkeys((family, address) for family, _, _, _, address in found))
+
+
+def _listen_on(found: list[tuple[socket.AddressFamily, tuple]], settings: ServerSettings) -> list[socket.socket]:
     sockets: list[socket.socket] = []
+    port = settings.port
     try:
-        for family, kind, proto, _, address in found:
-            sock = socket.socket(family, kind, proto)
+        for family, address in found:
+            if PROBE_BEFORE_BIND and port and port_answers(WILDCARD_PROBES.get(address[0], address[0]), port):
+                raise OSError(errno.EADDRINUSE, "a listener answers on it")
+            sock = socket.socket(family, socket.SOCK_STREAM)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: old connections in TIME_WAIT
             if family == socket.AF_INET6:  # as asyncio: the IPv4 socket, if any, takes IPv4
@@ -61,8 +88,17 @@ def listen(settings: ServerSettings) -> list[socket.socket]:
     except OSError as e:
         for sock in sockets:
             sock.close()
-        raise _bind_error(e, settings) from None
+        raise _bind_error(e, settings, port) from None
     return sockets
+
+
+def port_answers(address: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether something accepts TCP connections on `address`:`port` (a listener binding did not notice)."""
+    try:
+        socket.create_connection((address, port), timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
 
 
 def url_of(sock: socket.socket) -> str:
@@ -71,8 +107,13 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _bind_error(error: OSError, settings: ServerSettings) -> BindError:
+def _bind_error(error: OSError, settings: ServerSettings, port: int) -> BindError:
     where = f"port {settings.port} on {settings.host}"
+    if error.errno == errno.EADDRINUSE and settings.port == 0:
+        return PortInUseError(
+            f"--port 0 picked port {port} on one address of {settings.host}, but another address has it in use; "
+            "run again, or pick a port with --port"
+        )
     if error.errno == errno.EADDRINUSE:
         free = _free_port_after(settings.host.strip("[]"), settings.port)
         example = f"--port {free}" if free else "--port 0 (any free port)"
@@ -188,15 +229,24 @@ class BackgroundServer:
     ):
         self._sockets = listen(settings)  # here: a taken port is a PortInUseError before anything slow starts
         self.url = url_of(self._sockets[0])
-        self._server = _server(models, settings, log_level, on_finished)
+        try:
+            self._server = _server(models, settings, log_level, on_finished)
+        except BaseException:
+            self._close()  # nothing will serve on them
+            raise
         self._thread = threading.Thread(target=self._run, name="mlxinfer-server", daemon=True)
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
+        """Serve on the thread and return once connections are answered; BindError if it exits or takes too long."""
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server on {self.url} did not start within {timeout:g} s (see the log)")
+            if not self._thread.is_alive():
+                raise BindError(f"the server on {self.url} exited as it started (see the log above)")
+            if time.monotonic() > deadline:
+                self.stop(GRACEFUL_SHUTDOWN_S)
+                self._close()  # also if its thread is stuck
+                raise BindError(f"the server on {self.url} did not start within {timeout:g} s; it was stopped")
             time.sleep(0.02)
         return self
 

@@ -93,10 +93,14 @@ class MenubarController:
 
     # -- what the menu does -----------------------------------------------
 
-    def start(self, path: Path) -> None:
-        """Take the port, load `path` and serve it; a taken port (PortInUseError) is found before the slow load."""
+    def start(self, path: Path, on_bound: Callable[[], object] = lambda: None) -> None:
+        """Take the port, load `path` and serve it; a taken port (PortInUseError) is found before the slow load.
+
+        `on_bound` runs once the port is held, before the load (the CLI says "Loading ..." there).
+        """
         server = self._bind()
         try:
+            on_bound()
             self._use(path)
         except BaseException:
             server.stop()

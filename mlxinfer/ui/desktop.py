@@ -10,40 +10,58 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import TrayError
+from ..server import ServerSettings
 
 WATCHER = "org.kde.StatusNotifierWatcher"
 DBUS_TIMEOUT_MS = 500
+X_TCP_PORT = 6000  # display :n of a remote X server listens on TCP port 6000 + n
+X_CONNECT_TIMEOUT_S = 2.0  # Xlib itself waits for the system's TCP timeout (minutes) on an unreachable host
 # dummy shows nothing (tests); macOS's menubar and the Windows notification area are always there.
 UNCHECKED_BACKENDS = frozenset({"dummy", "darwin", "win32"})
 
 
-def require_tray(chat_url: str, environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> None:
-    """Raise TrayError, naming what is missing and offering `mlxinfer serve`, when the icon could not show.
+def require_tray(advice: str, environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> None:
+    """Raise TrayError, naming what is missing and then `advice` (see `instead`), when the icon could not show.
 
     Example:
-        >>> require_tray("http://127.0.0.1:8080")  # in a desktop session: returns; over ssh: raises TrayError
+        >>> require_tray(instead())  # in a desktop session: returns; over ssh: raises TrayError
     """
     problem = tray_problem(environ, platform)
     if problem:
-        raise TrayError(f"{problem}; {instead(chat_url)}")
+        raise TrayError(f"{problem}; {advice}")
 
 
-def instead(chat_url: str) -> str:
-    """The way out when there is no tray: the same server and chat page, without the icon."""
-    if chat_url.endswith(":0"):  # --port 0: the port is only known once serve binds
-        return "run `mlxinfer serve` instead and open the address it prints"
-    return f"run `mlxinfer serve` and open {chat_url}/ instead"
+def instead(model: str | None = None, port: int = ServerSettings.port, kv_bits: str | None = None) -> str:
+    """The way out when there is no tray: `mlxinfer serve` with the model and options given to `menubar`.
+
+    Example:
+        >>> instead("/m/Qwen3 4bit", 9000)
+        "run `mlxinfer serve '/m/Qwen3 4bit' --port 9000` and open http://127.0.0.1:9000/ instead"
+    """
+    words = ["mlxinfer", "serve", *([model] if model else [])]
+    if port != ServerSettings.port:  # serve's default needs no flag
+        words += ["--port", str(port)]
+    if kv_bits:
+        words += ["--kv-bits", str(kv_bits)]
+    command = shlex.join(words)
+    if port == 0:  # the port is only known once serve binds
+        return f"run `{command}` instead and open the address it prints"
+    return f"run `{command}` and open http://{ServerSettings.host}:{port}/ instead"
 
 
 def tray_problem(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> str | None:
     """What is missing for a tray icon, in words; None when the icon can show."""
-    if platform in ("darwin", "win32"):
+    if platform == "win32" or environ.get("PYSTRAY_BACKEND") == "dummy":
         return None
+    if platform == "darwin":
+        return _macos_session_problem()
     backend = pystray_backend(environ)
     if backend in UNCHECKED_BACKENDS:
         return None
@@ -74,6 +92,9 @@ def _xembed_problem(x_name: str, backend: str) -> str | None:
         from Xlib import error as xerror
     except ImportError:  # pystray needs python-xlib on Linux: its own import error will say so
         return None
+    unreachable = _x_server_unreachable(x_name)
+    if unreachable:
+        return f"cannot reach X display {x_name} ({unreachable})"
     try:
         display = xdisplay.Display(x_name)
     except (xerror.DisplayError, xerror.XauthError, xerror.ConnectionClosedError, OSError) as e:
@@ -86,6 +107,30 @@ def _xembed_problem(x_name: str, backend: str) -> str | None:
         display.close()
     needs = "a status-notifier or XEmbed tray" if backend == "appindicator" else "an XEmbed tray"
     return f"no system tray on display {x_name} (needs {needs}, e.g. a desktop panel)"
+
+
+def _x_server_unreachable(x_name: str) -> str | None:
+    """Why a DISPLAY with a host part (`host:n`, e.g. ssh's `localhost:10`) does not answer in time; None if it does."""
+    host, _, number = x_name.rpartition(":")
+    host, number = host.removeprefix("tcp/").strip("[]"), number.split(".")[0]  # [tcp/]host:n[.screen]
+    if not host or host == "unix" or "/" in host or not number.isdigit():
+        return None  # a local socket (or a name Xlib will reject itself): no network wait
+    try:
+        socket.create_connection((host, X_TCP_PORT + int(number)), X_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def _macos_session_problem() -> str | None:
+    """Over ssh there is no window server session, and AppKit would fail only after the model loaded."""
+    try:
+        from Quartz import CGSessionCopyCurrentDictionary  # pyobjc, which pystray needs on macOS
+    except ImportError:
+        return None
+    if CGSessionCopyCurrentDictionary() is None:
+        return "no macOS GUI session (logged in over ssh?)"
+    return None
 
 
 def _no_x_problem(wayland: str, backend: str) -> str:

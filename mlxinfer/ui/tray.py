@@ -18,9 +18,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from ..errors import TrayError
+from ..errors import MlxInferError, TrayError
 from .controller import MenubarController
-from .desktop import instead
 
 log = logging.getLogger("mlxinfer.menubar")
 
@@ -41,15 +40,20 @@ def icon_image(size: int = 64) -> Image.Image:
 
 
 def build_menu(controller: MenubarController, pystray: Any, on_quit: Callable[[Any], None] | None = None) -> Any:
-    """The menu; labels are callables, so they are read each time the menu is drawn."""
+    """The menu; labels are callables, so they are read each time the menu is drawn.
+
+    An action that fails (a taken port, a model that does not load) shows "Error: ..." in place of
+    the model line until the next action succeeds, and logs it; it never reaches pystray's loop.
+    """
     item, menu = pystray.MenuItem, pystray.Menu
     on_quit = on_quit or (lambda icon: quit_app(controller, icon))
+    shown = _ActionErrors(controller)
 
     def models_menu() -> list[Any]:
         return [
             item(
                 path.name,
-                partial(_in_background, controller.switch_model, path),
+                partial(_in_background, shown.wrap(controller.switch_model, path)),
                 checked=lambda _, p=path: controller.current == p,
                 radio=True,
             )
@@ -57,33 +61,56 @@ def build_menu(controller: MenubarController, pystray: Any, on_quit: Callable[[A
         ]
 
     return menu(
-        item(lambda _: controller.model_label, None, enabled=False),
+        item(lambda _: shown.error or controller.model_label, None, enabled=False),
         item(lambda _: controller.speed_label, None, enabled=False),
         menu.SEPARATOR,
-        item("Open Chat", lambda: controller.open_chat(), default=True),
+        item("Open Chat", shown.wrap(controller.open_chat), default=True),
         item("Switch Model", menu(models_menu)),
-        item("Unload", lambda: controller.unload(), enabled=lambda _: controller.loaded),
-        item(lambda _: "Stop Server" if controller.serving else "Start Server", lambda: controller.toggle_server()),
+        item("Unload", shown.wrap(controller.unload), enabled=lambda _: controller.loaded),
+        item(lambda _: "Stop Server" if controller.serving else "Start Server", shown.wrap(controller.toggle_server)),
         menu.SEPARATOR,
         item("Quit", lambda icon: on_quit(icon)),
     )
 
 
-def run_tray(controller: MenubarController) -> None:
+class _ActionErrors:
+    """The last menu action's error, shown in the menu: a failed click must not vanish (or end the icon's loop)."""
+
+    def __init__(self, controller: MenubarController):
+        self.controller, self.error = controller, None
+
+    def wrap(self, action: Callable[..., None], *args: Any) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                action(*args)
+            except MlxInferError as error:
+                log.error("Error: %s", error)
+                self.error = f"Error: {error}"
+            else:
+                self.error = None
+            self.controller.on_change()  # redraw: the error appeared or went
+
+        return run
+
+
+def run_tray(controller: MenubarController, advice: str) -> None:
     """Show the icon and block until Quit (or SIGTERM / Ctrl-C). Runs on the main thread (AppKit needs it).
 
-    Raises TrayError, after stopping the controller, when pystray cannot show the icon: it fails
-    to start, raises, or logs an error (xorg logs "Failed to dock icon" and would run on, iconless).
+    Raises TrayError ending in `advice` (`desktop.instead`), after stopping the controller, when pystray
+    cannot show the icon: it fails to start, raises, or logs an error while showing it (xorg logs
+    "Failed to dock icon" and would run on, iconless). Errors it logs once the icon shows (a panel that
+    restarts) are one warning each, and serving goes on; a loop that ends by itself stops the helper.
     """
-    pystray = _import_pystray(controller)
-    tray = _TrayRun(controller)
+    pystray = _import_pystray(controller, advice)
+    tray = _TrayRun(controller, advice)
     menu = build_menu(controller, pystray, on_quit=lambda _: tray.quit())
     tray.icon = icon = pystray.Icon("mlxinfer", icon_image(), "mlxinfer", menu=menu)
     controller.on_change = _on_main_thread(icon.update_menu)
     handlers = {sig: signal.signal(sig, lambda *_: tray.quit()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        with _pystray_errors(tray.fail):
+        with _pystray_errors(tray.report):
             icon.run(tray.setup)
+        tray.fail(tray.last_warning or "its loop ended")  # ignored after Quit; else nothing could quit the helper
     except Exception as error:  # noqa: BLE001 - any failure of the icon is the same one-line error
         tray.fail(_reason(error))  # ignored after Quit (gtk's CloseNotification with no notification service)
     finally:
@@ -108,19 +135,32 @@ def quit_app(controller: MenubarController, icon: Any, exit_status: int = 0, mes
 class _TrayRun:
     """One run of the icon: whether the user quit, or why the icon failed."""
 
-    def __init__(self, controller: MenubarController):
-        self.controller, self.icon = controller, None
-        self.url = controller.url  # now, while it serves: the real port, also with --port 0
+    def __init__(self, controller: MenubarController, advice: str):
+        self.controller, self.icon, self.advice = controller, None, advice
         self.failure: str | None = None
+        self.is_shown = False  # until then any error means there is no icon
+        self.last_warning: str | None = None
+        self._warned: set[str] = set()
         self._stopping = False
         self._stopper: threading.Thread | None = None
         self._watchdog: threading.Timer | None = None
 
     def setup(self, icon: Any) -> None:  # on pystray's setup thread, once its loop runs
         try:
-            icon.visible = True
+            icon.visible = True  # xorg docks here, and logs (not raises) a failure before returning
         except Exception as error:  # noqa: BLE001 - reported as the run's failure
             self.fail(_reason(error))
+        self.is_shown = self.failure is None
+
+    def report(self, reason: str) -> None:
+        """An error pystray logged: fatal while the icon is being shown, one warning each after that."""
+        if not self.is_shown:
+            self.fail(reason)
+            return
+        self.last_warning = reason  # the reason, should pystray's loop end after it (xorg's does)
+        if reason not in self._warned:  # a panel that restarts again and again says it once
+            self._warned.add(reason)
+            log.warning("Warning: the tray icon reported an error (%s); serving goes on", reason)
 
     def quit(self) -> None:
         if not self._stopping:
@@ -136,7 +176,8 @@ class _TrayRun:
         self._stopper.start()
 
     def message(self) -> str:
-        return f"the tray icon could not be shown ({self.failure}); {instead(self.url)}"
+        what = "stopped" if self.is_shown else "could not be shown"
+        return f"the tray icon {what} ({self.failure}); {self.advice}"
 
     def done(self) -> None:
         """After the icon's loop: the server and models are closed before the caller reports a failure."""
@@ -176,12 +217,12 @@ def _pystray_errors(on_error: Callable[[str], None]) -> Iterator[None]:
         logger.propagate = propagate
 
 
-def _import_pystray(controller: MenubarController) -> Any:
+def _import_pystray(controller: MenubarController, advice: str) -> Any:
     try:
         import pystray
     except Exception as error:  # noqa: BLE001 - without a display its xorg backend raises Xlib errors, not ImportError
         controller.quit()
-        raise TrayError(f"pystray cannot start ({_reason(error)}); {instead(controller.url)}") from None
+        raise TrayError(f"pystray cannot start ({_reason(error)}); {advice}") from None
     return pystray
 
 
