@@ -17,6 +17,7 @@ from .cache.store import KVLayout
 from .default_model import cache_dir, default_model_path
 from .display import html_table, mib
 from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
+from .engine.prefill import SNAPSHOT_EVERY
 from .engine.sampling import is_int
 from .errors import MemoryBudgetError, SamplingError, TokenizerError
 from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
@@ -106,7 +107,7 @@ class Model:
         else:
             store.check_room(len(ids))  # a full or unwritable cache folder fails now, not after the prefill
         hit = self.prefix_cache.lookup(ids, reuse_all=True)
-        kv = make_cache(len(self._loaded.model.layers), self.kv_bits)
+        kv = make_cache(self._loaded.model.cache_kinds, self.kv_bits)
         if hit:
             hit.restore(kv)
         self.prefix_cache.release(hit)
@@ -217,7 +218,7 @@ class Model:
     def generate(self, prompt: Prompt, *, chat: bool | None = None, **options: Any) -> GenerationResult:
         """Generate a completion. A string is a raw prompt unless `chat=True`; a list of
         messages always uses the chat template. Options: max_tokens, temperature, top_p,
-        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache."""
+        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every."""
         run = self.stream(prompt, chat=chat, **options)
         for _ in run:
             pass
@@ -236,12 +237,16 @@ class Model:
         stop: str | Sequence[str] | None = None,
         prefill_chunk_tokens: int = 512,
         use_cache: bool = True,
+        snapshot_every: int = SNAPSHOT_EVERY,
         **sampling: Any,
     ) -> TextGeneration:
         """Iterate over text chunks as they are generated; `.stats` is filled when done.
 
         With `use_cache` (the default) a prompt that starts like an earlier one
-        (a system prompt, a document, the earlier turns of a chat) reuses its KV."""
+        (a system prompt, a document, the earlier turns of a chat) reuses its KV.
+        On models with sliding-window or recurrent layers it resumes from the
+        deepest state snapshot within the shared part; `snapshot_every` sets how
+        many prompt tokens lie between snapshots."""
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
@@ -256,6 +261,7 @@ class Model:
             eos_token_ids=self.eos_token_ids,
             prefill_chunk_tokens=prefill_chunk_tokens,
             kv_bits=self.kv_bits,
+            snapshot_every=snapshot_every,
         )
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
@@ -293,7 +299,7 @@ class Model:
         return self._logit_chunks(ids, chunk_tokens)
 
     def _logit_chunks(self, ids: mx.array, chunk_tokens: int) -> Iterator[np.ndarray]:
-        cache = make_cache(len(self._loaded.model.layers), self.kv_bits)
+        cache = make_cache(self._loaded.model.cache_kinds, self.kv_bits)
         for start in range(0, ids.size, chunk_tokens):
             part = self._loaded.model(ids[None, start : start + chunk_tokens], cache)[0].astype(mx.float32)
             mx.eval(part)

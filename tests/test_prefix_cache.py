@@ -23,7 +23,7 @@ PROMPT = list(range(40, 80))
 def first_logits(model: mlxinfer.Model, ids: list[int], cache: PrefixCache | None) -> np.ndarray:
     """The logits that start decoding, prefilled from whatever `cache` holds."""
     hit = cache.lookup(ids) if cache else None
-    kv = make_cache(len(model._loaded.model.layers))
+    kv = make_cache(model._loaded.model.cache_kinds)
     if hit:
         hit.restore(kv)
     start = hit.tokens if hit else 0
@@ -34,9 +34,8 @@ def first_logits(model: mlxinfer.Model, ids: list[int], cache: PrefixCache | Non
     return np.array(logits.astype(mx.float32))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "gemma3"])  # gemma: sliding-window layers
-def test_full_and_partial_hits_give_the_same_logits_and_tokens(arch):
-    model = mlxinfer.load(TINY / arch)
+def test_full_and_partial_hits_give_the_same_logits_and_tokens():
+    model = mlxinfer.load(TINY / "qwen2")
     cold = {n: first_logits(model, PROMPT[:n], None) for n in (40, 30)}
     cache = PrefixCache(1 << 30)
     first_logits(model, PROMPT, cache)  # warm with the whole prompt
@@ -52,6 +51,25 @@ def test_full_and_partial_hits_give_the_same_logits_and_tokens(arch):
     assert partial.stats.diverged_at == 25
     again = model.generate(PROMPT, max_tokens=8)  # the previous answer's tokens are cached too
     assert again.token_ids == uncached.token_ids and again.stats.cached_tokens == 39
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])  # sliding-window layers: resumed from snapshots
+def test_windowed_models_resume_from_the_deepest_snapshot_and_match_a_cold_run(arch):
+    model = mlxinfer.load(TINY / arch)
+    uncached = model.generate(PROMPT, max_tokens=8, use_cache=False)
+    model.generate(PROMPT[:25] + [1, 2, 3], max_tokens=4, snapshot_every=8)  # snapshots at 8, 16, 24, 27, 28
+    partial = model.generate(PROMPT, max_tokens=8, snapshot_every=8)
+    assert partial.token_ids == uncached.token_ids
+    # 25 tokens are shared, but a window cannot be cut back: the deepest snapshot within them is at 24.
+    assert partial.stats.cached_tokens == 24 and partial.stats.prefilled_tokens == 16
+    assert "shares 25 tokens" in partial.stats.cache_note and "snapshot" in partial.stats.cache_note
+    again = model.generate(PROMPT, max_tokens=8)  # the end of the previous prompt is a snapshot (39 of 40)
+    assert again.token_ids == uncached.token_ids and again.stats.cached_tokens == 39
+    # A chat's next turn: the state after the answer (all 8 tokens were fed back) is a snapshot too.
+    turn = PROMPT + uncached.token_ids + [5, 6]
+    longer = model.generate(turn, max_tokens=4)
+    assert longer.stats.cached_tokens == len(PROMPT) + 8
+    assert longer.token_ids == model.generate(turn, max_tokens=4, use_cache=False).token_ids
 
 
 def test_hit_after_eviction_recomputes_the_same_answer():
@@ -80,7 +98,7 @@ def test_byte_budget_holds_under_distinct_prompts_and_evicts_least_recent():
 
 def test_entries_in_use_are_never_evicted_and_shorter_turns_are_folded():
     model = mlxinfer.load(TINY / "qwen2")
-    kv = make_cache(len(model._loaded.model.layers))
+    kv = make_cache(model._loaded.model.cache_kinds)
     prefill(model._loaded.model, mx.array(PROMPT, dtype=mx.uint32), kv, chunk_tokens=64)
     cache = PrefixCache(1 << 30)
     assert cache.insert(PROMPT[:20], kv) and cache.insert(PROMPT, kv)

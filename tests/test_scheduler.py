@@ -105,7 +105,7 @@ def test_rows_join_and_leave_without_disturbing_the_others(tiny_llama):
     lm = tiny_llama._loaded.model
 
     def prefilled(prompt):
-        cache = make_cache(len(lm.layers))
+        cache = make_cache(lm.cache_kinds)
         logits = lm(mx.array([prompt]), cache)[0, -1]
         return cache, int(mx.argmax(logits).item())
 
@@ -142,7 +142,7 @@ def test_rows_join_and_leave_without_disturbing_the_others(tiny_llama):
     assert batch[0].length == len(PROMPTS[2]) + len(outs[1]) - 1
 
     # A row taken out for the prefix cache holds exactly that sequence's keys and values.
-    single = row_cache(batch, 0, None)
+    single = row_cache(batch, 0, lm.cache_kinds, None)
     reference, _ = prefilled(PROMPTS[1] + outs[0][:-1])
     assert single[0].length == reference[0].length
     for got, want in zip(single[0].state, reference[0].state):

@@ -55,7 +55,7 @@ class Ours:
     def model_step_s(self, prompt: list[int], steps: int) -> float:
         from ..cache import make_cache
 
-        cache = make_cache(len(self._lm.layers))
+        cache = make_cache(self._lm.cache_kinds)
         return _bare_steps(lambda x: self._lm(x, cache), prompt, steps)
 
 

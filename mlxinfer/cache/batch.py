@@ -6,6 +6,10 @@ unused positions that the attention mask hides. A row joins after its own
 prefill (its single-sequence cache is copied in, padded on the left, or the
 others are) and leaves when it finishes; padding every remaining row shares is
 then cut off, so a batch is never longer than its longest row.
+
+Attention layers line rows up by position (a window's arrays start at `start`,
+the same for every row); a recurrent layer's rows are just stacked on axis 0,
+each row's state its own.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .kv import Cache, KVCache, QuantizedKVCache, _capacity, make_cache
+from .kv import KVCache, QuantizedKVCache, _capacity
+from .layers import Cache, make_cache
+from .state import StateCache
 
 
 def add_row(batch: list[Cache] | None, row: Sequence[Cache]) -> list[Cache]:
@@ -22,17 +28,20 @@ def add_row(batch: list[Cache] | None, row: Sequence[Cache]) -> list[Cache]:
     if batch is None:
         batch = [_empty_like(c) for c in row]
         for layer, single in zip(batch, row):
-            arrays = [_right_aligned(a, single.length, single.length) for a in single.arrays]
-            layer.set_rows(arrays, single.length, [0])
+            _copy_single(layer, single)
         return batch
     for layer, single in zip(batch, row):
         assert layer.left_padding is not None
         length = max(layer.length, single.length)
-        old = [_right_aligned(a, layer.length, length) for a in layer.arrays]
-        new = [_right_aligned(a, single.length, length) for a in single.arrays]
         shift = length - layer.length
         padding = [pad + shift for pad in layer.left_padding] + [length - single.length]
-        layer.set_rows([mx.concatenate(pair, axis=0) for pair in zip(old, new)], length, padding)
+        if isinstance(layer, StateCache):
+            layer.set_rows(_stacked(layer.slots, single.slots), length, padding)
+            continue
+        start = length - max(layer.length - layer.start, single.length - single.start)
+        old = [_right_aligned(a, layer.length - layer.start, length - start) for a in layer.arrays]
+        new = [_right_aligned(a, single.length - single.start, length - start) for a in single.arrays]
+        layer.set_rows([mx.concatenate(pair, axis=0) for pair in zip(old, new)], length, padding, start)
     return batch
 
 
@@ -46,22 +55,53 @@ def drop_rows(batch: list[Cache], rows: Sequence[int]) -> list[Cache] | None:
     for layer in batch:
         padding = [layer.left_padding[i] for i in keep]
         cut = min(padding)
-        arrays = [mx.take(a[..., cut : layer.length, :], index, axis=0) for a in layer.arrays]
-        layer.set_rows(arrays, layer.length - cut, [pad - cut for pad in padding])
+        padding = [pad - cut for pad in padding]
+        if isinstance(layer, StateCache):
+            layer.set_rows([_take(s, index) for s in layer.slots], layer.length - cut, padding)
+            continue
+        first = max(0, cut - layer.start)  # positions before `cut` are padding in every row left
+        arrays = [mx.take(a[..., first : layer.length - layer.start, :], index, axis=0) for a in layer.arrays]
+        layer.set_rows(arrays, layer.length - cut, padding, max(0, layer.start - cut))
     return batch
 
 
-def row_cache(batch: Sequence[Cache], row: int, kv_bits: int | None, group_size: int = 64) -> list[Cache]:
+def row_cache(batch: Sequence[Cache], row: int, kinds, kv_bits: int | None, group_size: int = 64) -> list[Cache]:
     """Row `row` of `batch` as a single-sequence cache (for the prefix cache), without its padding."""
-    single = make_cache(len(batch), kv_bits, group_size)
+    single = make_cache(kinds, kv_bits, group_size)
     for cache, layer in zip(single, batch):
         pad = layer.left_padding[row]
-        cache.load_state(tuple(a[row : row + 1, :, pad : layer.length, :] for a in layer.arrays))
+        if isinstance(layer, StateCache):
+            cache.load_state(tuple(_take(s, mx.array([row])) for s in layer.slots), layer.length - pad)
+            continue
+        first = max(pad, layer.start)
+        state = tuple(a[row : row + 1, :, first - layer.start : layer.length - layer.start, :] for a in layer.arrays)
+        cache.load_state(state, layer.length - pad)
     return single
 
 
+def _copy_single(layer: Cache, single: Cache) -> None:
+    if isinstance(single, StateCache):
+        layer.set_rows(single.slots, single.length, [0])
+        return
+    held = single.length - single.start
+    arrays = [_right_aligned(a, held, held) for a in single.arrays]
+    layer.set_rows(arrays, single.length, [0], single.start)
+
+
 def _empty_like(cache: Cache) -> Cache:
-    return QuantizedKVCache(cache.bits, cache.group_size) if isinstance(cache, QuantizedKVCache) else KVCache()
+    if isinstance(cache, StateCache):
+        return StateCache()
+    if isinstance(cache, QuantizedKVCache):
+        return QuantizedKVCache(cache.bits, cache.group_size, cache.window)
+    return KVCache(cache.window)
+
+
+def _stacked(olds: list[mx.array | None], news: list[mx.array | None]) -> list[mx.array | None]:
+    return [None if o is None or n is None else mx.concatenate([o, n], axis=0) for o, n in zip(olds, news)]
+
+
+def _take(slot: mx.array | None, index: mx.array) -> mx.array | None:
+    return None if slot is None else mx.take(slot, index, axis=0)
 
 
 def _right_aligned(array: mx.array, used: int, length: int) -> mx.array:

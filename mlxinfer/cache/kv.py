@@ -3,11 +3,16 @@
 The attention code of mlx-lm's layers calls `update_and_fetch(keys, values)` and
 reads `offset`; a cache with a `bits` attribute gets quantized attention
 (mlx-lm's `quantized_scaled_dot_product_attention`). Storage grows in steps so
-decoding does not reallocate on every token. Sliding-window layers keep the full
-history and are masked (models/decoder.py), which keeps every cache trimmable.
+decoding does not reallocate on every token.
 
-`state` is a tuple of arrays whose axis 2 is the position, so the prefix cache
-can slice, store and restore any cache kind the same way.
+A full-attention cache holds every position, so it can be cut at any length
+(`cuttable`): the prefix cache slices it. A sliding-window cache (`window` set)
+holds only positions [start, length): once a write would outgrow its storage it
+keeps the last `window - 1` positions (all a later query can see) and drops the
+rest, so its memory stays near the window plus one prefill chunk however long
+the context gets. It cannot be cut back: the prefix cache keeps snapshots of it.
+
+`state` is a tuple of arrays whose axis 2 is the position (from `start`).
 
 A cache may hold several sequences as rows (cache/batch.py builds such batches
 for continuous batching): rows are right-aligned, a shorter row starting after
@@ -15,8 +20,6 @@ for continuous batching): rows are right-aligned, a shorter row starting after
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -27,11 +30,10 @@ def _capacity(needed: int) -> int:
     return ((needed + STEP - 1) // STEP) * STEP
 
 
-class _PositionCache:
-    """Arrays with positions on axis 2, grown in steps; subclasses decide what the arrays hold."""
+class _RowCache:
+    """What every layer cache shares: positions written, and the rows of a batch."""
 
     def __init__(self) -> None:
-        self.arrays: list[mx.array] = []
         self.length = 0  # positions written (in a batch: by the longest row, padding included)
         self.left_padding: list[int] | None = None  # per row, in a batch
         self._row_offsets: mx.array | None = None
@@ -45,45 +47,89 @@ class _PositionCache:
             self._row_offsets = mx.array([self.length - pad for pad in self.left_padding])
         return self._row_offsets
 
-    def set_rows(self, arrays: list[mx.array], length: int, left_padding: list[int] | None) -> None:
+
+class _PositionCache(_RowCache):
+    """Arrays with positions on axis 2, grown in steps; subclasses decide what the arrays hold."""
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.arrays: list[mx.array] = []
+        self.start = 0  # the position arrays[..., 0, :] holds (a window drops older ones)
+        self.window = window
+
+    @property
+    def cuttable(self) -> bool:
+        """Whether the first n positions can be taken for any n (a window forgets old ones)."""
+        return self.window is None
+
+    def set_rows(self, arrays: list[mx.array], length: int, left_padding: list[int] | None, start: int = 0) -> None:
         """Replace the contents (cache/batch.py reshapes batches with this)."""
         self.arrays, self.length, self.left_padding, self._row_offsets = arrays, length, left_padding, None
+        self.start = start
+
+    def key_start(self, new: int) -> int:
+        """The position of the first key `update_and_fetch` returns when `new` positions are written next."""
+        if self.window is None or not self.arrays or self.length - self.start + new <= self.arrays[0].shape[2]:
+            return self.start
+        return max(self.start, self.length - (self.window - 1))
 
     def _append(self, parts: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
-        """Write `parts` after the current positions; returns every array up to the new end."""
-        start, end = self.length, self.length + parts[0].shape[2]
-        if not self.arrays or end > self.arrays[0].shape[2]:
-            capacity = _capacity(end)
-            olds = self.arrays or [None] * len(parts)
-            self.arrays = [_grown(old, start, capacity, part) for old, part in zip(olds, parts)]
+        """Write `parts` after the current positions; returns every array from `start` to the new end."""
+        new = parts[0].shape[2]
+        if not self.arrays or self.length - self.start + new > self.arrays[0].shape[2]:
+            self._regrow(new, parts)
+        at = self.length - self.start
         for stored, part in zip(self.arrays, parts):
-            stored[..., start:end, :] = part
-        self.length, self._row_offsets = end, None
+            stored[..., at : at + new, :] = part
+        self.length, self._row_offsets = self.length + new, None
         return self.state
 
+    def _regrow(self, new: int, like: tuple[mx.array, ...]) -> None:
+        """Fresh storage with room for `new` more positions, keeping what later queries can still see."""
+        start = self.key_start(new)
+        kept = self.length - start
+        # A window gets a step of slack so decoding regrows once per STEP tokens, not every token.
+        capacity = _capacity(kept + new) + (STEP if self.window is not None else 0)
+        olds = self.arrays or [None] * len(like)
+        self.arrays = [_moved(old, start - self.start, kept, capacity, part) for old, part in zip(olds, like)]
+        self.start = start
+
     def trim(self, n: int) -> int:
-        """Forget the last `n` positions; returns how many were dropped."""
-        n = min(self.length, n)
+        """Forget the last `n` positions (never before `start`); returns how many were dropped."""
+        n = min(self.length - self.start, n)
         self.length, self._row_offsets = self.length - n, None
         return n
 
     @property
     def state(self) -> tuple[mx.array, ...]:
-        return tuple(a[..., : self.length, :] for a in self.arrays)
+        return tuple(a[..., : self.length - self.start, :] for a in self.arrays)
 
-    def load_state(self, state: tuple[mx.array, ...]) -> None:
-        """Start from `state` (a reused prefix); it is copied, never written, when the cache grows."""
-        self.set_rows(list(state), state[0].shape[2], None)
+    def load_state(self, state: tuple[mx.array, ...], length: int | None = None) -> None:
+        """Start from `state` (a reused prefix, or a window's snapshot ending at `length`).
+
+        It is copied, never written, when the cache grows."""
+        held = state[0].shape[2]
+        length = held if length is None else length
+        self.set_rows(list(state), length, None, start=length - held)
+
+    def snapshot(self) -> tuple[mx.array, ...]:
+        """A copy of what a window still needs (its last window - 1 positions), to restore with load_state."""
+        keep = min(self.length - self.start, (self.window or self.length + 1) - 1)
+        copied = tuple(mx.contiguous(a[..., self.length - self.start - keep : self.length - self.start, :])
+                       for a in self.arrays)  # fmt: skip
+        mx.eval(copied)
+        return copied
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
 
-def _grown(old: mx.array | None, offset: int, capacity: int, like: mx.array) -> mx.array:
+def _moved(old: mx.array | None, first: int, kept: int, capacity: int, like: mx.array) -> mx.array:
+    """New storage of `capacity` positions starting with `old[..., first : first + kept, :]`."""
     new = mx.zeros((*like.shape[:2], capacity, like.shape[3]), like.dtype)
-    if old is not None and offset:
-        new[..., :offset, :] = old[..., :offset, :]
+    if old is not None and kept:
+        new[..., :kept, :] = old[..., first : first + kept, :]
     return new
 
 
@@ -98,8 +144,8 @@ class KVCache(_PositionCache):
 class QuantizedKVCache(_PositionCache):
     """Keys and values stored as MLX affine-quantized triplets (packed, scales, biases) along head_dim."""
 
-    def __init__(self, bits: int, group_size: int = 64):
-        super().__init__()
+    def __init__(self, bits: int, group_size: int = 64, window: int | None = None):
+        super().__init__(window)
         self.bits, self.group_size = bits, group_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -112,22 +158,3 @@ class QuantizedKVCache(_PositionCache):
 
 
 KV_BITS = (4, 8)
-
-
-def held_positions(caches: Sequence[Cache]) -> int:
-    """Positions every layer's cache holds.
-
-    A forward pass stopped part-way (Ctrl-C) leaves its first layers ahead of the
-    rest; each cache's `length` moves only after all its arrays were written, so
-    the shortest one counts positions that are complete in every layer."""
-    return min((c.length for c in caches), default=0)
-
-
-Cache = KVCache | QuantizedKVCache
-
-
-def make_cache(num_layers: int, kv_bits: int | None = None, group_size: int = 64) -> list[Cache]:
-    """One empty cache per layer; `kv_bits` 8 or 4 stores keys and values quantized."""
-    if kv_bits is None:
-        return [KVCache() for _ in range(num_layers)]
-    return [QuantizedKVCache(kv_bits, group_size) for _ in range(num_layers)]

@@ -15,6 +15,14 @@ With a PrefixStore, warmed prefixes (`insert(..., persist=True)`) are also on
 disk. Entries found there at start-up join the trie with their KV still on
 disk; a hit loads it, and evicting one only drops the loaded copy.
 
+A layer that cannot be cut back (a sliding window, a recurrent state) is kept as
+snapshots: its state at chosen positions (the end of a prompt, of a chat
+message, every N tokens of a long prefill; engine/prefill.py picks them). An
+entry of such a model can resume a prompt only at one of its snapshots, so a
+lookup takes the deepest snapshot at or before the shared prefix, and says so.
+Full-attention layers of the same entry are cut there. Snapshots count in the
+entry's bytes.
+
 A disk load happens on the thread that looks the prefix up (the scheduler's,
 so every running stream waits for it): it is I/O-bound, reading the file once
 in chunks (hashed as it goes, only the first time that very file is loaded)
@@ -26,17 +34,22 @@ prompt is prefilled and later lookups try the next ones.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .kv import Cache
+from .layers import Cache, snapshot
 from .store import PrefixStore, StoredPrefix
 
+log = logging.getLogger(__name__)
 LayerState = tuple[mx.array, ...]  # a cache's `state`: arrays with positions on axis 2
 MAX_LOADS_PER_LOOKUP = 4  # disk files one lookup may try: bad ones beyond it wait for later lookups
+
+
+Snapshot = list["LayerState | None"]  # per layer: the state of a layer that cannot be cut; None for one that can
 
 
 @dataclass
@@ -46,12 +59,28 @@ class PrefixHit:
     tokens: int
     diverged_at: int | None  # where the prompt left the best entry; None if the entry ended first
     entry_id: int
-    layers: list[LayerState]
+    layers: list[LayerState | None]  # full-attention arrays (None: a layer restored from `snapshot`)
+    snapshot: Snapshot | None = None  # the other layers' state at `tokens`
+    shared: int = 0  # tokens the prompt shares with the cache; `tokens` is less when no snapshot sits there
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)  # the entry's snapshots up to `tokens`
+
+    @property
+    def reason(self) -> str:
+        """Where the prompt resumed and why, for stats and logs."""
+        if self.snapshot is None or self.shared == self.tokens:
+            return f"resumed at {self.tokens}: the prompt shares {self.shared} tokens with a cached one"
+        return (
+            f"resumed at {self.tokens}: the prompt shares {self.shared} tokens with a cached one, and the "
+            f"deepest state snapshot at or before that is at {self.tokens}"
+        )
 
     def restore(self, caches: list[Cache]) -> list[Cache]:
         """`caches` (empty, of the kind the entry was made with) starting from the reused positions."""
-        for cache, state in zip(caches, self.layers):
-            cache.load_state(tuple(a[..., : self.tokens, :] for a in state))
+        for i, (cache, state) in enumerate(zip(caches, self.layers)):
+            if state is not None:
+                cache.load_state(tuple(a[..., : self.tokens, :] for a in state))
+            else:
+                cache.load_state(self.snapshot[i], self.tokens)
         return caches
 
 
@@ -76,16 +105,21 @@ class PrefixCacheStats:
 @dataclass
 class _Entry:
     ids: tuple[int, ...]
-    layers: list[LayerState] | None  # None: on disk only
+    layers: list[LayerState | None] | None  # None: on disk only
     nbytes: int  # bytes held in memory
     pins: int = 0
     stored: StoredPrefix | None = None
+    snapshots: dict[int, Snapshot] | None = None  # None: every layer can be cut, any position can resume
+
+    def resumes_at(self, depth: int) -> bool:
+        return self.snapshots is None or depth in self.snapshots
 
 
 @dataclass
 class _Node:
     children: dict[int, _Node] = field(default_factory=dict)
     entries: set[int] = field(default_factory=set)  # entries whose ids pass through this node
+    stops: set[int] = field(default_factory=set)  # of those, the ones a prompt can resume from at this depth
 
 
 class PrefixCache:
@@ -110,18 +144,19 @@ class PrefixCache:
         self._evict_until(self.stats.budget_bytes)
 
     def lookup(self, ids: Sequence[int], reuse_all: bool = False) -> PrefixHit | None:
-        """The longest cached prefix of `ids`; pins its entry.
+        """The longest cached prefix of `ids` a prompt can resume from; pins its entry.
 
         A prompt's last token is always left to prefill (its logits start decoding)
         unless `reuse_all`, for warming a prefix that may already be cached whole."""
         self.stats.lookups += 1
         self.stats.prompt_tokens += len(ids)
+        wanted = ids if reuse_all else ids[:-1]
         loads = 0
         while True:  # a bad file on disk drops its entry: then the next best, up to MAX_LOADS_PER_LOOKUP files
-            node, depth = self._deepest(ids if reuse_all else ids[:-1])
-            if depth == 0 or not node.entries:
+            node, depth, shared = self._deepest(wanted)
+            if depth == 0:
                 return None
-            entry_id = max(node.entries, key=lambda i: self._entries[i].layers is not None)  # in memory first
+            entry_id = max(node.stops, key=lambda i: self._entries[i].layers is not None)  # in memory first
             entry = self._entries[entry_id]
             if entry.layers is not None:
                 break
@@ -136,8 +171,7 @@ class PrefixCache:
         entry.pins += 1
         self.stats.hits += 1
         self.stats.cached_tokens += depth
-        diverged = depth if depth < min(len(entry.ids), len(ids)) and ids[depth] != entry.ids[depth] else None
-        return PrefixHit(depth, diverged, entry_id, entry.layers)
+        return _hit(entry_id, entry, ids, depth, shared)
 
     def release(self, hit: PrefixHit | None) -> None:
         """The request that looked `hit` up is done with it."""
@@ -145,34 +179,58 @@ class PrefixCache:
         if entry is not None:
             entry.pins -= 1
 
-    def insert(self, ids: Sequence[int], cache: Sequence[Cache], persist: bool = False) -> bool:
-        """Keep the KV of `ids` (the first len(ids) positions of `cache`); False if it cannot fit.
+    def insert(
+        self,
+        ids: Sequence[int],
+        cache: Sequence[Cache],
+        persist: bool = False,
+        snapshots: dict[int, Snapshot] | None = None,
+    ) -> bool:
+        """Keep the state of `ids` (the first len(ids) positions of `cache`); False if it cannot fit.
 
-        `persist` also writes it to the store, where it outlives this process."""
+        Layers that cannot be cut keep `snapshots` (position -> state, taken while
+        prefilling) and their state now if they hold exactly `ids`. `persist` also
+        writes the entry to the store, where it outlives this process."""
         ids = tuple(ids)
-        if not ids or any(c.length < len(ids) for c in cache):
+        if not ids or any(c.cuttable and c.length < len(ids) for c in cache):
             return False
+        kept = _snapshots_upto(cache, len(ids), snapshots)
+        if kept is not None:
+            if not kept:
+                return False  # no state of the uncuttable layers at or before the end of ids
+            ids = ids[: max(kept)]  # positions past the last snapshot cannot be resumed from
         node = self._walk(ids)
-        covering = [i for i in node.entries if self._entries[i].stored or not persist] if node else []
+        covering = [i for i in node.stops if self._covers(i, kept, persist)] if node else []
         if covering:  # an entry already covers all of ids
             self._entries.move_to_end(max(covering))
             return True
         # Sized from shapes, before copying anything or folding the entries it would replace.
-        nbytes = sum(a.nbytes // a.shape[2] * len(ids) for c in cache for a in c.state)
-        if nbytes > self.stats.budget_bytes:
+        nbytes = sum(a.nbytes // a.shape[2] * len(ids) for c in cache if c.cuttable for a in c.state)
+        kept = _within(kept, self.stats.budget_bytes - nbytes)
+        nbytes += _snapshot_bytes(kept)
+        if nbytes > self.stats.budget_bytes or kept == {}:
             return False
-        layers = [_copy_prefix(c, len(ids)) for c in cache]
+        layers = [_copy_prefix(c, len(ids)) if c.cuttable else None for c in cache]
         stored = None
-        if persist and self.store is not None:
+        if persist and self.store is not None and kept is None:
             stored = StoredPrefix(self.store.save(ids, layers), ids, nbytes)
-        for entry_id in self._prefixes_of(ids):
+        elif persist and self.store is not None:
+            log.warning("kept a %d-token prefix in memory only: state snapshots are not written to disk", len(ids))
+        for entry_id in self._prefixes_of(ids, kept):
             self._remove(entry_id)
         if not self._evict_until(self.stats.budget_bytes - nbytes):  # others in use: keep it on disk only
             if stored:
                 self._add(_Entry(ids, None, 0, stored=stored))
             return stored is not None
-        self._add(_Entry(ids, layers, nbytes, stored=stored))
+        self._add(_Entry(ids, layers, nbytes, stored=stored, snapshots=kept))
         return True
+
+    def _covers(self, entry_id: int, kept: dict[int, Snapshot] | None, persist: bool) -> bool:
+        """Whether the entry makes a new one with snapshots `kept` (None: none needed) redundant."""
+        entry = self._entries[entry_id]
+        if persist and not entry.stored and kept is None:
+            return False
+        return kept is None or entry.snapshots is None or set(kept) <= set(entry.snapshots)
 
     def evict(self, bytes_wanted: int) -> int:
         """Free at least `bytes_wanted` if entries not in use allow it (memory pressure); returns bytes freed."""
@@ -188,10 +246,13 @@ class PrefixCache:
         entry_id = next(self._ids)
         self._entries[entry_id] = entry
         node = self._root
-        for token in entry.ids:
+        for depth, token in enumerate(entry.ids):
             node.entries.add(entry_id)
+            if depth and entry.resumes_at(depth):
+                node.stops.add(entry_id)
             node = node.children.setdefault(token, _Node())
         node.entries.add(entry_id)
+        node.stops.add(entry_id)
         self._account(+1, entry.nbytes)
 
     def _load(self, entry_id: int) -> bool:
@@ -214,15 +275,18 @@ class PrefixCache:
         self._account(0, nbytes)
         return True
 
-    def _deepest(self, ids: Sequence[int]) -> tuple[_Node, int]:
-        """The trie node of the longest cached prefix of `ids`, and its depth."""
+    def _deepest(self, ids: Sequence[int]) -> tuple[_Node, int, int]:
+        """The deepest trie node along `ids` that some entry can resume from, its depth, and how deep `ids` matched."""
         node, depth = self._root, 0
+        best, best_depth = self._root, 0
         for token in ids:
             child = node.children.get(token)
             if child is None:
                 break
             node, depth = child, depth + 1
-        return node, depth
+            if node.stops:
+                best, best_depth = node, depth
+        return best, best_depth, depth
 
     def _walk(self, ids: tuple[int, ...]) -> _Node | None:
         node = self._root
@@ -232,18 +296,20 @@ class PrefixCache:
                 return None
         return node
 
-    def _prefixes_of(self, ids: tuple[int, ...]) -> list[int]:
-        """Unpinned entries whose whole token sequence is a prefix of `ids`."""
+    def _prefixes_of(self, ids: tuple[int, ...], kept: dict[int, Snapshot] | None) -> list[int]:
+        """Unpinned in-memory entries whose whole token sequence is a prefix of `ids` and that a new entry
+        with snapshots `kept` covers (it resumes wherever they could)."""
         found, node = [], self._root
         for depth, token in enumerate(ids):
             node = node.children.get(token)
             if node is None:
                 break
-            found += [
-                i
-                for i in node.entries
-                if len(self._entries[i].ids) == depth + 1 and not self._entries[i].pins and not self._entries[i].stored
-            ]
+            for i in node.entries:
+                entry = self._entries[i]
+                if len(entry.ids) != depth + 1 or entry.pins or entry.stored:
+                    continue
+                if kept is None or entry.snapshots is None or set(entry.snapshots) <= set(kept):
+                    found.append(i)
         return found
 
     def _evict_until(self, limit: int) -> bool:
@@ -267,6 +333,7 @@ class PrefixCache:
         for token in entry.ids:
             child = node.children[token]
             child.entries.discard(entry_id)
+            child.stops.discard(entry_id)
             if not child.entries:
                 del node.children[token]  # nothing else passes below here
                 break
@@ -278,6 +345,50 @@ class PrefixCache:
         self.stats.bytes_held += nbytes
 
 
+def _hit(entry_id: int, entry: _Entry, ids: Sequence[int], depth: int, shared: int) -> PrefixHit:
+    end = min(len(entry.ids), len(ids))
+    diverged = depth
+    while diverged < end and ids[diverged] == entry.ids[diverged]:
+        diverged += 1
+    snapshots = entry.snapshots or {}
+    return PrefixHit(
+        depth,
+        diverged if diverged < end else None,
+        entry_id,
+        entry.layers,
+        snapshot=snapshots.get(depth),
+        shared=shared,
+        snapshots={p: s for p, s in snapshots.items() if p <= depth},
+    )
+
+
+def _snapshots_upto(
+    cache: Sequence[Cache], tokens: int, taken: dict[int, Snapshot] | None
+) -> dict[int, Snapshot] | None:
+    """The snapshots an entry of `tokens` positions keeps (None when every layer can be cut)."""
+    if all(c.cuttable for c in cache):
+        return None
+    kept = {p: s for p, s in (taken or {}).items() if 0 < p <= tokens}
+    if all(c.length == tokens for c in cache if not c.cuttable):
+        kept[tokens] = snapshot(cache)
+    return kept
+
+
+def _within(kept: dict[int, Snapshot] | None, room: int) -> dict[int, Snapshot] | None:
+    """`kept` less its earliest snapshots until it fits in `room` bytes (the deepest is never dropped)."""
+    if kept is None:
+        return None
+    kept = dict(sorted(kept.items()))
+    while len(kept) > 1 and _snapshot_bytes(kept) > room:
+        del kept[next(iter(kept))]
+    return kept
+
+
+def _snapshot_bytes(kept: dict[int, Snapshot] | None) -> int:
+    arrays = {id(a): a for s in (kept or {}).values() for state in s if state for a in state if a is not None}
+    return sum(a.nbytes for a in arrays.values())
+
+
 def _copy_prefix(cache: Cache, tokens: int) -> LayerState:
     # A contiguous copy: a slice would keep the request's whole (larger) buffer alive.
     copied = tuple(mx.contiguous(a[..., :tokens, :]) for a in cache.state)
@@ -285,5 +396,5 @@ def _copy_prefix(cache: Cache, tokens: int) -> LayerState:
     return copied
 
 
-def _nbytes(layers: list[LayerState]) -> int:
-    return sum(a.nbytes for state in layers for a in state)
+def _nbytes(layers: list[LayerState | None]) -> int:
+    return sum(a.nbytes for state in layers if state for a in state)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cache import Cache, PrefixHit
+from ..cache import Cache, PrefixHit, Snapshot
 from ..cache.batch import add_row, drop_rows, row_cache
 from ..models.decoder import DecoderLM
 from .job import Job
@@ -30,6 +30,7 @@ class Running:
     hit: PrefixHit | None  # the prefix-cache entry it reused, pinned until it ends
     drawn: list[int] = field(default_factory=list)  # sampled tokens; all but the last are in the cache
     first_token_at: float = 0.0
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)  # state snapshots from its prefill
 
     @property
     def token(self) -> int:
@@ -65,7 +66,7 @@ class DecodeBatch:
     def row_cache(self, row: int) -> list[Cache]:
         """Row `row`'s keys and values as a single-sequence cache (for the prefix cache)."""
         assert self.cache is not None
-        return row_cache(self.cache, row, self.kv_bits)
+        return row_cache(self.cache, row, self.model.cache_kinds, self.kv_bits)
 
     def step(self) -> list[int]:
         """Feed every row its last drawn token; returns the next token of each row."""

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cache import Cache, PrefixCache, held_positions, make_cache
+from ..cache import Cache, PrefixCache, Snapshot, held_positions, make_cache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from ..untrusted import shown
+from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
 
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
 MAX_TOKENS = 1_000_000  # tokens one request may ask for
 
 
@@ -35,16 +35,13 @@ class GenerationRequest:
     eos_token_ids: Iterable[int] = ()
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     kv_bits: int | None = None  # 8 or 4: keys and values stored quantized
+    snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
+    snapshot_marks: Sequence[int] = ()  # more snapshot positions: where each chat message ends
 
 
 def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens: int) -> mx.array:
     """Run `prompt` (1-D ids) into `cache`; returns logits of its last position, shape (vocab,)."""
-    for start in range(0, prompt.size, chunk_tokens):
-        hidden = model.hidden(prompt[None, start : start + chunk_tokens], cache)  # (1, chunk, hidden)
-        if start + chunk_tokens < prompt.size:
-            mx.eval([c.arrays for c in cache])
-    # Only the last position's logits are needed: skip the vocab projection for the rest.
-    return model.head(hidden[:, -1])[0]
+    return Prefill.start(model, cache, prompt, chunk_tokens).run()
 
 
 def decode(model: DecoderLM, first_logits: mx.array, cache: list[Cache], sampler: Sampler) -> Iterator[int]:
@@ -70,20 +67,24 @@ def generate_ids(
     as every layer holds them, are offered to the cache.
     """
     check_request(request.prompt_ids, request.max_tokens, model.model.embed_tokens.weight.shape[0])
-    chunk = request.prefill_chunk_tokens
-    if not isinstance(chunk, int) or chunk < 1:
-        raise SamplingError(f"prefill_chunk_tokens must be a positive integer, got {shown(chunk)}")
+    for name in ("prefill_chunk_tokens", "snapshot_every"):
+        value = getattr(request, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SamplingError(f"{name} must be a positive integer, got {shown(value)}")
     prompt_ids = list(request.prompt_ids)
-    cache = make_cache(len(model.layers), request.kv_bits)
+    cache = make_cache(model.cache_kinds, request.kv_bits)
     drawn: list[int] = []  # every token decode() produced, each of them already fed into `cache`
+    snapshots: dict[int, Snapshot] = {}  # state snapshots taken while prefilling (or inherited from the hit)
     hit, sound = None, False
     try:
         hit = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
         if hit:
             hit.restore(cache)
+            snapshots.update(hit.snapshots)
         stats.cached_tokens = hit.tokens if hit else 0
         stats.diverged_at = hit.diverged_at if hit else None
-        yield from _generate(model, request, stats, cache, drawn)
+        stats.cache_note = hit.reason if hit else ""
+        yield from _generate(model, request, stats, cache, drawn, snapshots)
         sound = True
     except GeneratorExit:
         sound = True  # the caller stopped reading (a stop string, a closed stream): the cache is sound
@@ -98,11 +99,16 @@ def generate_ids(
         if prefix_cache is not None:
             prefix_cache.release(hit)
             if sound:  # the next turn of a chat starts with this prompt and answer
-                prefix_cache.insert((prompt_ids + drawn)[: held_positions(cache)], cache)
+                prefix_cache.insert((prompt_ids + drawn)[: held_positions(cache)], cache, snapshots=snapshots)
 
 
 def _generate(
-    model: DecoderLM, request: GenerationRequest, stats: GenerationStats, cache: list[Cache], drawn: list[int]
+    model: DecoderLM,
+    request: GenerationRequest,
+    stats: GenerationStats,
+    cache: list[Cache],
+    drawn: list[int],
+    snapshots: dict[int, Snapshot],
 ) -> Iterator[int]:
     eos = set(request.eos_token_ids)
     prompt = mx.array(list(request.prompt_ids), dtype=mx.uint32)
@@ -114,7 +120,12 @@ def _generate(
     stats.prompt_tokens = prompt.size
     stats.prefilled_tokens = prompt.size - cached
     stats.finish_reason = "length"
-    first_logits = prefill(model, prompt[cached:], cache, request.prefill_chunk_tokens)
+    run = Prefill.start(model, cache, prompt[cached:], request.prefill_chunk_tokens, request.snapshot_every,
+                        request.snapshot_marks, inherited=snapshots)  # fmt: skip
+    try:
+        first_logits = run.run()
+    finally:  # a prefill stopped by Ctrl-C keeps the snapshots it took
+        snapshots.update(run.snapshots)
     first_at = None
     for count, token in enumerate(decode(model, first_logits, cache, sampler)):
         drawn.append(token)

@@ -33,6 +33,7 @@ from ..untrusted import shown
 from .batch import DecodeBatch, Running
 from .generate import check_request
 from .job import Delta, Event, Failed, Finished, Job
+from .prefill import SNAPSHOT_EVERY, Prefill
 from .sampling import Sampler
 from .text import TextStream
 from .threads import run_on_device_thread
@@ -58,9 +59,10 @@ class SchedulerConfig:
     max_batch: int = 8  # sequences decoding together
     max_queue: int = 64  # requests waiting for a place; more are refused (BusyError)
     prefill_chunk: int = 256  # tokens per prefill step, between decode steps of running sequences
+    snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_queue", "prefill_chunk"):
+        for name in ("max_batch", "max_queue", "prefill_chunk", "snapshot_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"SchedulerConfig.{name} must be a positive integer, got {shown(value)}")
@@ -68,10 +70,7 @@ class SchedulerConfig:
 
 @dataclass
 class _Prefill:
-    cache: list[Cache]
-    prompt: mx.array
-    done: int  # prompt tokens already in `cache`
-    chunk: int
+    run: Prefill
     sequence: Running
 
 
@@ -200,7 +199,7 @@ class Scheduler:
         prefill = self._prefill
         if prefill and (prefill.sequence.job.cancelled or prefill.sequence.job.expired(now)):
             self._prefill = None
-            self._keep_prefix(prefill.sequence, prefill.cache)  # the chunks run so far serve a retry of the prompt
+            self._keep_prefix(prefill.sequence, prefill.run.cache)  # the chunks run so far serve a retry of the prompt
             self._finish(prefill.sequence, "cancelled" if prefill.sequence.job.cancelled else "length")
         ended = [i for i, s in enumerate(self._batch.rows) if s.job.cancelled or s.job.expired(now)]
         for row in ended:
@@ -256,7 +255,7 @@ class Scheduler:
 
     def _start_prefill(self, job: Job, chunk: int) -> _Prefill:
         runtime, prompt_ids = self.runtime, job.prompt_ids
-        cache = make_cache(len(runtime.decoder.layers), runtime.kv_bits)
+        cache = make_cache(runtime.decoder.cache_kinds, runtime.kv_bits)
         hit = runtime.prefix_cache.lookup(prompt_ids) if runtime.prefix_cache else None
         try:
             return self._prefill_from(job, chunk, cache, hit)
@@ -273,22 +272,23 @@ class Scheduler:
         job.stats.prompt_tokens = len(prompt_ids)
         job.stats.cached_tokens = hit.tokens if hit else 0
         job.stats.diverged_at = hit.diverged_at if hit else None
+        job.stats.cache_note = hit.reason if hit else ""
         job.stats.prefilled_tokens = len(prompt_ids) - job.stats.cached_tokens
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
         sampler = Sampler(job.sampling, self._vocab)
         sampler.observe(prompt)
         sequence = Running(job, sampler, TextStream(runtime.tokenizer.decode, job.stop), hit)
-        return _Prefill(cache, prompt, cache[0].length, chunk, sequence)
+        run = Prefill.start(runtime.decoder, cache, prompt[cache[0].length :], chunk, self.config.snapshot_every,
+                            job.snapshot_marks, inherited=hit.snapshots if hit else None)  # fmt: skip
+        sequence.snapshots = run.snapshots  # the same dict: snapshots taken later join it
+        return _Prefill(run, sequence)
 
     def _prefill_step(self) -> None:
         p = self._prefill
         if p is None:
             return
-        end = min(p.done + p.chunk, p.prompt.size)
-        hidden = self.runtime.decoder.hidden(p.prompt[None, p.done : end], p.cache)
-        p.done = end
-        if end < p.prompt.size:
-            mx.eval([c.arrays for c in p.cache])
+        hidden = p.run.step()
+        if not p.run.finished:
             return
         self._prefill = None
         token = p.sequence.sampler(self.runtime.decoder.head(hidden[:, -1])[0])
@@ -299,9 +299,9 @@ class Scheduler:
         stats.first_token(ttft, ttft - stats.queued_s)
         reason = self._accept(sequence, int(token.item()))
         if reason is None:
-            self._batch.join(sequence, p.cache)
+            self._batch.join(sequence, p.run.cache)
         else:
-            self._keep_prefix(sequence, p.cache)
+            self._keep_prefix(sequence, p.run.cache)
             self._finish(sequence, reason)
 
     def _decode_step(self) -> None:
@@ -334,7 +334,8 @@ class Scheduler:
         prefix = self.runtime.prefix_cache
         try:
             if prefix is not None:
-                prefix.insert(sequence.ids_in_cache(held_positions(cache)), cache)  # generate_ids' rule too
+                ids = sequence.ids_in_cache(held_positions(cache))  # generate_ids' rule too
+                prefix.insert(ids, cache, snapshots=sequence.snapshots)
         except Exception:  # noqa: BLE001 - a cache that cannot keep this prefix must not fail the answer
             log.warning("could not keep a finished request's prefix", exc_info=True)
         self._release(sequence)

@@ -16,6 +16,7 @@ class GenerationStats:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefilled_tokens: int = 0  # prompt tokens run through the model
     diverged_at: int | None = None  # on a partial hit, where the prompt left the best cached entry
+    cache_note: str = ""  # on a hit, where the prompt resumed and why (a snapshot may sit before the shared part)
     generated_tokens: int = 0
     queued_s: float = 0.0  # waiting for a place in the batch (served requests only)
     ttft_s: float = 0.0

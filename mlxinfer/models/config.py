@@ -21,6 +21,7 @@ from .safetensors_header import MAX_DIM
 log = logging.getLogger(__name__)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+ATTENTION = frozenset({FULL, SLIDING})
 # Far above any real model (the deepest have ~130 layers), and checked before the
 # per-layer tuples below are built; the checkpoint's own tensors then pin the count.
 MAX_LAYERS = 10_000

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config import SLIDING, ModelConfig
+from .config import ATTENTION, SLIDING, ModelConfig
 from .mlx_lm_modules import model_module
 
 
@@ -54,10 +54,22 @@ class DecoderLM(nn.Module):
         first = caches[0]
         offset = first.length if first is not None else 0
         padding = first.left_padding if first is not None else None
-        masks = {kind: self.mask(h.shape[1], offset, kind, padding) for kind in set(self.layout.layer_types)}
+        masks = {}
+        for kind, layer_cache in zip(self.layout.layer_types, caches):
+            if kind not in masks and kind in ATTENTION:
+                # A window's cache returns keys from its `start`, which a long write moves forward.
+                start = layer_cache.key_start(h.shape[1]) if layer_cache is not None else 0
+                masks[kind] = self.mask(h.shape[1], offset, kind, padding, start)
         for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
-            h = layer(h, masks[kind], layer_cache)
+            # Recurrent layers need no mask: each row is prefilled alone and keeps its own state.
+            h = layer(h, masks.get(kind), layer_cache)
         return self.model.norm(h)
+
+    @property
+    def cache_kinds(self) -> tuple[tuple[str, int | None], ...]:
+        """Each layer's type and, for a sliding layer, its window: what `cache.make_cache` builds from."""
+        window = self.layout.sliding_window
+        return tuple((kind, window if kind == SLIDING else None) for kind in self.layout.layer_types)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Input embeddings of `tokens`, scaled where the architecture does."""
@@ -80,17 +92,21 @@ class DecoderLM(nn.Module):
     def __call__(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
         return self.head(self.hidden(tokens, cache))
 
-    def mask(self, length: int, offset: int, kind: str, left_padding: Sequence[int] | None = None) -> mx.array | None:
-        """Attention mask for `length` queries after `offset` cached positions in a `kind` layer.
+    def mask(
+        self, length: int, offset: int, kind: str, left_padding: Sequence[int] | None = None, key_start: int = 0
+    ) -> mx.array | None:
+        """Attention mask for `length` queries after `offset` positions in a `kind` layer whose cache returns
+        keys from position `key_start` on.
 
         With `left_padding` (a batch of right-aligned rows) the mask is per row,
-        shape (rows, 1, length, offset + length), and hides each row's padding."""
-        # Keys cover positions [0, offset + length); query i sits at offset + i.
+        shape (rows, 1, length, offset + length - key_start), and hides each row's padding."""
+        # Keys cover positions [key_start, offset + length); query i sits at offset + i.
         window = self.layout.sliding_window if kind == SLIDING else None
-        if left_padding is None and length == 1 and (window is None or offset < window):
+        keys = offset + length - key_start
+        if left_padding is None and length == 1 and (window is None or keys <= window):
             return None
         query = mx.arange(offset, offset + length)[:, None]
-        key = mx.arange(offset + length)[None]
+        key = mx.arange(key_start, offset + length)[None]
         mask = query >= key
         if window is not None:
             mask = mask & (query < key + window)

@@ -1,0 +1,82 @@
+"""Running a prompt into a cache, chunk by chunk, with state snapshots where they are due.
+
+One `Prefill` serves both the single-request generator and the scheduler (which
+runs one chunk per turn between decode steps). An `mx.eval` between chunks
+bounds activation memory. On a model with layers that cannot be cut back (a
+sliding window, a recurrent state) chunks also end at the snapshot positions:
+every `snapshot_every` tokens, the given marks (the end of each chat message),
+and the end of the prompt and the position before it (a repeat of the same
+prompt resumes there). The prefix cache keeps those snapshots with the entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..cache import Cache, Snapshot, snapshot
+from ..cache.layers import cuttable
+from ..models.decoder import DecoderLM
+
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+SNAPSHOT_EVERY = 1024  # tokens between state snapshots of a long prompt
+MAX_MARKS = 256  # snapshot marks one request may give (chat messages); more are ignored
+
+
+def snapshot_positions(start: int, end: int, every: int, marks: Iterable[int] = ()) -> list[int]:
+    """Where to snapshot while prefilling positions [start, end): sorted, each in (start, end]."""
+    due = {end, end - 1, *range(every, end, every), *list(marks)[:MAX_MARKS]}
+    return sorted(p for p in due if start < p <= end)
+
+
+@dataclass
+class Prefill:
+    """`ids` (1-D, the part of a prompt not in `cache` yet) being run into `cache`, which held `base` positions."""
+
+    model: DecoderLM
+    cache: list[Cache]
+    ids: mx.array
+    base: int
+    chunk: int
+    stops: list[int] = field(default_factory=list)  # positions to snapshot at
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)  # position -> state, taken here or inherited
+    done: int = 0  # of `ids`
+
+    @classmethod
+    def start(cls, model: DecoderLM, cache: list[Cache], ids: mx.array, chunk: int,
+              every: int = SNAPSHOT_EVERY, marks: Iterable[int] = (),
+              inherited: dict[int, Snapshot] | None = None) -> Prefill:  # fmt: skip
+        base = cache[0].length
+        stops = [] if cuttable(cache) else snapshot_positions(base, base + ids.size, every, marks)
+        return cls(model, cache, ids, base, chunk, stops, dict(inherited or {}))
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= self.ids.size
+
+    @property
+    def position(self) -> int:
+        """Positions the cache holds once the chunks run so far are evaluated."""
+        return self.base + self.done
+
+    def step(self) -> mx.array:
+        """Run the next chunk; returns its hidden states, shape (1, chunk, hidden)."""
+        stop = next((p for p in self.stops if p > self.position), self.base + self.ids.size)
+        end = min(self.done + self.chunk, self.ids.size, stop - self.base)
+        hidden = self.model.hidden(self.ids[None, self.done : end], self.cache)
+        self.done = end
+        if self.position in self.stops:
+            self.snapshots[self.position] = snapshot(self.cache)  # evaluates the chunk
+        elif not self.finished:
+            mx.eval([c.arrays for c in self.cache])
+        return hidden
+
+    def run(self) -> mx.array:
+        """Every remaining chunk; returns the logits of the prompt's last position, shape (vocab,)."""
+        hidden = self.step()
+        while not self.finished:
+            hidden = self.step()
+        # Only the last position's logits are needed: skip the vocab projection for the rest.
+        return self.model.head(hidden[:, -1])[0]
