@@ -12,14 +12,14 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
-from .cache import PrefixCache, PrefixCacheStats, PrefixStore, fingerprint, make_cache
+from .cache import RECURRENT, PrefixCache, PrefixCacheStats, PrefixStore, StateCache, fingerprint, make_cache
 from .cache.store import KVLayout
 from .default_model import cache_dir, default_model_path
 from .display import html_table, mib
 from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
 from .engine.prefill import SNAPSHOT_EVERY
 from .engine.sampling import is_int
-from .errors import MemoryBudgetError, SamplingError, TokenizerError
+from .errors import CacheError, MemoryBudgetError, SamplingError, TokenizerError
 from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
@@ -115,7 +115,9 @@ class Model:
         chunk = self._fit_request(len(ids), len(ids), 512)
         if start < len(ids):
             prefill(self._loaded.model, mx.array(ids[start:], dtype=mx.uint32), kv, chunk)
-        if not self.prefix_cache.insert(ids, kv, persist=store is not None):
+        # The snapshots of the entry it resumed from stay resumable in the new one (and in its file).
+        snapshots = hit.snapshots if hit else None
+        if not self.prefix_cache.insert(ids, kv, persist=store is not None, snapshots=snapshots):
             raise MemoryBudgetError(f"a {len(ids)}-token prefix does not fit the prefix cache's budget")
         return len(ids)
 
@@ -141,17 +143,29 @@ class Model:
         loaded = self._loaded
         if not loaded.tokenizer:
             return None
-        sizes = self.footprint
-        layout = KVLayout.of(
-            len(loaded.model.layers), sizes.kv_heads, sizes.head_dim, loaded.compute_dtype, self.context_tokens,
-            kv_bits=self.kv_bits, group_size=KV_GROUP_SIZE,
-        )  # fmt: skip
+        sizes, kinds = self.footprint, loaded.model.cache_kinds
         try:
+            layout = KVLayout.of(
+                len(kinds), sizes.kv_heads, sizes.head_dim, loaded.compute_dtype, self.context_tokens,
+                kv_bits=self.kv_bits, group_size=KV_GROUP_SIZE, kinds=kinds, states=self._state_slots(),
+            )  # fmt: skip
             model_fingerprint = self._fingerprint()
+        except CacheError as e:
+            log.warning("not using warmed prefixes: %s", e)
+            return None
         except OSError as e:  # the model loaded: it still answers, without warmed prefixes
             log.warning("not using warmed prefixes: cannot fingerprint %s (%s)", loaded.path, e.strerror or e)
             return None
         return PrefixStore(cache_dir() / "prefixes", model_fingerprint, layout, label=loaded.path.name)
+
+    def _state_slots(self) -> dict[int, tuple[mx.array | None, ...]]:
+        """Each recurrent layer's state after one token: every snapshot of it has these shapes and dtypes."""
+        model = self._loaded.model
+        if all(kind not in RECURRENT for kind, _ in model.cache_kinds):
+            return {}
+        caches = make_cache(model.cache_kinds, self.kv_bits)
+        model.hidden(mx.array([[0]], dtype=mx.uint32), caches)  # its size does not grow with the input
+        return {i: c.snapshot() for i, c in enumerate(caches) if isinstance(c, StateCache)}
 
     def _fingerprint(self) -> str:
         loaded, tokenizer = self._loaded, self.tokenizer

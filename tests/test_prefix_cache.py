@@ -53,25 +53,6 @@ def test_full_and_partial_hits_give_the_same_logits_and_tokens():
     assert again.token_ids == uncached.token_ids and again.stats.cached_tokens == 39
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])  # sliding-window layers: resumed from snapshots
-def test_windowed_models_resume_from_the_deepest_snapshot_and_match_a_cold_run(arch):
-    model = mlxinfer.load(TINY / arch)
-    uncached = model.generate(PROMPT, max_tokens=8, use_cache=False)
-    model.generate(PROMPT[:25] + [1, 2, 3], max_tokens=4, snapshot_every=8)  # snapshots at 8, 16, 24, 27, 28
-    partial = model.generate(PROMPT, max_tokens=8, snapshot_every=8)
-    assert partial.token_ids == uncached.token_ids
-    # 25 tokens are shared, but a window cannot be cut back: the deepest snapshot within them is at 24.
-    assert partial.stats.cached_tokens == 24 and partial.stats.prefilled_tokens == 16
-    assert "shares 25 tokens" in partial.stats.cache_note and "snapshot" in partial.stats.cache_note
-    again = model.generate(PROMPT, max_tokens=8)  # the end of the previous prompt is a snapshot (39 of 40)
-    assert again.token_ids == uncached.token_ids and again.stats.cached_tokens == 39
-    # A chat's next turn: the state after the answer (all 8 tokens were fed back) is a snapshot too.
-    turn = PROMPT + uncached.token_ids + [5, 6]
-    longer = model.generate(turn, max_tokens=4)
-    assert longer.stats.cached_tokens == len(PROMPT) + 8
-    assert longer.token_ids == model.generate(turn, max_tokens=4, use_cache=False).token_ids
-
-
 def test_hit_after_eviction_recomputes_the_same_answer():
     model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=1)  # nothing fits: every request is cold
     uncached = model.generate(PROMPT, max_tokens=6, use_cache=False)

@@ -12,8 +12,9 @@ used entries that no running request holds; an entry that is a prefix of a
 newer one (the previous turn of a chat) is dropped, since the newer one covers it.
 
 With a PrefixStore, warmed prefixes (`insert(..., persist=True)`) are also on
-disk. Entries found there at start-up join the trie with their KV still on
-disk; a hit loads it, and evicting one only drops the loaded copy.
+disk, snapshots included. Entries found there at start-up join the trie with
+their KV still on disk (and their snapshot positions, read from the file's
+header); a hit loads it, and evicting one only drops the loaded copy.
 
 A layer that cannot be cut back (a sliding window, a recurrent state) is kept as
 snapshots: its state at chosen positions (the end of a prompt, of a chat
@@ -21,7 +22,7 @@ message, every N tokens of a long prefill; engine/prefill.py picks them). An
 entry of such a model can resume a prompt only at one of its snapshots, so a
 lookup takes the deepest snapshot at or before the shared prefix, and says so.
 Full-attention layers of the same entry are cut there. Snapshots count in the
-entry's bytes.
+entry's bytes, and go (or stay on disk) with it.
 
 A disk load happens on the thread that looks the prefix up (the scheduler's,
 so every running stream waits for it): it is I/O-bound, reading the file once
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .layers import Cache, snapshot
+from .prefix_file import MAX_SNAPSHOTS
 from .store import PrefixStore, StoredPrefix
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,9 @@ class _Entry:
     nbytes: int  # bytes held in memory
     pins: int = 0
     stored: StoredPrefix | None = None
-    snapshots: dict[int, Snapshot] | None = None  # None: every layer can be cut, any position can resume
+    # None: every layer can be cut, any position can resume. While `layers` is None (on disk
+    # only) the positions are known and each state is None.
+    snapshots: dict[int, Snapshot | None] | None = None
 
     def resumes_at(self, depth: int) -> bool:
         return self.snapshots is None or depth in self.snapshots
@@ -132,7 +136,7 @@ class PrefixCache:
         self.stats = PrefixCacheStats(budget_bytes=max(0, int(budget_bytes)))
         self.store = store
         for stored in store.scan() if store else []:
-            self._add(_Entry(stored.token_ids, None, 0, stored=stored))
+            self._add(_on_disk(stored))
 
     @property
     def budget_bytes(self) -> int:
@@ -191,7 +195,7 @@ class PrefixCache:
         Layers that cannot be cut keep `snapshots` (position -> state, taken while
         prefilling) and their state now if they hold exactly `ids`. `persist` also
         writes the entry to the store, where it outlives this process."""
-        ids = tuple(ids)
+        ids, persist = tuple(ids), persist and self.store is not None
         if not ids or any(c.cuttable and c.length < len(ids) for c in cache):
             return False
         kept = _snapshots_upto(cache, len(ids), snapshots)
@@ -199,28 +203,29 @@ class PrefixCache:
             if not kept:
                 return False  # no state of the uncuttable layers at or before the end of ids
             ids = ids[: max(kept)]  # positions past the last snapshot cannot be resumed from
-        node = self._walk(ids)
-        covering = [i for i in node.stops if self._covers(i, kept, persist)] if node else []
+        node = self._walk(ids) or _Node()
+        covering = [i for i in node.stops if self._covers(i, kept, persist)]
         if covering:  # an entry already covers all of ids
             self._entries.move_to_end(max(covering))
             return True
         # Sized from shapes, before copying anything or folding the entries it would replace.
         nbytes = sum(a.nbytes // a.shape[2] * len(ids) for c in cache if c.cuttable for a in c.state)
-        kept = _within(kept, self.stats.budget_bytes - nbytes)
+        kept = _within(kept, self.stats.budget_bytes - nbytes, MAX_SNAPSHOTS if persist else None)
         nbytes += _snapshot_bytes(kept)
         if nbytes > self.stats.budget_bytes or kept == {}:
             return False
         layers = [_copy_prefix(c, len(ids)) if c.cuttable else None for c in cache]
         stored = None
-        if persist and self.store is not None and kept is None:
-            stored = StoredPrefix(self.store.save(ids, layers), ids, nbytes)
-        elif persist and self.store is not None:
-            log.warning("kept a %d-token prefix in memory only: state snapshots are not written to disk", len(ids))
-        for entry_id in self._prefixes_of(ids, kept):
+        if persist:  # the entry in memory holds what the file holds: after an eviction it is loaded as it was
+            path = self.store.save(ids, layers, kept)
+            stored = StoredPrefix(path, ids, nbytes, tuple(sorted(kept or ())))
+        # An entry of the file just written over would expect the snapshots it had.
+        same_file = [i for i in node.stops if stored and self._entries[i].stored and self._entries[i].ids == ids]
+        for entry_id in self._prefixes_of(ids, kept) + same_file:
             self._remove(entry_id)
         if not self._evict_until(self.stats.budget_bytes - nbytes):  # others in use: keep it on disk only
             if stored:
-                self._add(_Entry(ids, None, 0, stored=stored))
+                self._add(_on_disk(stored))
             return stored is not None
         self._add(_Entry(ids, layers, nbytes, stored=stored, snapshots=kept))
         return True
@@ -228,7 +233,7 @@ class PrefixCache:
     def _covers(self, entry_id: int, kept: dict[int, Snapshot] | None, persist: bool) -> bool:
         """Whether the entry makes a new one with snapshots `kept` (None: none needed) redundant."""
         entry = self._entries[entry_id]
-        if persist and not entry.stored and kept is None:
+        if persist and not entry.stored:
             return False
         return kept is None or entry.snapshots is None or set(kept) <= set(entry.snapshots)
 
@@ -261,17 +266,18 @@ class PrefixCache:
         assert self.store is not None and entry.stored is not None
         if entry.stored.nbytes > self.stats.budget_bytes:
             return False  # it could never fit: leave the others alone
-        layers = self.store.load(entry.stored)
-        if layers is None:
+        loaded = self.store.load(entry.stored)
+        if loaded is None:
             self._remove(entry_id)
             return False
-        nbytes = _nbytes(layers)
+        layers, snapshots = loaded
+        nbytes = _nbytes(layers) + _snapshot_bytes(snapshots)
         entry.pins += 1  # not evictable while making room for itself
         fits = self._evict_until(self.stats.budget_bytes - nbytes)
         entry.pins -= 1
         if not fits:
             return False
-        entry.layers, entry.nbytes = layers, nbytes
+        entry.layers, entry.snapshots, entry.nbytes = layers, snapshots, nbytes
         self._account(0, nbytes)
         return True
 
@@ -318,9 +324,10 @@ class PrefixCache:
                 break
             if entry.pins or entry.layers is None:
                 continue
-            if entry.stored:  # keep knowing it is on disk; free the memory
+            if entry.stored:  # keep knowing it is on disk (and where it resumes); free the memory
                 self._account(0, -entry.nbytes)
                 entry.layers, entry.nbytes = None, 0
+                entry.snapshots = None if entry.snapshots is None else dict.fromkeys(entry.snapshots)
             else:
                 self._remove(entry_id)
             self.stats.evictions += 1
@@ -374,12 +381,13 @@ def _snapshots_upto(
     return kept
 
 
-def _within(kept: dict[int, Snapshot] | None, room: int) -> dict[int, Snapshot] | None:
-    """`kept` less its earliest snapshots until it fits in `room` bytes (the deepest is never dropped)."""
+def _within(kept: dict[int, Snapshot] | None, room: int, most: int | None = None) -> dict[int, Snapshot] | None:
+    """`kept` less its earliest snapshots until it fits in `room` bytes and holds at most `most` snapshots
+    (the deepest is never dropped)."""
     if kept is None:
         return None
     kept = dict(sorted(kept.items()))
-    while len(kept) > 1 and _snapshot_bytes(kept) > room:
+    while len(kept) > 1 and (_snapshot_bytes(kept) > room or (most is not None and len(kept) > most)):
         del kept[next(iter(kept))]
     return kept
 
@@ -387,6 +395,11 @@ def _within(kept: dict[int, Snapshot] | None, room: int) -> dict[int, Snapshot] 
 def _snapshot_bytes(kept: dict[int, Snapshot] | None) -> int:
     arrays = {id(a): a for s in (kept or {}).values() for state in s if state for a in state if a is not None}
     return sum(a.nbytes for a in arrays.values())
+
+
+def _on_disk(stored: StoredPrefix) -> _Entry:
+    """The entry of a stored prefix whose arrays are not in memory: where it resumes is known."""
+    return _Entry(stored.token_ids, None, 0, stored=stored, snapshots=dict.fromkeys(stored.snapshots) or None)
 
 
 def _copy_prefix(cache: Cache, tokens: int) -> LayerState:

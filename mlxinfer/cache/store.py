@@ -32,13 +32,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import mlx.core as mx
-
 from .. import disk
 from ..display import mib
 from ..errors import CacheError
 from ..untrusted import plain, shown_path
-from .prefix_file import FORMAT, KVLayout, NotOurs, encode, file_name, read_header, read_ids, read_kv, token_count
+from .prefix_file import (
+    FORMAT,
+    KVLayout,
+    LayerState,
+    NotOurs,
+    Snapshots,
+    encode,
+    file_name,
+    read_header,
+    read_index,
+    read_kv,
+    token_count,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +70,8 @@ _ELSEWHERE = "point MLXINFER_CACHE_DIR elsewhere"
 class StoredPrefix:
     path: Path
     token_ids: tuple[int, ...]
-    nbytes: int
+    nbytes: int  # of its arrays, once loaded
+    snapshots: tuple[int, ...] = ()  # positions of its state snapshots (a model with uncuttable layers)
 
 
 _Found = tuple[Path, str, os.stat_result, dict]  # a file of ours: folder, name, stat, metadata
@@ -117,9 +128,13 @@ class PrefixStore:
         except OSError as e:
             raise self._unwritable(e) from None
 
-    def save(self, token_ids: Sequence[int], layers: Sequence[tuple[mx.array, ...]]) -> Path:
-        """Write one prefix atomically with the checksum of its tensors; returns its path."""
-        chunks = encode(token_ids, layers, self.layout, self.fingerprint, self.label)
+    def save(self, token_ids: Sequence[int], layers: Sequence[LayerState | None],
+             snapshots: Snapshots | None = None) -> Path:  # fmt: skip
+        """Write one prefix atomically with the checksum of its tensors; returns its path.
+
+        `layers`: the full-attention layers' arrays (None for the others); `snapshots`: the
+        others' state at each position the prefix can resume from (None if the model has none)."""
+        chunks = encode(token_ids, layers, snapshots, self.layout, self.fingerprint, self.label)
         name = file_name(token_ids)
         try:
             with self._folder(create=True) as (_, folder):
@@ -143,8 +158,9 @@ class PrefixStore:
             return []
         return [stored for stored in found if stored is not None]
 
-    def load(self, stored: StoredPrefix) -> list[tuple[mx.array, ...]] | None:
-        """The KV of a stored prefix, or None (and the file quarantined if ours) if it does not check out."""
+    def load(self, stored: StoredPrefix) -> tuple[list[LayerState | None], Snapshots | None] | None:
+        """The KV of a stored prefix and its snapshots, or None (and the file quarantined if ours) if it does
+        not check out."""
         identity, name = None, stored.path.name
         try:
             with self._folder() as (_, folder), _open_file(folder, name) as (f, st):
@@ -152,9 +168,10 @@ class PrefixStore:
                 # The same file as last time (a reload after eviction) is read again but not hashed again.
                 same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
                 verified = self._verified.pop(name, None) == same
-                layers = read_kv(stored.path, f, st.st_size, stored.token_ids, self.fingerprint, self.layout, verified)
+                found = read_kv(stored.path, f, st.st_size, stored.token_ids, stored.snapshots, self.fingerprint,
+                                self.layout, verified)  # fmt: skip
                 self._verified[name] = same
-                return layers
+                return found
         except NotOurs as e:
             log.warning("leaving %s alone and not using it: %s", stored.path, e)
             return None
@@ -170,7 +187,7 @@ class PrefixStore:
         try:
             with _open_file(folder, name) as (f, st):
                 identity = (st.st_dev, st.st_ino)
-                ids = read_ids(path, f, read_header(f, st.st_size), self.fingerprint, self.layout)
+                ids, positions = read_index(path, f, read_header(f, st.st_size), self.fingerprint, self.layout)
         except NotOurs as e:
             log.warning("leaving %s alone: %s", path, e)
             return None
@@ -180,7 +197,7 @@ class PrefixStore:
         except OSError as e:
             log.warning("not using prefix cache file %s (%s)", path, _why(e))
             return None
-        return StoredPrefix(path, ids, self.layout.data_bytes(len(ids)) - 4 * len(ids))
+        return StoredPrefix(path, ids, self.layout.data_bytes(len(ids), positions) - 4 * len(ids), positions)
 
     @contextlib.contextmanager
     def _folder(self, create: bool = False) -> Iterator[tuple[int, int]]:

@@ -18,7 +18,7 @@ from ..cache import Cache, PrefixCache, Snapshot, held_positions, make_cache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from ..untrusted import shown
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill
+from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill, message_ends
 from .sampling import Sampler, SamplingParams
 from .stats import GenerationStats
 
@@ -36,7 +36,6 @@ class GenerationRequest:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     kv_bits: int | None = None  # 8 or 4: keys and values stored quantized
     snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
-    snapshot_marks: Sequence[int] = ()  # more snapshot positions: where each chat message ends
 
 
 def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens: int) -> mx.array:
@@ -121,7 +120,7 @@ def _generate(
     stats.prefilled_tokens = prompt.size - cached
     stats.finish_reason = "length"
     run = Prefill.start(model, cache, prompt[cached:], request.prefill_chunk_tokens, request.snapshot_every,
-                        request.snapshot_marks, inherited=snapshots)  # fmt: skip
+                        message_ends(request.prompt_ids, eos), inherited=snapshots)  # fmt: skip
     try:
         first_logits = run.run()
     finally:  # a prefill stopped by Ctrl-C keeps the snapshots it took

@@ -52,7 +52,6 @@ class Job:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     time_limit_s: float = math.inf  # from submission, queueing included
-    snapshot_marks: Sequence[int] = ()  # positions to keep state snapshots at (where chat messages end)
     stats: GenerationStats = field(default_factory=GenerationStats)
     submitted_at: float = 0.0
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)

@@ -4,14 +4,15 @@ One `Prefill` serves both the single-request generator and the scheduler (which
 runs one chunk per turn between decode steps). An `mx.eval` between chunks
 bounds activation memory. On a model with layers that cannot be cut back (a
 sliding window, a recurrent state) chunks also end at the snapshot positions:
-every `snapshot_every` tokens, the given marks (the end of each chat message),
-and the end of the prompt and the position before it (a repeat of the same
-prompt resumes there). The prefix cache keeps those snapshots with the entry.
+every `snapshot_every` tokens, the end of each chat message (after each
+end-of-turn token: an edited or regenerated conversation resumes there), and
+the end of the prompt and the position before it (a repeat of the same prompt
+resumes there). The prefix cache keeps those snapshots with the entry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -22,12 +23,17 @@ from ..models.decoder import DecoderLM
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 SNAPSHOT_EVERY = 1024  # tokens between state snapshots of a long prompt
-MAX_MARKS = 256  # snapshot marks one request may give (chat messages); more are ignored
+MAX_MESSAGE_MARKS = 64  # message ends snapshotted per prompt: the last ones, where edits happen
+
+
+def message_ends(ids: Sequence[int], end_of_turn: Collection[int]) -> list[int]:
+    """Positions just after each end-of-turn token in `ids` (the last MAX_MESSAGE_MARKS of them)."""
+    return [i + 1 for i, token in enumerate(ids) if token in end_of_turn][-MAX_MESSAGE_MARKS:]
 
 
 def snapshot_positions(start: int, end: int, every: int, marks: Iterable[int] = ()) -> list[int]:
     """Where to snapshot while prefilling positions [start, end): sorted, each in (start, end]."""
-    due = {end, end - 1, *range(every, end, every), *list(marks)[:MAX_MARKS]}
+    due = {end, end - 1, *range(every, end, every), *marks}
     return sorted(p for p in due if start < p <= end)
 
 

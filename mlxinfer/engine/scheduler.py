@@ -33,7 +33,7 @@ from ..untrusted import shown
 from .batch import DecodeBatch, Running
 from .generate import check_request
 from .job import Delta, Event, Failed, Finished, Job
-from .prefill import SNAPSHOT_EVERY, Prefill
+from .prefill import SNAPSHOT_EVERY, Prefill, message_ends
 from .sampling import Sampler
 from .text import TextStream
 from .threads import run_on_device_thread
@@ -278,8 +278,10 @@ class Scheduler:
         sampler = Sampler(job.sampling, self._vocab)
         sampler.observe(prompt)
         sequence = Running(job, sampler, TextStream(runtime.tokenizer.decode, job.stop), hit)
-        run = Prefill.start(runtime.decoder, cache, prompt[cache[0].length :], chunk, self.config.snapshot_every,
-                            job.snapshot_marks, inherited=hit.snapshots if hit else None)  # fmt: skip
+        marks = message_ends(prompt_ids, runtime.eos_token_ids)
+        inherited = hit.snapshots if hit else None
+        rest = prompt[cache[0].length :]
+        run = Prefill.start(runtime.decoder, cache, rest, chunk, self.config.snapshot_every, marks, inherited)
         sequence.snapshots = run.snapshots  # the same dict: snapshots taken later join it
         return _Prefill(run, sequence)
 

@@ -1,0 +1,115 @@
+"""Every layer kind: bounded sliding windows, recurrent state, prefix snapshots and batched rows.
+
+Each check compares against a run that cannot share the code under test's shortcut: a cold run (no prefix
+cache), a single-chunk forward (no window regrowth), or each sequence alone (no batch).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlxinfer
+from mlxinfer.cache import StateCache, make_cache
+from mlxinfer.cache.batch import add_row, drop_rows, row_cache
+from mlxinfer.cache.kv import STEP
+from tests.conftest import HYBRID, TINY
+
+PROMPT = list(range(40, 80))
+WINDOWED = ["gemma2", "gemma3_long"]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, 256, n).tolist()
+
+
+@pytest.mark.parametrize("arch", WINDOWED)
+def test_a_window_keeps_only_what_later_queries_see_and_matches_a_single_forward(arch):
+    model = mlxinfer.load(TINY / arch)
+    lm = model._loaded.model
+    ids = tokens(2 * STEP + 100, seed=1)
+    whole = model.logits(ids)  # one chunk: every key present, the window only masked
+    for chunk in (1, 37):
+        np.testing.assert_allclose(model.logits(ids, chunk_tokens=chunk), whole, atol=1e-4)
+    cache = make_cache(lm.cache_kinds)
+    for i in range(len(ids)):
+        lm(mx.array([[ids[i]]]), cache)
+        mx.eval([c.arrays for c in cache])
+    window = lm.layout.sliding_window
+    for kind, c in zip(lm.layout.layer_types, cache):
+        held = c.arrays[0].shape[2]
+        if kind == "sliding_attention":
+            assert c.length - c.start < window + STEP and held <= window + 2 * STEP, (c.start, held)
+        else:
+            assert c.start == 0 and held >= len(ids)
+
+
+@pytest.mark.parametrize("arch", HYBRID)
+def test_a_shared_prefix_resumes_from_the_deepest_snapshot_and_matches_a_cold_run(arch):
+    model = mlxinfer.load(TINY / arch)
+    cold = model.generate(PROMPT, max_tokens=8, use_cache=False)
+    model.generate(PROMPT[:25] + [1, 2, 3], max_tokens=4, snapshot_every=8)  # snapshots at 8, 16, 24, 27, 28...
+    partial = model.generate(PROMPT, max_tokens=8, snapshot_every=8)
+    assert partial.token_ids == cold.token_ids
+    # 25 tokens are shared, but these layers cannot be cut back: the deepest snapshot within them is at 24.
+    assert partial.stats.cached_tokens == 24 and partial.stats.prefilled_tokens == 16
+    assert "shares 25 tokens" in partial.stats.cache_note and "snapshot" in partial.stats.cache_note
+    again = model.generate(PROMPT, max_tokens=8)  # the position before the prompt's end is a snapshot
+    assert again.token_ids == cold.token_ids and again.stats.cached_tokens == len(PROMPT) - 1
+    # A chat's next turn: the state after the answer (all 8 tokens were fed back) is a snapshot too.
+    turn = PROMPT + cold.token_ids + [5, 6]
+    longer = model.generate(turn, max_tokens=4)
+    assert longer.stats.cached_tokens == len(PROMPT) + 8
+    assert longer.token_ids == model.generate(turn, max_tokens=4, use_cache=False).token_ids
+
+
+@pytest.mark.parametrize("arch", HYBRID)
+def test_rows_of_every_kind_decode_batched_as_they_do_alone(arch):
+    """Teacher-forced rows join and leave a batch; each row's logits equal that sequence run alone,
+    past the point where sliding windows regrow (STEP positions)."""
+    lm = mlxinfer.load(TINY / arch)._loaded.model
+    prompts = [tokens(20, seed=2), tokens(STEP + 30, seed=3), tokens(7, seed=4)]
+    feed = tokens(STEP + 20, seed=5)  # the same forced tokens for every row
+
+    def prefilled(prompt):
+        cache = make_cache(lm.cache_kinds)
+        lm(mx.array([prompt]), cache)
+        return cache
+
+    alone = [prefilled(p) for p in prompts]
+    batch = add_row(add_row(None, prefilled(prompts[0])), prefilled(prompts[1]))
+    rows = [0, 1]
+    for step, token in enumerate(feed):
+        if step == 5:  # a third sequence joins mid-way
+            batch, rows = add_row(batch, prefilled(prompts[2])), rows + [2]
+        if step == STEP // 2:  # the first leaves
+            batch, rows = drop_rows(batch, [0]), rows[1:]
+        got = lm(mx.array([[token]] * len(rows)), batch)[:, -1]
+        for i, row in enumerate(rows):
+            want = lm(mx.array([[token]]), alone[row])[0, -1]
+            np.testing.assert_allclose(np.array(got[i]), np.array(want), atol=2e-4, err_msg=f"row {row} step {step}")
+    single = row_cache(batch, 0, lm.cache_kinds, None)  # row 1, as a single sequence for the prefix cache
+    want = lm(mx.array([[3]]), alone[1])[0, -1]
+    np.testing.assert_allclose(np.array(lm(mx.array([[3]]), single)[0, -1]), np.array(want), atol=2e-4)
+
+
+def test_a_recurrent_state_moves_only_when_the_layer_finishes_its_step():
+    # A forward stopped between two slot writes (Ctrl-C) must not leave one slot a step ahead of the other.
+    cache = StateCache()
+    cache[0], cache[1] = mx.ones((1, 2)), mx.ones((1, 3))
+    cache.advance(4)
+    cache[0] = mx.zeros((1, 2))  # the next step wrote its first slot, then was interrupted
+    assert cache.length == 4 and cache[0].sum().item() == 2 and cache.snapshot()[0].sum().item() == 2
+
+
+def test_an_edited_conversation_resumes_at_the_end_of_the_last_unchanged_message():
+    model = mlxinfer.load(TINY / "lfm2")
+    system = {"role": "system", "content": "You are terse."}
+    first = [system, {"role": "user", "content": "hello there friend"}]
+    model.chat(first, max_tokens=4)
+    edited = [system, {"role": "user", "content": "something else entirely"}]
+    system_end = len(model.tokenizer.encode_chat([system], add_generation_prompt=False))
+    result = model.chat(edited, max_tokens=4)
+    assert result.stats.cached_tokens == system_end  # the system message's end-of-turn token is a snapshot
+    assert result.token_ids == model.chat(edited, max_tokens=4, use_cache=False).token_ids
