@@ -1,4 +1,4 @@
-"""python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only]:
+"""python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only | --kv-memory-only]:
 mlxinfer vs mlx-lm, side by side, one run."""
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ def main() -> None:
     parser.add_argument("--convert-only", action="store_true", help="only the converter figures")
     parser.add_argument("--prefix-only", action="store_true", help="only the prefix-cache and KV figures")
     parser.add_argument("--server-only", action="store_true", help="only the server figures (against mlx_lm.server)")
+    parser.add_argument("--kv-memory-only", action="store_true", help="only the sliding-window KV memory figures")
     args = parser.parse_args()
+    if args.kv_memory_only:
+        from .kv_memory import markdown as kv_markdown
+        from .kv_memory import run_kv_memory_bench
+
+        figures = run_kv_memory_bench(contexts=(2048, 4096) if args.quick else (8192, 32768))
+        write_figures(figures, kv_markdown(figures), args.out, args.quick, "-kv-memory")
+        return
     if args.convert_only:
         write_outputs({"convert": convert_figures(args.quick)}, args.out, args.quick, suffix="-convert")
         return

@@ -281,6 +281,8 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
         click.echo(f"  {part:<22}{mib(size, 0):>14}")
     click.echo(f"  {'needed':<22}{mib(memory_plan.needed_bytes, 0):>14}")
     click.echo(f"  {'usable':<22}{mib(memory_plan.usable_bytes, 0):>14}")
+    for line in memory_plan.cache_lines():
+        click.echo(line)
     click.echo(f"verdict: {memory_plan.verdict} at {memory_plan.context} tokens; {memory_plan.context_limit()}")
     for tip in memory_plan.suggestions():
         click.echo(f"  - {tip}")

@@ -23,6 +23,14 @@ ARCHITECTURES = [
     "phi3",
     "gemma2",
     "gemma3",
+    "lfm2",
+]
+# Models with layers that cannot be cut back (sliding windows, recurrent state): prefix snapshots, batched rows.
+HYBRID = [
+    "gemma2",
+    "gemma3",
+    "gemma3_long",
+    "lfm2",
 ]
 
 

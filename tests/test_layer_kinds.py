@@ -109,7 +109,8 @@ def test_an_edited_conversation_resumes_at_the_end_of_the_last_unchanged_message
     first = [system, {"role": "user", "content": "hello there friend"}]
     model.chat(first, max_tokens=4)
     edited = [system, {"role": "user", "content": "something else entirely"}]
-    system_end = len(model.tokenizer.encode_chat([system], add_generation_prompt=False))
+    system_ids = model.tokenizer.encode_chat([system], add_generation_prompt=False)
+    end_of_turn = next(i for i, t in enumerate(system_ids) if t in model.eos_token_ids) + 1
     result = model.chat(edited, max_tokens=4)
-    assert result.stats.cached_tokens == system_end  # the system message's end-of-turn token is a snapshot
+    assert result.stats.cached_tokens == end_of_turn  # the state after the system message's end is a snapshot
     assert result.token_ids == model.chat(edited, max_tokens=4, use_cache=False).token_ids

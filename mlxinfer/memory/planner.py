@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..display import html_table, mib
+from ..display import html_table, mib, plural
 from ..errors import MemoryBudgetError
 from .machine import MachineMemory
 
 KV_STEP = 256  # the KV cache grows in steps of this many positions (cache/kv.py)
+PREFILL_CHUNK = 512  # positions a prefill writes at once, unless a plan says otherwise
 PREFIX_CACHE_FRACTION = 0.1  # of usable memory, for the prompt-prefix cache
 PREFIX_CACHE_MAX_BYTES = 4 << 30
 RUNTIME_BYTES = 64 << 20  # MLX's own buffers, the sampler, the tokenizer's arrays
@@ -28,11 +29,16 @@ MAX_SEARCH_CONTEXT = 1 << 24  # max_context() looks no further for a model that 
 
 @dataclass(frozen=True)
 class ModelFootprint:
-    """Sizes that follow from a model's config and the dtype it computes in."""
+    """Sizes that follow from a model's config and the dtype it computes in.
+
+    Each layer keeps one of three kinds of cache: full attention (KV for every
+    position: grows with the context), sliding attention (KV for about the last
+    `window` positions: bounded) and recurrent (a fixed-size state per sequence).
+    """
 
     weights_bytes: int
-    layers: int
-    kv_heads: int
+    full_layers: int  # full-attention layers: their KV grows with the context
+    kv_heads: int  # of the attention layers
     head_dim: int
     heads: int
     hidden: int
@@ -41,21 +47,66 @@ class ModelFootprint:
     compute_bytes: int  # bytes per activation element
     kv_bytes: float  # bytes per stored K or V element (fractional for quantized KV)
     max_positions: int | None = None  # the context the model was trained for
+    sliding_layers: int = 0  # attention layers that keep only a window of positions
+    window: int | None = None  # the sliding layers' window
+    recurrent_layers: int = 0
+    state_bytes: int = 0  # the recurrent layers' state for one sequence, all of them together
+
+    @property
+    def kv_bytes_per_position(self) -> int:
+        """K and V of one position in one attention layer."""
+        return int(2 * self.kv_heads * self.head_dim * self.kv_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return int(2 * self.layers * self.kv_heads * self.head_dim * self.kv_bytes)
+        """What each more token of context adds: one position in every full-attention layer."""
+        return self.full_layers * self.kv_bytes_per_position
 
-    def kv_cache_bytes(self, tokens: int) -> int:
-        """The KV cache's allocation for `tokens` positions, growth steps included."""
-        return self.kv_bytes_per_token * KV_STEP * math.ceil(tokens / KV_STEP)
+    @property
+    def grows(self) -> bool:
+        """Whether some layer's cache grows with the context (a full-attention layer)."""
+        return self.full_layers > 0
+
+    def sliding_positions(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+        """Positions one sliding layer's cache holds at most over `tokens` positions written `chunk` at a time.
+
+        cache/kv.py keeps the last window - 1 positions when a write of up to `chunk`
+        would outgrow the storage, and allocates them a step of slack on top.
+        """
+        if tokens <= 0 or not self.sliding_layers:
+            return 0
+        if self.window is None:  # no window after all: it holds every position
+            return _steps(tokens)
+        return _steps(min(tokens, self.window - 1 + chunk)) + KV_STEP
+
+    def full_kv_bytes(self, tokens: int) -> int:
+        """The full-attention layers' KV for `tokens` positions, growth steps included."""
+        return self.kv_bytes_per_token * _steps(tokens)
+
+    def sliding_kv_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+        """The sliding layers' KV at most, at `tokens` positions: it stops growing near the window."""
+        return self.sliding_layers * self.kv_bytes_per_position * self.sliding_positions(tokens, chunk)
+
+    def kv_cache_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+        """The attention layers' KV allocation for `tokens` positions prefilled `chunk` at a time."""
+        return self.full_kv_bytes(tokens) + self.sliding_kv_bytes(tokens, chunk)
+
+    def cache_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+        """Everything one sequence's cache holds at `tokens` positions: KV and recurrent state."""
+        return self.kv_cache_bytes(tokens, chunk) + self.state_bytes
+
+    def attended_positions(self, chunk: int, context: int) -> int:
+        """Keys a query of a chunk ending at `context` attends to in the widest attention layer."""
+        if self.full_layers or self.window is None:
+            return context
+        return min(context, self.window - 1 + chunk)
 
     def activation_bytes(self, chunk: int, context: int) -> int:
         """Peak temporaries of one prefill chunk of `chunk` tokens ending at position `context`."""
         per_block = (
             4 * chunk * self.hidden
             + 2 * chunk * (self.heads + 2 * self.kv_heads) * self.head_dim
-            + 2 * self.heads * chunk * context
+            + 2 * self.heads * chunk * self.attended_positions(chunk, context)
             + 3 * chunk * self.intermediate
         )
         return self.compute_bytes * (per_block + self.vocab)
@@ -63,16 +114,61 @@ class ModelFootprint:
     def request_peak_bytes(self, prompt: int, total: int, chunk: int) -> int:
         """Weights plus the fullest moment of a request: some prefill chunk, or decoding at `total` positions.
 
-        KV and temporaries both grow with a chunk's end, so only the last full chunk
-        and the final partial one can be the fullest prefill moment.
+        The cache and temporaries both grow with a chunk's end, so only the last full
+        chunk and the final partial one can be the fullest prefill moment.
         """
         full_end = prompt // chunk * chunk
-        moments = [self.kv_cache_bytes(total) + self.activation_bytes(1, total)]
+        moments = [self.cache_bytes(total, chunk) + self.activation_bytes(1, total)]
         if full_end:
-            moments.append(self.kv_cache_bytes(full_end) + self.activation_bytes(chunk, full_end))
+            moments.append(self.cache_bytes(full_end, chunk) + self.activation_bytes(chunk, full_end))
         if prompt > full_end:
-            moments.append(self.kv_cache_bytes(prompt) + self.activation_bytes(prompt - full_end, prompt))
+            moments.append(self.cache_bytes(prompt, chunk) + self.activation_bytes(prompt - full_end, prompt))
         return self.weights_bytes + max(moments)
+
+    def cache_lines(self, context: int, chunk: int = PREFILL_CHUNK) -> list[str]:
+        """What each kind of layer keeps at `context` tokens, in words (the `plan` command prints these).
+
+        Example:
+            >>> footprint.cache_lines(32768)
+            ['KV cache: 5 sliding layers (window 1024) bounded at 1792 positions (35.0 MiB), 1 full layer grows
+              (128.0 MiB at 32768 tokens)']
+        """
+        parts = []
+        if self.sliding_layers:
+            held = self.sliding_positions(context, chunk)
+            parts.append(
+                f"{plural(self.sliding_layers, 'sliding layer')} (window {self.window}) bounded at {held} positions"
+                f" ({_size(self.sliding_kv_bytes(context, chunk))})"
+            )
+        if self.full_layers:
+            grows = "grows" if self.full_layers == 1 else "grow"
+            size = _size(self.full_kv_bytes(context))
+            parts.append(f"{plural(self.full_layers, 'full layer')} {grows} ({size} at {context} tokens)")
+        elif self.sliding_layers:
+            parts.append("no layer grows with the context")
+        lines = [f"KV cache: {', '.join(parts)}"] if parts else []
+        if self.recurrent_layers:
+            state = _size(self.state_bytes)
+            lines.append(f"{plural(self.recurrent_layers, 'recurrent layer')}: {state} of state per sequence")
+        return lines
+
+    def layer_counts(self, context: int, chunk: int = PREFILL_CHUNK) -> dict[str, Any]:
+        """The cache of each kind of layer at `context` tokens, as numbers (for JSON)."""
+        return {
+            "full_layers": self.full_layers,
+            "full_kv_bytes": self.full_kv_bytes(context),
+            "sliding_layers": self.sliding_layers,
+            "window": self.window,
+            "sliding_positions": self.sliding_positions(context, chunk),
+            "sliding_kv_bytes": self.sliding_kv_bytes(context, chunk),
+            "recurrent_layers": self.recurrent_layers,
+            "state_bytes_per_sequence": self.state_bytes,
+        }
+
+
+def _steps(tokens: int) -> int:
+    """`tokens` rounded up to whole growth steps: the positions a growing cache allocates."""
+    return KV_STEP * math.ceil(max(tokens, 0) / KV_STEP)
 
 
 @dataclass(frozen=True)
@@ -90,16 +186,21 @@ class MemoryPlan:
     @property
     def parts(self) -> dict[str, int]:
         f = self.footprint
-        kv = f.kv_cache_bytes(self.context)
+        kv = f.kv_cache_bytes(self.context, self.prefill_chunk)
         prompt = self.context if self.prompt is None else min(self.prompt, self.context)
         peak = f.request_peak_bytes(prompt, self.context, self.prefill_chunk)
-        return {
-            "weights": f.weights_bytes,
-            "kv cache": kv,
-            "prefill activations": peak - f.weights_bytes - kv,  # beyond the final KV, at the fullest moment
-            "prefix cache": self.prefix_cache_bytes,
-            "runtime": RUNTIME_BYTES,
-        }
+        parts = {"weights": f.weights_bytes, "kv cache": kv}
+        if f.recurrent_layers:
+            parts["recurrent state"] = f.state_bytes
+        # beyond the final cache, at the fullest moment
+        parts["prefill activations"] = peak - f.weights_bytes - kv - f.state_bytes
+        parts["prefix cache"] = self.prefix_cache_bytes
+        parts["runtime"] = RUNTIME_BYTES
+        return parts
+
+    def cache_lines(self) -> list[str]:
+        """What each kind of layer keeps at this plan's context, in words."""
+        return self.footprint.cache_lines(self.context, self.prefill_chunk)
 
     @property
     def needed_bytes(self) -> int:
@@ -141,6 +242,8 @@ class MemoryPlan:
             if past:
                 why += f"; {self.context} is also past the model's trained limit of {trained} tokens"
                 why += f" (max_position_embeddings; {refused})"
+        elif trained is None and not self.footprint.grows:
+            why = "no layer's cache grows with the context, so memory sets no limit on it (the model states no limit)"
         elif trained is None:
             why = f"memory allows at least {longest} tokens, as far as the plan looks (the model states no limit)"
         else:
@@ -163,6 +266,7 @@ class MemoryPlan:
 
     def _repr_html_(self) -> str:
         rows = [(part, mib(size)) for part, size in self.parts.items()]
+        rows += [("layers", line) for line in self.cache_lines()]
         rows += [("needed", mib(self.needed_bytes)), ("usable", mib(self.usable_bytes)), ("verdict", self.verdict)]
         rows += [("largest context that fits", f"{self.max_context()} tokens"), ("limit", self.context_limit())]
         rows += [("suggestion", tip) for tip in self.suggestions()]
@@ -174,6 +278,7 @@ class MemoryPlan:
             "context": self.context,
             "prefill_chunk": self.prefill_chunk,
             "parts": self.parts,
+            "layers": self.footprint.layer_counts(self.context, self.prefill_chunk),
             "needed_bytes": self.needed_bytes,
             "usable_bytes": self.usable_bytes,
             "verdict": self.verdict,
@@ -214,14 +319,15 @@ def batch_peak_bytes(footprint: ModelFootprint, rows: Sequence[int], prompt: int
 
     `rows` are the positions each sequence may reach (prompt + max_tokens, the one
     being prefilled included). Rows are right-aligned in one cache, so each takes
-    as many positions as the longest. While a row joins, the old batch, its padded copy and
+    as many positions as the longest (a sliding layer at most its window's; a recurrent
+    layer keeps one state per row). While a row joins, the old batch, its padded copy and
     the new batch exist together with the joining row's own cache.
     """
     if not rows:
         return footprint.weights_bytes
-    batch_kv = len(rows) * footprint.kv_cache_bytes(max(rows))
-    prefill = footprint.kv_cache_bytes(prompt) + footprint.activation_bytes(min(chunk, prompt), prompt)
-    joining = batch_kv + footprint.kv_cache_bytes(prompt)  # beyond the batch_kv counted below
+    batch_kv = len(rows) * footprint.cache_bytes(max(rows), chunk)
+    prefill = footprint.cache_bytes(prompt, chunk) + footprint.activation_bytes(min(chunk, prompt), prompt)
+    joining = batch_kv + footprint.cache_bytes(prompt, chunk)  # beyond the batch_kv counted below
     return footprint.weights_bytes + batch_kv + max(prefill, joining) + RUNTIME_BYTES
 
 
@@ -244,6 +350,11 @@ def fit_prefill_chunk(plan: MemoryPlan) -> int:
 
 def _with(plan: MemoryPlan, **changes: Any) -> MemoryPlan:
     return dataclasses.replace(plan, **changes)
+
+
+def _size(n: int) -> str:
+    """MiB, or KiB for what would show as 0.0 MiB (a tiny model's state)."""
+    return mib(n) if n >= 2**20 // 20 else f"{n / 1024:,.1f} KiB"
 
 
 def _gib(n: int) -> str:

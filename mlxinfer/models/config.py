@@ -77,6 +77,9 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         )
     spec = ARCHITECTURES[model_type]
     args = dict(raw)
+    for mlx_key, key in spec.renamed.items():
+        if args.get(mlx_key) is None and key in args:
+            args[mlx_key] = args[key]
     for key in _NULL_IS_DEFAULT:  # transformers reads these with a default, which a null must not defeat
         if key in args and args[key] is None:
             del args[key]
@@ -88,8 +91,12 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     _check_numbers(args, source)
     layer_types, window = _layer_types(args, source, spec)
     # mlx-lm's own mask and cache logic must not see sliding layers: ours builds
-    # the per-layer masks (see models/decoder.py).
-    args.pop("layer_types", None)
+    # the per-layer masks (see models/decoder.py). Hybrid modules pick each layer's
+    # block from layer_types, so they keep it.
+    if spec.recurrent_kinds:
+        args["layer_types"] = list(layer_types)
+    else:
+        args.pop("layer_types", None)
     args["sliding_window"] = None
     tie = bool(raw.get("tie_word_embeddings", spec.tied_by_default))
     args["tie_word_embeddings"] = tie
@@ -354,6 +361,8 @@ def _layer_types(args: dict[str, Any], source: str, spec: ArchSpec) -> tuple[tup
     declared = args.get("layer_types")
     if declared is not None:
         types = tuple(declared[: n + 1])  # one past n is enough to refuse a wrong length
+    elif spec.sliding == "declared":
+        raise ConfigError(f"{source}: layer_types is missing; {args['model_type']} needs it to know each layer's kind")
     elif spec.sliding == "alternate":
         types = tuple(SLIDING if (i + 1) % 2 else FULL for i in range(n))
     elif spec.sliding == "pattern":
@@ -369,10 +378,11 @@ def _layer_types(args: dict[str, Any], source: str, spec: ArchSpec) -> tuple[tup
         types = (SLIDING,) * n
     else:
         types = (FULL,) * n
-    if len(types) != n or not all(t in (FULL, SLIDING) for t in types):
+    kinds = (FULL, SLIDING, *sorted(spec.recurrent_kinds))
+    if len(types) != n or not all(t in kinds for t in types):
         raise UnsupportedModelError(
-            f"{source}: layer_types must list num_hidden_layers={n} entries of {FULL!r}/{SLIDING!r}, "
-            f"got {shown(declared or types)}"
+            f"{source}: layer_types must list num_hidden_layers={n} entries of "
+            f"{'/'.join(map(repr, kinds))}, got {shown(declared or types)}"
         )
     if SLIDING in types:
         if window is None:

@@ -31,6 +31,7 @@ class Layout:
     # gemma2's attention folds grouped query heads into an extra axis, so a
     # per-row mask needs one more axis to broadcast there.
     grouped_query_mask: bool = False
+    final_norm: str = "norm"  # the backbone's attribute holding the last norm
 
 
 class DecoderLM(nn.Module):
@@ -63,7 +64,7 @@ class DecoderLM(nn.Module):
         for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
             # Recurrent layers need no mask: each row is prefilled alone and keeps its own state.
             h = layer(h, masks.get(kind), layer_cache)
-        return self.model.norm(h)
+        return getattr(self.model, self.layout.final_norm)(h)
 
     @property
     def cache_kinds(self) -> tuple[tuple[str, int | None], ...]:
@@ -134,8 +135,12 @@ def build_model(config: ModelConfig) -> DecoderLM:
         final_logit_softcapping=config.args.get("final_logit_softcapping"),
         grouped_query_mask=config.model_type == "gemma2"
         and config.args["num_attention_heads"] != config.args["num_key_value_heads"],
+        final_norm=config.spec.final_norm,
     )
-    return DecoderLM(backbone, lm_head, layout)
+    model = DecoderLM(backbone, lm_head, layout)
+    if config.spec.mlx_sanitize:
+        model.mlx_sanitize = reference.sanitize  # the checkpoint's tensor layout -> this module's
+    return model
 
 
 def _set_gemma3_ropes(backbone: nn.Module, config: ModelConfig) -> None:

@@ -72,6 +72,8 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
         raise ModelNotFoundError(f"{path}: not a model folder or .gguf file")
     model = build_model(config)
     weights = _sanitize(weights, config)
+    if config.spec.mlx_sanitize:
+        weights = model.mlx_sanitize(weights)
     quantize_mode = (config.quantization or {}).get("mode", "affine")
     quantized = quantize_like(model, weights, mode=quantize_mode)
     verify_weights(model, weights, source=str(path))

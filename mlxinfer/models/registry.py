@@ -38,6 +38,15 @@ class ArchSpec:
     rope_types: frozenset[str] = ROPE_TYPES
     # mlx-lm's module derives head_dim as hidden_size // heads and ignores the key.
     fixed_head_dim: bool = False
+    # Layer types config.json may declare beyond full/sliding attention (recurrent kinds: each
+    # gets a fixed-size state cache). Hybrid modules read `layer_types` themselves, so it stays in args.
+    recurrent_kinds: frozenset[str] = frozenset()
+    # The backbone's final norm (lfm2 calls it embedding_norm).
+    final_norm: str = "norm"
+    # mlx-lm argument names the module needs, filled from the transformers key when config.json lacks them.
+    renamed: dict[str, str] = field(default_factory=dict)
+    # Apply mlx-lm's `Model.sanitize` to the checkpoint's tensors (conv weight layout, stacked experts).
+    mlx_sanitize: bool = False
 
 
 _GEMMA = dict(
@@ -48,6 +57,17 @@ _GEMMA = dict(
 )
 
 ARCHITECTURES: dict[str, ArchSpec] = {
+    "lfm2": ArchSpec(
+        "lfm2",
+        activation_keys=(),
+        sliding="declared",
+        recurrent_kinds=frozenset({"conv"}),
+        final_norm="embedding_norm",
+        renamed={"block_dim": "hidden_size"},
+        mlx_sanitize=True,
+        tied_by_default=True,
+        neutral={"conv_bias": False},
+    ),
     "llama": ArchSpec("llama", neutral={"pretraining_tp": 1}),
     "mistral": ArchSpec("llama", sliding="all"),
     "qwen2": ArchSpec("qwen2", sliding="qwen", fixed_head_dim=True),
