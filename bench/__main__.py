@@ -1,4 +1,5 @@
-"""python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only | --kv-memory-only]:
+"""python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only | --kv-memory-only |
+--hybrid-only]:
 mlxinfer vs mlx-lm, side by side, one run."""
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ def main() -> None:
     parser.add_argument("--prefix-only", action="store_true", help="only the prefix-cache and KV figures")
     parser.add_argument("--server-only", action="store_true", help="only the server figures (against mlx_lm.server)")
     parser.add_argument("--kv-memory-only", action="store_true", help="only the sliding-window KV memory figures")
+    parser.add_argument(
+        "--hybrid-only", action="store_true", help="only the hybrid-model figures (--quick: on the tiny fixtures)"
+    )
     args = parser.parse_args()
+    if args.hybrid_only:
+        write_hybrid_outputs(args.out, args.quick)
+        return
     if args.kv_memory_only:
         from .kv_memory import markdown as kv_markdown
         from .kv_memory import run_kv_memory_bench
@@ -93,6 +100,16 @@ def write_server_outputs(model: Path, out: Path, quick: bool) -> None:
 
     figures = run_server_bench(model, quick=quick)
     write_figures(figures, server_markdown(figures), out, quick, "-server")
+
+
+def write_hybrid_outputs(out: Path, quick: bool) -> None:
+    from .hybrid_bench import HybridSettings, run_hybrid_bench
+    from .hybrid_bench import markdown as hybrid_markdown
+    from .hybrid_models import prepare_hybrid_models
+
+    settings = HybridSettings.quick() if quick else HybridSettings()
+    figures = run_hybrid_bench(prepare_hybrid_models(tiny=quick), settings)
+    write_figures(figures, hybrid_markdown(figures), out, quick, "-hybrid")
 
 
 def write_figures(figures: dict, table: str, out: Path, quick: bool, suffix: str) -> str:

@@ -20,7 +20,7 @@ from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingPa
 from .engine.prefill import SNAPSHOT_EVERY
 from .engine.sampling import is_int
 from .errors import CacheError, MemoryBudgetError, SamplingError, TokenizerError
-from .memory import MemoryPlan, apply_limits, default_prefix_cache_bytes, fit_prefill_chunk, machine_memory, plan_memory
+from .memory import MemoryPlan, default_prefix_cache_bytes, fit_prefill_chunk, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import KV_GROUP_SIZE, check_kv_bits, footprint
@@ -71,7 +71,7 @@ class Model:
         self.footprint = footprint(loaded, kv_bits)
         budget = prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes()
         self.prefix_cache = PrefixCache(budget, store=self._prefix_store())
-        self.memory_limits = apply_limits(self.memory_plan())
+        self.memory_limits = hold_limits(self, self.memory_plan())
 
     def memory_plan(self, context: int | None = None, prefill_chunk: int = 512) -> MemoryPlan:
         """What this model needs at `context` tokens (default: its trained length, at most 32k) on this machine."""
@@ -164,8 +164,11 @@ class Model:
         if all(kind not in RECURRENT for kind, _ in model.cache_kinds):
             return {}
         caches = make_cache(model.cache_kinds, self.kv_bits)
-        model.hidden(mx.array([[0]], dtype=mx.uint32), caches)  # its size does not grow with the input
-        return {i: c.snapshot() for i, c in enumerate(caches) if isinstance(c, StateCache)}
+        try:
+            model.hidden(mx.array([[0]], dtype=mx.uint32), caches)  # its size does not grow with the input
+            return {i: c.snapshot() for i, c in enumerate(caches) if isinstance(c, StateCache)}
+        except (RuntimeError, ValueError) as e:  # what MLX raises for an op it cannot run here
+            raise CacheError(f"{self.path}: cannot run a token to learn its recurrent state's shapes ({e})") from None
 
     def _fingerprint(self) -> str:
         loaded, tokenizer = self._loaded, self.tokenizer
@@ -266,8 +269,6 @@ class Model:
         except TypeError as e:
             raise SamplingError(f"unknown generation option: {e}") from None
         ids = self.encode_prompt(prompt, chat=chat)
-        if isinstance(max_tokens, int) and isinstance(prefill_chunk_tokens, int) and prefill_chunk_tokens > 0:
-            prefill_chunk_tokens = self._fit_request(len(ids), len(ids) + max(0, max_tokens), prefill_chunk_tokens)
         request = GenerationRequest(
             prompt_ids=ids,
             max_tokens=max_tokens,
@@ -280,8 +281,7 @@ class Model:
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        cache = self.prefix_cache if use_cache else None
-        return TextGeneration(self._loaded.model, self.tokenizer, request, stop=stops, prefix_cache=cache)
+        return TextGeneration(self.runtime, request, stop=stops, use_cache=use_cache)
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids for a raw string, a chat (list of messages or a string with chat=True) or ids."""

@@ -24,6 +24,13 @@ ARCHITECTURES = [
     "gemma2",
     "gemma3",
     "lfm2",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_vl",
+    "gemma3_vl",
+    "gpt_oss",
+    "granitemoehybrid",
+    "granitemoehybrid_nope",
 ]
 # Models with layers that cannot be cut back (sliding windows, recurrent state): prefix snapshots, batched rows.
 HYBRID = [
@@ -31,6 +38,11 @@ HYBRID = [
     "gemma3",
     "gemma3_long",
     "lfm2",
+    "qwen3_next",
+    "qwen3_5",
+    "gpt_oss",
+    "granitemoehybrid",
+    "granitemoehybrid_nope",
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 
@@ -149,3 +150,301 @@ def test_auto_map_is_ignored_with_a_warning(caplog):
 def test_eos_ids_accept_int_and_list():
     assert normalize_config({**minimal(), "eos_token_id": [2, 7]}).eos_token_ids == (2, 7)
     assert normalize_config({**minimal(), "eos_token_id": 2}).eos_token_ids == (2,)
+
+
+# Qwen3-Next / Qwen3.5: which layers are full attention, partial rotary, defaults.
+
+
+def test_qwen3_next_layer_types_come_from_full_attention_interval_when_absent():
+    raw = {**config("qwen3_next"), "num_hidden_layers": 6, "full_attention_interval": 3}
+    del raw["layer_types"]
+    cfg = normalize_config(raw)
+    linear = "linear_attention"
+    assert cfg.layer_types == (linear, linear, FULL, linear, linear, FULL)
+    assert cfg.args["full_attention_interval"] == 3
+
+
+def test_qwen3_next_interval_for_mlx_lm_is_rewritten_from_layer_types():
+    # transformers ignores full_attention_interval once layer_types is given; mlx-lm reads only the interval.
+    linear = "linear_attention"
+    raw = {**config("qwen3_next"), "full_attention_interval": 4, "layer_types": [linear, FULL, linear, FULL]}
+    assert normalize_config(raw).args["full_attention_interval"] == 2
+    no_full = {**raw, "layer_types": [linear] * 4}
+    assert normalize_config(no_full).args["full_attention_interval"] == 5  # past the last layer: none built
+
+
+@pytest.mark.parametrize(
+    "layer_types, words",
+    [
+        (["full_attention", "linear_attention", "linear_attention", "full_attention"], "every Nth layer"),
+        (["linear_attention"] * 3, "4 entries"),
+        (["linear_attention", "sliding_attention", "linear_attention", "full_attention"], "entries of"),
+    ],
+)
+def test_qwen3_next_layouts_mlx_lm_cannot_build_are_refused(layer_types, words):
+    with pytest.raises(UnsupportedModelError, match=words):
+        normalize_config({**config("qwen3_next"), "layer_types": layer_types})
+
+
+def test_qwen3_next_classic_and_rope_parameters_forms_normalize_the_same():
+    tf5 = config("qwen3_next")
+    classic = {k: v for k, v in tf5.items() if k not in ("rope_parameters", "layer_types")}
+    classic.update(rope_theta=10000.0, partial_rotary_factor=0.25, full_attention_interval=4)
+    a, b = normalize_config(tf5), normalize_config(classic)
+    assert a.layer_types == b.layer_types
+    for key in ("rope_theta", "partial_rotary_factor", "rope_scaling", "full_attention_interval"):
+        assert a.args[key] == b.args[key], key
+
+
+def test_partial_rotary_defaults_to_a_quarter_for_qwen3_next_and_stays_refused_elsewhere():
+    raw = config("qwen3_5")
+    raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}  # transformers' default: 0.25
+    assert normalize_config(raw).args["partial_rotary_factor"] == 0.25
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor is only supported for"):
+        normalize_config({**minimal(), "partial_rotary_factor": 0.5})
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({"linear_num_value_heads": 3}, ConfigError, "multiple of linear_num_key_heads"),
+        ({"linear_conv_kernel_dim": 1}, ConfigError, "linear_conv_kernel_dim"),
+        ({"num_experts": 10**9}, ConfigError, "num_experts"),
+        ({"num_experts_per_tok": 5}, ConfigError, "num_experts_per_tok"),
+        ({"mlp_only_layers": "0"}, ConfigError, "mlp_only_layers"),
+        ({"hidden_act": "gelu"}, UnsupportedModelError, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}}, UnsupportedModelError, "'linear'"),
+    ],
+)
+def test_qwen3_next_bad_values_are_refused(change, error, words):
+    with pytest.raises(error, match=words):
+        normalize_config({**config("qwen3_next"), **change})
+
+
+def test_qwen3_5_text_with_experts_is_refused():
+    # Qwen3_5TextConfig has no experts; mlx-lm's qwen3_5 would build them from this key.
+    with pytest.raises(UnsupportedModelError, match="num_experts"):
+        normalize_config({**config("qwen3_5"), "num_experts": 4})
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
+def test_qwen_defaults_are_transformers_defaults(family):
+    pytest.importorskip("transformers")
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    from mlxinfer.models.registry import ARCHITECTURES
+
+    reference = (Qwen3NextConfig if family == "qwen3_next" else Qwen3_5TextConfig)().to_dict()
+    reference.update(reference.pop("rope_parameters"))
+    for key, value in ARCHITECTURES[family].defaults.items():
+        assert reference[key] == value, key
+
+
+# Vision-language checkpoints: the text model of a nested config.
+
+
+def test_gemma3_vl_config_is_its_text_config():
+    cfg = normalize_config(config("gemma3_vl"))  # no top-level vocab_size; a stale _sliding_window_pattern of 6
+    assert cfg.model_type == "gemma3_text" and cfg.vocab_size == 272 and cfg.tie_word_embeddings
+    assert cfg.layer_types == (SLIDING, SLIDING, SLIDING, FULL) and cfg.sliding_window == 8
+    assert cfg.eos_token_ids == (258,) and cfg.bos_token_id == 256
+
+
+def test_qwen3_5_vl_config_is_its_text_config():
+    cfg, text = normalize_config(config("qwen3_5_vl")), normalize_config(config("qwen3_5"))
+    assert cfg.model_type == "qwen3_5_text" and not cfg.tie_word_embeddings
+    assert cfg.layer_types == text.layer_types
+    informative = ("architectures", "transformers_version")
+    assert {k: v for k, v in cfg.args.items() if k not in informative} == {
+        k: v for k, v in text.args.items() if k not in informative
+    }
+
+
+def test_a_sparse_gemma3_text_config_takes_transformers_defaults():
+    pytest.importorskip("transformers")
+    from transformers import Gemma3Config
+
+    # google/gemma-3-4b-it names only what differs from Gemma3TextConfig's defaults.
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024,
+            "final_logit_softcapping": 30.0}  # fmt: skip
+    raw = {"model_type": "gemma3", "text_config": text, "eos_token_id": [1, 106], "vision_config": {}}
+    cfg = normalize_config(raw)
+    ref = Gemma3Config(text_config=dict(text)).text_config
+    for key in ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "query_pre_attn_scalar",
+                "max_position_embeddings", "rms_norm_eps"):  # fmt: skip
+        assert cfg.args[key] == getattr(ref, key), key
+    assert list(cfg.layer_types) == ref.layer_types and cfg.sliding_window == ref.sliding_window
+    assert cfg.args["rope_scaling"]["factor"] == 8.0 and cfg.args["rope_theta"] == 1e6
+    # Gemma3ForConditionalGeneration never soft-caps its logits (only Gemma3ForCausalLM does).
+    assert cfg.args.get("final_logit_softcapping") is None
+    assert cfg.eos_token_ids == (1, 106)
+
+
+def test_vl_eos_ids_add_the_outer_ones_to_the_text_models():
+    raw = config("gemma3_vl")
+    raw["eos_token_id"] = [258, 106]
+    assert normalize_config(raw).eos_token_ids == (258, 106)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({"text_config": None}, ConfigError, "needs a text_config"),
+        ({"text_config": {"model_type": "llama"}}, UnsupportedModelError, "text_config.model_type"),
+        ({"quantization_config": {"quant_method": "awq"}}, UnsupportedModelError, "awq"),
+    ],
+)
+def test_bad_vl_configs_are_refused(change, error, words):
+    with pytest.raises(error, match=words):
+        normalize_config({**config("gemma3_vl"), **change})
+
+
+# --- gpt_oss and granitemoehybrid -------------------------------------------------------------------------------
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}  # fmt: skip
+
+
+def test_gpt_oss_classic_tf5_and_default_rope_forms_normalize_the_same():
+    tf5 = config("gpt_oss")
+    classic = {k: v for k, v in tf5.items() if k != "rope_parameters"}
+    classic |= {"rope_theta": 150000.0, "rope_scaling": {k: v for k, v in tf5["rope_parameters"].items() if k != "rope_theta"}}
+    # GptOssConfig with no RoPE keys at all: YaRN factor 32 at theta 150000, the fixture's values.
+    bare = {k: v for k, v in classic.items() if k not in ("rope_theta", "rope_scaling")}
+    got = [normalize_config(raw).args for raw in (tf5, classic, bare)]
+    for args in got:
+        assert (args["rope_theta"], args["rope_scaling"]) == (got[0]["rope_theta"], got[0]["rope_scaling"])
+    yarn = got[0]["rope_scaling"]
+    assert yarn["truncate"] is False and yarn["original_max_position_embeddings"] == 4096
+    assert yarn["attention_factor"] == pytest.approx(0.1 * math.log(32) + 1)
+
+
+def test_gpt_oss_missing_keys_take_transformers_defaults():
+    raw = {k: v for k, v in config("gpt_oss").items() if k not in ("sliding_window", "swiglu_limit", "layer_types")}
+    cfg = normalize_config(raw)
+    assert cfg.sliding_window == 128 and cfg.args["swiglu_limit"] == 7.0
+    assert cfg.layer_types == (SLIDING, FULL, SLIDING, FULL)  # transformers: even layers slide
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"factor": None}, {"factor": 131072 / 4096}),  # transformers: max / original positions
+        ({"beta_fast": None, "beta_slow": 0}, {"beta_fast": 32, "beta_slow": 1}),  # read with `or`
+        ({"attention_factor": 0.5}, {"attention_factor": 0.5}),
+        ({"mscale": 1.0, "mscale_all_dim": 0.5}, {"attention_factor": (0.1 * math.log(32) + 1) / (0.05 * math.log(32) + 1)}),
+        ({"mscale": 2.0}, {"attention_factor": 0.1 * math.log(32) + 1}),  # mscale alone is ignored
+        ({"truncate": True}, {"truncate": True}),
+    ],
+)
+def test_yarn_settings_resolve_like_transformers(change, expected):
+    raw = config("gpt_oss")
+    raw["rope_parameters"] = {**raw["rope_parameters"], **change}
+    yarn = normalize_config(raw).args["rope_scaling"]
+    for key, value in expected.items():
+        assert yarn[key] == pytest.approx(value), key
+
+
+def test_yarn_takes_a_top_level_original_max_position_embeddings_first():
+    raw = config("gpt_oss") | {"original_max_position_embeddings": 2048}
+    assert normalize_config(raw).args["rope_scaling"]["original_max_position_embeddings"] == 2048
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({"truncate": "no"}, ConfigError, "truncate must be true or false"),
+        ({"beta_fast": -1.0}, ConfigError, "beta_fast must be a positive number"),
+        ({"original_max_position_embeddings": 0}, ConfigError, "original_max_position_embeddings must be a positive"),
+        ({"factor": "big"}, ConfigError, "factor must be a positive number"),
+        ({"attention_factor": 0}, ConfigError, "attention_factor must be a positive number"),
+        ({"mscale": 1.0, "mscale_all_dim": -10.0 / math.log(32)}, ConfigError, "mscale_all_dim"),
+        ({"low_freq_factor": 1.0}, UnsupportedModelError, "'low_freq_factor' is not supported"),
+        ({"rope_type": "longrope"}, UnsupportedModelError, "'longrope'"),
+    ],
+)
+def test_bad_yarn_settings_are_refused(change, error, words):
+    raw = config("gpt_oss")
+    raw["rope_parameters"] = {**raw["rope_parameters"], **change}
+    with pytest.raises(error, match=words):
+        normalize_config(raw)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({"num_experts_per_tok": 5}, ConfigError, "num_experts_per_tok must be from 1 to num_local_experts=4"),
+        ({"num_local_experts": 0}, ConfigError, "num_local_experts must be an integer from 1"),
+        ({"swiglu_limit": None}, ConfigError, "swiglu_limit must be a positive finite number"),
+        ({"attention_bias": False}, UnsupportedModelError, "attention_bias=False"),
+        ({"sliding_window": None}, ConfigError, "sliding layers need a positive sliding_window"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, UnsupportedModelError, "mxfp4"),
+    ],
+)
+def test_bad_gpt_oss_settings_are_refused(change, error, words):
+    with pytest.raises(error, match=words):
+        normalize_config({**config("gpt_oss"), **change})
+
+
+def test_granite_layer_names_of_transformers_4_and_5_normalize_the_same():
+    tf5 = config("granitemoehybrid")
+    assert tf5["layer_types"] == ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+    assert tf5["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+    legacy = tf5 | {"layer_types": ["mamba", "mamba", "attention", "mamba"], "time_step_limit": [0.0, math.inf]}
+    older = {k: v for k, v in legacy.items() if k not in ("layer_types", "time_step_limit")}
+    older["layers_block_type"] = legacy["layer_types"]  # the key transformers maps onto layer_types
+    for raw in (tf5, legacy, older):
+        cfg = normalize_config(raw)
+        assert cfg.layer_types == ("mamba", "mamba", FULL, "mamba")
+        assert cfg.args["layer_types"] == ["mamba", "mamba", "attention", "mamba"]  # mlx-lm's names
+        assert cfg.args["time_step_limit"] == (0.0, math.inf)
+    everything_mamba = {k: v for k, v in older.items() if k != "layers_block_type"}
+    assert normalize_config(everything_mamba).layer_types == ("mamba",) * 4  # transformers' default
+
+
+@pytest.mark.parametrize("given, expected", [("rope", "rope"), ("nope", "nope"), (None, "nope"), ("absent", "nope")])
+def test_granite_rotates_only_when_transformers_does(given, expected):
+    raw = config("granitemoehybrid") | {"position_embedding_type": given}
+    if given == "absent":
+        del raw["position_embedding_type"]
+    assert normalize_config(raw).args["position_embedding_type"] == expected  # mlx-lm rotates unless "nope"
+
+
+def test_granite_without_experts_runs_the_shared_mlp():
+    cfg = normalize_config(config("granitemoehybrid") | {"num_local_experts": 0, "mlp_bias": True})
+    assert cfg.args["intermediate_size"] == 40 and cfg.args["mlp_bias"] is False  # mlx-lm's `mlp` is that MLP
+
+
+def test_granite_mamba_head_size_auto_and_defaults_follow_transformers():
+    raw = config("granitemoehybrid") | {"mamba_d_head": "auto"}
+    for key in ("time_step_limit", "mamba_conv_bias", "residual_multiplier"):
+        del raw[key]
+    args = normalize_config(raw).args
+    assert args["mamba_d_head"] == 2 * 64 // 8
+    assert args["time_step_limit"] == (0.0, math.inf) and args["mamba_conv_bias"] is True
+    assert args["residual_multiplier"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({"time_step_limit": None}, ConfigError, "time_step_limit must be a list"),
+        ({"time_step_limit": [1.0, 0.5]}, ConfigError, "0 <= low < high"),
+        ({"time_step_limit": [{"__float__": "NaN"}, 1.0]}, ConfigError, "0 <= low < high"),
+        ({"time_step_limit": [0.0, {"__float__": "Infinity", "x": 1}]}, ConfigError, "0 <= low < high"),
+        ({"layer_types": ["mamba", "conv", "attention", "mamba"]}, UnsupportedModelError, "layer_types must list"),
+        ({"position_embedding_type": "alibi"}, UnsupportedModelError, "position_embedding_type 'alibi'"),
+        ({"mamba_d_head": 15}, ConfigError, "mamba_n_heads \\* mamba_d_head"),
+        ({"mamba_n_groups": 3}, ConfigError, "not a multiple of mamba_n_groups=3"),
+        ({"mamba_d_conv": 10_000}, ConfigError, "mamba_d_conv must be a positive integer of at most 64"),
+        ({"mamba_proj_bias": None}, ConfigError, "mamba_proj_bias must be true or false"),
+        ({"logits_scaling": 0}, ConfigError, "logits_scaling must be a positive finite number"),
+        ({"num_experts_per_tok": 0}, ConfigError, "num_experts_per_tok must be from 1"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, UnsupportedModelError, "rope type 'yarn'"),
+        ({"head_dim": 32}, UnsupportedModelError, "head_dim=32 differs"),
+    ],
+)
+def test_bad_granite_settings_are_refused(change, error, words):
+    with pytest.raises(error, match=words):
+        normalize_config({**config("granitemoehybrid"), **change})

@@ -1,18 +1,22 @@
-"""The memory planner: predictions against measured peaks, verdicts, and requests that cannot fit."""
+"""The memory planner: predictions against measured peaks and real caches, verdicts, requests that cannot fit."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
+import mlx.core as mx
 import pytest
 from click.testing import CliRunner
 
 import mlxinfer
+from mlxinfer.cache import StateCache, make_cache
 from mlxinfer.cli import main
+from mlxinfer.engine.prefill import Prefill
 from mlxinfer.errors import MemoryBudgetError
 from mlxinfer.memory import MachineMemory, ModelFootprint, apply_limits, plan_memory
 from mlxinfer.memory.planner import RUNTIME_BYTES, MemoryPlan
+from mlxinfer.models.registry import ARCHITECTURES
 from tests.conftest import TINY
 
 GIB = 1 << 30
@@ -136,3 +140,160 @@ def test_limits_wire_only_what_the_model_needs_on_metal(monkeypatch):
     calls.clear()
     apply_limits(plan_memory(machine(6 * GIB), model.footprint, context=4096, prefix_cache_bytes=0))
     assert "wired" not in calls  # nothing to wire on the CPU backend
+
+
+def prefilled(model: mlxinfer.Model, tokens: int, chunk: int) -> list:
+    """The real caches of `model` after a `tokens`-token prompt prefilled `chunk` at a time."""
+    decoder = model._loaded.model
+    caches = make_cache(decoder.cache_kinds, model.kv_bits)
+    Prefill.start(decoder, caches, mx.array([3 + i % 250 for i in range(tokens)], dtype=mx.uint32), chunk).run()
+    return caches
+
+
+def held_by_type(model: mlxinfer.Model, caches: list) -> dict[str, int]:
+    held = {}
+    for (kind, _), cache in zip(model._loaded.model.cache_kinds, caches):
+        held[kind] = held.get(kind, 0) + cache.nbytes
+    return held
+
+
+def test_sliding_layers_stop_growing_and_the_planner_counts_what_the_caches_hold():
+    # tests/fixtures/tiny/gemma3: 5 sliding layers (window 8) + 1 full, 2 KV heads x 16 dims, float32.
+    model = mlxinfer.load(TINY / "gemma3", prefix_cache_bytes=0)
+    f = model.footprint
+    assert (f.full_layers, f.sliding_layers, f.window, f.recurrent_layers) == (1, 5, 8, 0)
+    position = 2 * 2 * 16 * 4  # K and V x 2 heads x 16 dims x float32, one layer
+    held = {tokens: held_by_type(model, prefilled(model, tokens, chunk=64)) for tokens in (1300, 2600)}
+    # cache/kv.py: a window keeps its last 7 positions plus a 64-token chunk, in 256-position steps plus a step
+    assert held[1300]["sliding_attention"] == held[2600]["sliding_attention"] == 5 * 512 * position
+    assert held[1300]["full_attention"] == 1536 * position and held[2600]["full_attention"] == 2816 * position
+    for tokens, kinds in held.items():
+        assert f.sliding_kv_bytes(tokens, 64) == kinds["sliding_attention"]
+        assert f.full_kv_bytes(tokens) == kinds["full_attention"]
+        assert f.kv_cache_bytes(tokens, 64) == sum(kinds.values())
+    assert f.kv_bytes_per_token == position  # only the full layer grows
+
+
+@pytest.mark.parametrize(("name", "sliding", "full"), [("gemma3", 5, 1), ("gemma2", 2, 2)])
+def test_plan_shows_the_bound_of_the_sliding_layers(name, sliding, full):
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", str(TINY / name), "--context", "4096"])
+    assert result.exit_code == 0, result.output
+    # window 8, prefill chunk 512: 7 + 512 positions in 256-position steps, plus a step of slack
+    grows = "grows" if full == 1 else "grow"
+    mib = f"{full * 4096 * 256 / 2**20:.1f} MiB"
+    assert f"KV cache: {sliding} sliding layers (window 8) bounded at 1024 positions" in result.output
+    assert f"{full} full layer{'s' if full > 1 else ''} {grows} ({mib} at 4096 tokens)" in result.output
+    data = json.loads(runner.invoke(main, ["plan", str(TINY / name), "--context", "4096", "--json"]).output)
+    layers = data["layers"]
+    assert (layers["sliding_layers"], layers["full_layers"], layers["sliding_positions"]) == (sliding, full, 1024)
+    assert data["parts"]["kv cache"] == (sliding * 1024 + full * 4096) * 256
+
+
+# bfloat16 where the CPU backend runs it (its GatherMM, which MoE layers use, is float32 only): qwen3_5 keeps
+# a float32 recurrent state next to a bfloat16 convolution state.
+RECURRENT_FIXTURES = [("lfm2", None), ("lfm2", "bfloat16"), ("qwen3_next", None), ("qwen3_5", None),
+                      ("qwen3_5", "bfloat16"), ("granitemoehybrid", None)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "dtype"), RECURRENT_FIXTURES)
+def test_recurrent_state_is_counted_as_the_caches_hold_it(name, dtype):
+    config = json.loads((TINY / name / "config.json").read_text())
+    if config["model_type"] not in ARCHITECTURES:
+        pytest.skip(f"{config['model_type']} is not supported yet")
+    model = mlxinfer.load(TINY / name, prefix_cache_bytes=0, dtype=dtype)
+    f = model.footprint
+    recurrent = [kind for kind in config["layer_types"] if kind not in ("full_attention", "sliding_attention")]
+    assert f.recurrent_layers == len(recurrent) > 0
+    short, long = prefilled(model, 40, chunk=16), prefilled(model, 300, chunk=64)
+    for tokens, caches in ((40, short), (300, long)):
+        states = [c for c in caches if isinstance(c, StateCache)]
+        assert f.state_bytes == sum(c.nbytes for c in states) > 0, tokens
+        assert f.kv_cache_bytes(tokens, 64) + f.state_bytes >= sum(c.nbytes for c in caches)
+    decoder = model._loaded.model
+    for _ in range(3):  # decode steps keep the state's size
+        decoder(mx.array([[5]], dtype=mx.uint32), short)
+    assert f.state_bytes == sum(c.nbytes for c in short if isinstance(c, StateCache))
+
+
+def test_plan_shows_the_recurrent_state():
+    result = CliRunner().invoke(main, ["plan", str(TINY / "lfm2"), "--context", "4096"])
+    assert result.exit_code == 0, result.output
+    # lfm2 fixture: 2 conv layers keeping the last 2 inputs of 64 channels in float32 (conv_L_cache 3)
+    assert "2 recurrent layers: 1.0 KiB of state per sequence" in result.output
+    assert "KV cache: 2 full layers grow" in result.output
+
+
+def bounded_footprint(**changes) -> ModelFootprint:
+    """4 sliding layers (window 16) and 2 recurrent ones with 1000 bytes of state; 1 KV head of 1 dim, 1 byte."""
+    sizes = dict(full_layers=0, sliding_layers=4, window=16, recurrent_layers=2, state_bytes=1000)
+    sizes.update(changes)
+    return ModelFootprint(0, kv_heads=1, head_dim=1, heads=0, hidden=0, intermediate=0, vocab=0, compute_bytes=1,
+                          kv_bytes=1.0, **sizes)  # fmt: skip
+
+
+def test_a_model_whose_caches_do_not_grow_has_no_context_limit_from_memory():
+    f = bounded_footprint()
+    # one-position chunks: 15 + 1 positions in one 256-position step, plus a step of slack; K and V: 2 bytes
+    assert f.kv_cache_bytes(1 << 20, chunk=1) == f.kv_cache_bytes(300, chunk=1) == 4 * 512 * 2
+    assert f.cache_bytes(1 << 20, chunk=1) == 4 * 512 * 2 + 1000
+    usable = RUNTIME_BYTES + 4 * 512 * 2 + 1000 + 10  # the caches and one chunk's temporaries
+    untrained = MemoryPlan(machine(GIB), f, 1 << 20, 1, usable, prefix_cache_bytes=0)
+    assert untrained.parts["recurrent state"] == 1000
+    assert untrained.max_context() == 1 << 24
+    assert untrained.context_limit() == (
+        "no layer's cache grows with the context, so memory sets no limit on it (the model states no limit)"
+    )
+    trained = MemoryPlan(machine(GIB), dataclasses.replace(f, max_positions=8192), 4096, 1, usable, 0)
+    assert trained.max_context() == 8192
+    assert untrained.cache_lines() == [
+        "KV cache: 4 sliding layers (window 16) bounded at 512 positions (4.0 KiB), no layer grows with the context",
+        "2 recurrent layers: 1.0 KiB of state per sequence",
+    ]
+    # one full layer makes memory the limit again
+    growing = MemoryPlan(machine(GIB), bounded_footprint(full_layers=1), 1 << 20, 1, usable, 0)
+    assert growing.max_context() < 1 << 20
+
+
+def test_the_kv_memory_bench_measures_a_bound_that_holds():
+    from bench.kv_memory import AttentionShape, held_bytes, run_kv_memory_bench
+
+    shape = AttentionShape("tiny", layers=6, sliding_every=6, window=64, kv_heads=1, head_dim=16, dtype=mx.float16)
+    after = {context: held_bytes(shape.kinds(), shape, context) for context in (2048, 4096)}
+    assert after[2048]["sliding_attention"] == after[4096]["sliding_attention"]  # bounded at the window
+    assert after[4096]["full_attention"] == 2 * after[2048]["full_attention"]
+    # window 64, chunk 512: 63 + 512 positions in 256-position steps plus a step, K and V x 16 dims x float16
+    assert after[2048]["sliding_attention"] == 5 * 1024 * 2 * 16 * 2
+    assert held_bytes(shape.kinds(), shape, 2048, every_layer=True) == after[2048]  # one per kind is enough
+    before = held_bytes(shape.kinds(windows=False), shape, 4096)
+    assert before == {"full_attention": 6 * after[4096]["full_attention"]}
+    figures = run_kv_memory_bench(shape, contexts=(2048, 4096))
+    assert all(row["planned_bytes"] == row["measured_bytes"] for row in figures["rows"])  # the planner agrees
+    assert figures["ratios"]["4096"] == before["full_attention"] / sum(after[4096].values())
+
+
+def test_limits_count_every_loaded_model_until_it_is_gone(monkeypatch):
+    import gc
+
+    from mlxinfer.memory import hold_limits
+
+    wired = []
+    monkeypatch.setattr("mlxinfer.memory.limits.mx.set_wired_limit", wired.append)
+    monkeypatch.setattr("mlxinfer.memory.limits.mx.set_cache_limit", lambda n: None)
+    mac = MachineMemory(64 * GIB, 40 * GIB, 0, "metal", working_set_bytes=48 * GIB, max_buffer_bytes=8 * GIB)
+    model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=0)
+    plans = [plan_memory(mac, model.footprint, context=c, prefix_cache_bytes=0) for c in (1024, 4096)]
+    need = [p.parts["weights"] + p.parts["kv cache"] for p in plans]
+
+    class Owner:  # stands in for a loaded Model: the limits follow its lifetime
+        pass
+
+    first, second = Owner(), Owner()
+    hold_limits(first, plans[0])  # other models loaded in this process count too: compare differences
+    with_first = wired[-1]
+    hold_limits(second, plans[1])
+    assert wired[-1] == with_first + need[1]  # the second model does not unwire the first
+    del second
+    gc.collect()
+    assert wired[-1] == with_first  # set again from the models still loaded
+    del first

@@ -61,9 +61,9 @@ def batch_sizes(scheduler: Scheduler) -> list[int]:
     seen: list[int] = []
     step = scheduler._batch.step
 
-    def recorded() -> list[int]:
+    def recorded(pipelined: bool = False) -> list[int]:
         seen.append(len(scheduler._batch.rows))
-        return step()
+        return step(pipelined)
 
     scheduler._batch.step = recorded
     return seen

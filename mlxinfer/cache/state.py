@@ -41,7 +41,8 @@ class StateCache(_RowCache):
         """The layer wrote every slot for `n` new positions: make them the state."""
         for slot, value in sorted(self._pending.items()):
             self.slots.extend([None] * (slot + 1 - len(self.slots)))
-            self.slots[slot] = value
+            # A layer may store a slice of a chunk-sized array: a copy lets that buffer go (and snapshots stay small).
+            self.slots[slot] = mx.contiguous(value)
         self._pending.clear()
         self.length, self._row_offsets = self.length + n, None
 

@@ -1,11 +1,12 @@
 """The generation engine: sampling, prefill, decode, text streaming, continuous batching."""
 
-from .generate import GenerationRequest, generate_ids, prefill
+from .generate import GenerationRequest, prefill
 from .job import Delta, Event, Failed, Finished, Job
+from .loop import ModelRuntime, SchedulerConfig
 from .sampling import SamplingParams
-from .scheduler import ModelRuntime, Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .single import TextGeneration, generate_ids
 from .stats import GenerationStats
-from .text import TextGeneration
 
 __all__ = [
     "Delta",

@@ -41,15 +41,28 @@ class Running:
 
 
 class DecodeBatch:
-    """The sequences now decoding and their shared KV cache (rows in the same order)."""
+    """The sequences now decoding and their shared cache (rows in the same order).
+
+    `step(pipelined=True)` queues the next step on the device before the tokens
+    of this one reach the caller (the device works on step n+1 while the caller
+    handles step n); the loop asks for it only while the rows stay as they are
+    (one sequence, nobody waiting), and the queued step is taken first by the
+    next `step`. Rows join and leave only when nothing is queued."""
 
     def __init__(self, model: DecoderLM, kv_bits: int | None):
         self.model, self.kv_bits = model, kv_bits
         self.rows: list[Running] = []
         self.cache: list[Cache] | None = None
+        self._queued: mx.array | None = None  # the next step's tokens, already computing
+
+    @property
+    def pending(self) -> bool:
+        """A step is queued: its tokens must be taken (by `step`) before rows join."""
+        return self._queued is not None
 
     def join(self, sequence: Running, cache: list[Cache]) -> None:
         """Add a prefilled sequence whose single-sequence cache is `cache`."""
+        assert self._queued is None, "take the queued step before a row joins"
         self.cache = add_row(self.cache, cache)
         self.rows.append(sequence)
 
@@ -58,24 +71,30 @@ class DecodeBatch:
             self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
             gone = set(rows)
             self.rows = [s for i, s in enumerate(self.rows) if i not in gone]
+            self._queued = None  # computed for rows that changed (only ever one row, now gone)
 
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.cache) if self.cache else 0
 
     def row_cache(self, row: int) -> list[Cache]:
-        """Row `row`'s keys and values as a single-sequence cache (for the prefix cache)."""
+        """Row `row`'s state as a single-sequence cache (for the prefix cache)."""
         assert self.cache is not None
         return row_cache(self.cache, row, self.model.cache_kinds, self.kv_bits)
 
-    def step(self) -> list[int]:
+    def step(self, pipelined: bool = False) -> list[int]:
         """Feed every row its last drawn token; returns the next token of each row."""
         assert self.cache is not None
-        tokens = mx.array([[s.token] for s in self.rows], dtype=mx.uint32)
-        logits = self.model(tokens, self.cache)[:, -1]
-        picked = mx.stack([s.sampler(logits[i]) for i, s in enumerate(self.rows)])
-        mx.eval(picked)
+        picked = self._queued if self._queued is not None else self._launch(mx.array([s.token for s in self.rows]))
+        self._queued = self._launch(picked) if pipelined else None
         return picked.tolist()
 
+    def _launch(self, tokens: mx.array) -> mx.array:
+        """Start computing the tokens that follow `tokens` (one per row, maybe not evaluated yet)."""
+        logits = self.model(tokens.astype(mx.uint32).reshape(-1, 1), self.cache)[:, -1]
+        picked = mx.stack([s.sampler(logits[i]) for i, s in enumerate(self.rows)])
+        mx.async_eval(picked)
+        return picked
+
     def clear(self) -> None:
-        self.rows, self.cache = [], None
+        self.rows, self.cache, self._queued = [], None, None

@@ -23,6 +23,7 @@ class Delta:
 
     text: str
     tokens: int
+    token: int | None = None  # the token's id (None for held-back text)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class Job:
     stop: Sequence[str] = ()
     time_limit_s: float = math.inf  # from submission, queueing included
     stats: GenerationStats = field(default_factory=GenerationStats)
+    prefill_chunk: int | None = None  # tokens per prefill step (None: the scheduler's)
+    snapshot_every: int | None = None  # tokens between state snapshots (None: the scheduler's)
+    eos_token_ids: frozenset[int] | None = None  # None: the model's
+    use_cache: bool = True  # False: neither reuse nor keep prefixes
     submitted_at: float = 0.0
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 

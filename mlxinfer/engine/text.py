@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
-from ..cache import PrefixCache
 from ..errors import SamplingError
-from ..models.decoder import DecoderLM
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
-from .generate import GenerationRequest, generate_ids
-from .stats import GenerationStats
+from ..tokenizer import IncrementalDetokenizer
 
 MAX_STOP_STRINGS = 16
 # Per stop string: text that may begin one is held back from the stream, and the matcher's table grows with it.
@@ -145,48 +140,3 @@ def truncate_at_stop(text: str, stops: Sequence[str]) -> str:
     """`text` up to the earliest stop string in it (in one linear pass)."""
     matcher = StopMatcher(stops)
     return matcher.feed(text) + matcher.flush()
-
-
-@dataclass
-class TextGeneration:
-    """One generation's stream of text; `ids`, `stats` fill in as it runs."""
-
-    model: DecoderLM
-    tokenizer: Tokenizer
-    request: GenerationRequest
-    stop: Sequence[str] = ()
-    prefix_cache: PrefixCache | None = None
-    ids: list[int] = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-    started: bool = False
-
-    def __post_init__(self) -> None:
-        check_stops(self.stop)
-
-    def deltas(self) -> Iterator[str]:
-        """Yield text as it is produced: never half a character, never part of a stop string."""
-        if self.started:
-            raise SamplingError("this generation was already consumed; start a new one")
-        self.started = True
-        stream = TextStream(self.tokenizer.decode, self.stop)
-        for token in generate_ids(self.model, self.request, self.stats, self.prefix_cache):
-            self.ids.append(token)
-            text = stream.add(token)
-            if text:
-                yield text
-            if stream.stopped:
-                self.stats.finish_reason = "stop"
-                return
-        tail = stream.finish()
-        if stream.stopped:
-            self.stats.finish_reason = "stop"
-        if tail:
-            yield tail
-
-    def __iter__(self) -> Iterator[str]:
-        return self.deltas()
-
-    def text(self) -> str:
-        """The whole text, decoded at once from the generated ids (after `deltas` ran)."""
-        return truncate_at_stop(self.tokenizer.decode(self.ids), self.stop)

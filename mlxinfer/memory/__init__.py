@@ -1,6 +1,6 @@
 """Memory: what this machine has, what a model needs, and one budget for all of it."""
 
-from .limits import apply_limits
+from .limits import apply_limits, hold_limits
 from .machine import MachineMemory, machine_memory
 from .planner import (
     MemoryPlan,
@@ -14,6 +14,7 @@ from .process import peak_rss_bytes
 
 __all__ = [
     "apply_limits",
+    "hold_limits",
     "batch_peak_bytes",
     "MachineMemory",
     "MemoryPlan",

@@ -6,7 +6,7 @@ never unpickled. Every header is validated before MLX maps the file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,10 @@ class Checkpoint:
     config: dict[str, Any]
     files: tuple[Path, ...]
     tensors: dict[str, TensorInfo]
+    owners: dict[str, Path] = field(default_factory=dict)  # the file holding each stored tensor
+    # {name in the model: stored name} when they differ or only some tensors are used (a vision-language
+    # checkpoint's text model, see multimodal.py); then only these tensors are loaded.
+    stored_names: dict[str, str] | None = None
 
 
 def open_folder(folder: Path) -> Checkpoint:
@@ -50,15 +54,17 @@ def open_folder(folder: Path) -> Checkpoint:
                 raise CorruptFileError(f"{path}: tensor {shown(name)} also appears in {owner[name].name}")
             owner[name], tensors[name] = path, info
     _check_index(folder, owner)
-    return Checkpoint(folder=folder, config=config, files=tuple(files), tensors=tensors)
+    return Checkpoint(folder=folder, config=config, files=tuple(files), tensors=tensors, owners=owner)
 
 
 def load_tensors(checkpoint: Checkpoint) -> dict[str, mx.array]:
-    """Map every tensor lazily; bytes are read when the arrays are evaluated."""
+    """Map every tensor lazily; bytes are read when the arrays are evaluated (tensors left out never are)."""
     weights: dict[str, mx.array] = {}
     for path in checkpoint.files:
         weights.update(mx.load(str(path)))
-    return weights
+    if checkpoint.stored_names is None:
+        return weights
+    return {name: weights[stored] for name, stored in checkpoint.stored_names.items()}
 
 
 def read_json(path: Path) -> dict[str, Any]:

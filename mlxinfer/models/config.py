@@ -15,8 +15,10 @@ from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..untrusted import is_finite_number, is_int, shown
+from .multimodal import WRAPPERS, text_config
 from .registry import ARCHITECTURES, ArchSpec, supported_model_types
 from .safetensors_header import MAX_DIM
+from .yarn import yarn_scaling
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +71,18 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
     _refuse_code_and_foreign_quantization(raw, source)
+    raw = text_config(raw, source)  # a vision-language checkpoint runs as its text model
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: model_type {shown(model_type)} is not supported; "
-            f"supported: {', '.join(supported_model_types())}"
+            f"supported: {', '.join(sorted([*supported_model_types(), *WRAPPERS]))}"
         )
     spec = ARCHITECTURES[model_type]
-    args = dict(raw)
+    # transformers 5 writes an infinite float as {"__float__": "Infinity"} (Granite's time_step_limit).
+    args = {key: _special_floats(value) for key, value in raw.items()}
+    for key, value in spec.defaults.items():
+        args.setdefault(key, value)
     for mlx_key, key in spec.renamed.items():
         if args.get(mlx_key) is None and key in args:
             args[mlx_key] = args[key]
@@ -87,6 +93,8 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     _check_shapes(args, source, spec)
     _check_activation(args, source, spec)
     _check_neutral(args, source, spec)
+    if spec.check_config is not None:
+        spec.check_config(args, source)
     args.update(_rope_args(args, source, spec))
     _check_numbers(args, source)
     layer_types, window = _layer_types(args, source, spec)
@@ -94,7 +102,7 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     # the per-layer masks (see models/decoder.py). Hybrid modules pick each layer's
     # block from layer_types, so they keep it.
     if spec.recurrent_kinds:
-        args["layer_types"] = list(layer_types)
+        args["layer_types"] = [spec.mlx_layer_names.get(kind, kind) for kind in layer_types]
     else:
         args.pop("layer_types", None)
     args["sliding_window"] = None
@@ -111,6 +119,22 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         quantization=raw.get("quantization"),
         source=source,
     )
+
+
+_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_floats(value: Any, depth: int = 0) -> Any:
+    """`value` with transformers' {"__float__": "Infinity"} objects read as floats (a bare `Infinity`, as
+    Python's json writes it, already is one); the range checks then judge them like any number."""
+    if isinstance(value, dict) and depth < 4:
+        tag = value.get("__float__")
+        if len(value) == 1 and isinstance(tag, str) and tag in _FLOAT_TAGS:
+            return _FLOAT_TAGS[tag]
+        return {k: _special_floats(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list) and depth < 4:
+        return [_special_floats(v, depth + 1) for v in value]
+    return value
 
 
 # Keys whose JSON type we rely on; a wrong type is a broken config, not a model variant.
@@ -287,13 +311,14 @@ def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, A
         return out
     if params is not None:
         out["rope_theta"] = _not_null(params, "rope_theta", args.get("rope_theta", 10000.0), source)
-        out["rope_scaling"] = _scaling(params, source, spec)
+        out["rope_scaling"] = _scaling(params, source, spec, args)
         if "partial_rotary_factor" in params:
             out["partial_rotary_factor"] = _not_null(params, "partial_rotary_factor", 1.0, source)
     else:
-        out["rope_scaling"] = _scaling(args.get("rope_scaling"), source, spec)
-    if out.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0)) != 1.0 and model_type != "phi3":
-        raise UnsupportedModelError(f"{source}: partial_rotary_factor is only supported for phi3")
+        out["rope_scaling"] = _scaling(args.get("rope_scaling"), source, spec, args)
+    if out.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0)) != 1.0 and not spec.partial_rotary:
+        families = ", ".join(sorted(t for t, s in ARCHITECTURES.items() if s.partial_rotary))
+        raise UnsupportedModelError(f"{source}: partial_rotary_factor is only supported for {families}")
     return out
 
 
@@ -312,7 +337,7 @@ def _section(params: dict[str, Any], key: str, source: str) -> dict[str, Any]:
     return value
 
 
-def _scaling(scaling: Any, source: str, spec: ArchSpec) -> dict[str, Any] | None:
+def _scaling(scaling: Any, source: str, spec: ArchSpec, args: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """A rope scaling dict in mlx-lm's form, or None for plain RoPE."""
     if not scaling:
         return None
@@ -326,6 +351,8 @@ def _scaling(scaling: Any, source: str, spec: ArchSpec) -> dict[str, Any] | None
         )
     if rope_type == "default":
         return None
+    if rope_type == "yarn":  # transformers derives a null factor from the context lengths
+        return yarn_scaling(scaling, args or {}, source)
     factor = scaling.get("factor")
     if not is_finite_number(factor) or factor <= 0:
         raise ConfigError(f"{source}: rope scaling factor must be a positive number, got {shown(factor)}")
@@ -360,7 +387,8 @@ def _layer_types(args: dict[str, Any], source: str, spec: ArchSpec) -> tuple[tup
     window = args.get("sliding_window")
     declared = args.get("layer_types")
     if declared is not None:
-        types = tuple(declared[: n + 1])  # one past n is enough to refuse a wrong length
+        # One past n is enough to refuse a wrong length.
+        types = tuple(spec.layer_aliases.get(t, t) if isinstance(t, str) else t for t in declared[: n + 1])
     elif spec.sliding == "declared":
         raise ConfigError(f"{source}: layer_types is missing; {args['model_type']} needs it to know each layer's kind")
     elif spec.sliding == "alternate":

@@ -8,6 +8,7 @@ layer type. Parameter paths stay the Hugging Face ones (`model.layers.0...`).
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,6 +141,8 @@ def build_model(config: ModelConfig) -> DecoderLM:
     model = DecoderLM(backbone, lm_head, layout)
     if config.spec.mlx_sanitize:
         model.mlx_sanitize = reference.sanitize  # the checkpoint's tensor layout -> this module's
+    if config.spec.adapter:  # where mlx-lm's layers differ from transformers (models/<family>_layers.py)
+        importlib.import_module(f"{__package__}.{config.spec.adapter}").adapt(model, config)
     return model
 
 

@@ -28,6 +28,7 @@ from .decoder import DecoderLM, build_model
 from .dtype import choose_compute_dtype
 from .gguf import gguf_config, gguf_tensors, gguf_weights
 from .gguf_file import GGUFFile
+from .multimodal import text_checkpoint
 from .quantized import quantize_like
 from .safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
 from .sizing import StoredTensor, check_before_build
@@ -65,6 +66,7 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
     elif path.is_dir():
         checkpoint = open_folder(path)
         config = normalize_config(checkpoint.config, source=str(path / "config.json"))
+        checkpoint = text_checkpoint(checkpoint)  # a vision-language model's text tensors only
         check_before_build(config, _folder_tensors(checkpoint, compute), str(path))
         weights = load_tensors(checkpoint)
         tokenizer = Tokenizer.from_folder(path, config.eos_token_ids) if with_tokenizer else None

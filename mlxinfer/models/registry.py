@@ -7,7 +7,12 @@ here, never a new model file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+from .family_config import GPT_OSS_DEFAULTS, GRANITE_DEFAULTS, check_gpt_oss, check_granitemoehybrid
+from .qwen3_next_config import QWEN3_5_DEFAULTS, QWEN3_NEXT_DEFAULTS, check_qwen3_5_text, check_qwen3_next
 
 ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 
@@ -38,6 +43,8 @@ class ArchSpec:
     rope_types: frozenset[str] = ROPE_TYPES
     # mlx-lm's module derives head_dim as hidden_size // heads and ignores the key.
     fixed_head_dim: bool = False
+    # The module rotates only the first partial_rotary_factor of each head's dimensions, as transformers does.
+    partial_rotary: bool = False
     # Layer types config.json may declare beyond full/sliding attention (recurrent kinds: each
     # gets a fixed-size state cache). Hybrid modules read `layer_types` themselves, so it stays in args.
     recurrent_kinds: frozenset[str] = frozenset()
@@ -47,6 +54,18 @@ class ArchSpec:
     renamed: dict[str, str] = field(default_factory=dict)
     # Apply mlx-lm's `Model.sanitize` to the checkpoint's tensors (conv weight layout, stacked experts).
     mlx_sanitize: bool = False
+    # transformers' values for keys config.json may leave out, where mlx-lm's default differs or it has none.
+    defaults: dict[str, Any] = field(default_factory=dict)
+    # Other names config.json may give our layer types (Granite's legacy "mamba"/"attention"), and the
+    # names this module's `layer_types` argument uses for ours.
+    layer_aliases: dict[str, str] = field(default_factory=dict)
+    mlx_layer_names: dict[str, str] = field(default_factory=dict)
+    # The family's own checks and rewrites of the args, run after the common size checks (before RoPE and
+    # layer types): `check(args, source)`, raising ConfigError / UnsupportedModelError.
+    check_config: Callable[[dict[str, Any], str], None] | None = None
+    # A module of mlxinfer.models whose `adapt(model, config)` makes mlx-lm's freshly built layers compute
+    # what transformers does (and may replace `model.mlx_sanitize`); imported only when such a model is built.
+    adapter: str = ""
 
 
 _GEMMA = dict(
@@ -68,11 +87,60 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         tied_by_default=True,
         neutral={"conv_bias": False},
     ),
+    "gpt_oss": ArchSpec(
+        "gpt_oss",
+        activation_keys=(),  # the experts' clamped SwiGLU is fixed; hidden_act is unused
+        sliding="alternate",
+        rope_types=frozenset({"default", "yarn"}),
+        neutral={"attention_bias": True},
+        defaults=GPT_OSS_DEFAULTS,
+        check_config=check_gpt_oss,
+        mlx_sanitize=True,
+        adapter="gpt_oss_layers",
+    ),
+    "granitemoehybrid": ArchSpec(
+        "granitemoehybrid",
+        sliding="declared",
+        recurrent_kinds=frozenset({"mamba"}),
+        layer_aliases={"linear_attention": "mamba", "attention": "full_attention"},
+        mlx_layer_names={"full_attention": "attention"},
+        rope_types=frozenset({"default"}),
+        fixed_head_dim=True,
+        defaults=GRANITE_DEFAULTS,
+        check_config=check_granitemoehybrid,
+        mlx_sanitize=True,
+        adapter="granitemoehybrid_layers",
+    ),
+    "qwen3_next": ArchSpec(
+        "qwen3_next",
+        sliding="declared",  # check_qwen3_next writes layer_types from full_attention_interval when absent
+        recurrent_kinds=frozenset({"linear_attention"}),
+        rope_types=frozenset({"default"}),
+        partial_rotary=True,
+        defaults=QWEN3_NEXT_DEFAULTS,
+        check_config=check_qwen3_next,
+        mlx_sanitize=True,
+        adapter="qwen3_next_layers",
+    ),
+    # Qwen3.5's text model (also the text half of model_type "qwen3_5", see multimodal.py); mlx-lm has no
+    # qwen3_5_text module, its qwen3_5 takes the flat config.
+    "qwen3_5_text": ArchSpec(
+        "qwen3_5",
+        sliding="declared",
+        recurrent_kinds=frozenset({"linear_attention"}),
+        rope_types=frozenset({"default"}),
+        partial_rotary=True,
+        neutral={"num_experts": 0},  # a dense model: mlx-lm would build experts from this key, transformers not
+        defaults=QWEN3_5_DEFAULTS,
+        check_config=check_qwen3_5_text,
+        mlx_sanitize=True,
+        adapter="qwen3_next_layers",
+    ),
     "llama": ArchSpec("llama", neutral={"pretraining_tp": 1}),
     "mistral": ArchSpec("llama", sliding="all"),
     "qwen2": ArchSpec("qwen2", sliding="qwen", fixed_head_dim=True),
     "qwen3": ArchSpec("qwen3", sliding="qwen", neutral={"attention_bias": False}),
-    "phi3": ArchSpec("phi3", sliding="all", fixed_head_dim=True, rope_types=frozenset({"default"})),
+    "phi3": ArchSpec("phi3", sliding="all", fixed_head_dim=True, rope_types=frozenset({"default"}), partial_rotary=True),
     "gemma2": ArchSpec(
         "gemma2",
         sliding="alternate",

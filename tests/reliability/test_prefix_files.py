@@ -189,6 +189,21 @@ def test_the_layout_is_what_each_kv_cache_kind_holds(bits, head_dim, dtype):
     assert found == {name: (d, tuple(s)) for name, (d, s) in expected.items() if name != "token_ids"}
 
 
+@pytest.mark.parametrize("bits", [None, 4, 8])
+@pytest.mark.parametrize("written", [[3], [5, 1], [7], [7, 1, 1], [20], [300, 2]])  # chunks: under, at, past 8 - 1
+def test_a_window_snapshot_holds_the_last_window_minus_one_positions(bits, written):
+    cache = KVCache(8) if bits is None else QuantizedKVCache(bits, window=8)
+    for n in written:
+        cache.update_and_fetch(*(mx.zeros((1, 2, n, 64), mx.float16) for _ in range(2)))
+    found = {f"snapshots.{cache.length}.0.{j}": (prefix_file.DTYPE_NAMES[a.dtype], a.shape)
+             for j, a in enumerate(cache.snapshot())}  # fmt: skip
+    layout = KVLayout.of(1, 2, 64, mx.float16, 1024, kv_bits=bits, kinds=[("sliding_attention", 8)])
+    expected = layout.tensors(cache.length, [cache.length])
+    assert found == {name: spec for name, spec in expected.items() if name != "token_ids"}
+    held = min(sum(written), 7)
+    assert all(shape[2] == held for _, shape in found.values())
+
+
 # -- files of ours, damaged or crafted: quarantined with a warning, the answer uncached ------------------------------
 
 
@@ -268,6 +283,9 @@ CRAFTED = {  # each with a checksum that matches: only the layout and metadata c
     "another model's fingerprint": (_meta("fingerprint", "0" * 24), "made for other weights"),
     "no fingerprint": (_meta("fingerprint", None), "made for other weights"),
     "an older format": (_meta("format", "mlxinfer-prefix-v1"), "format 'mlxinfer-prefix-v1' is not mlxinfer-prefix"),
+    "format v2": (_meta("format", "mlxinfer-prefix-v2"), "'mlxinfer-prefix-v2' is not mlxinfer-prefix-v3"),
+    "snapshots where none can be": (_meta("snapshots", "30"), "metadata snapshots='30' is not empty: this model resu"),
+    "snapshots missing": (_meta("snapshots", None), "metadata snapshots=None is not empty"),
     "a newer format": (_meta("format", "mlxinfer-prefix-v9"), "format 'mlxinfer-prefix-v9' is not mlxinfer-prefix"),
     "token ids not those of its name": (_flip_ids, "its token ids do not match the file's name"),
 }
