@@ -49,6 +49,8 @@ def run_hybrid_bench(models: dict[str, Path], settings: HybridSettings) -> dict[
             ttft_model = models.get(settings.ttft_family)
             return {
                 "conditions": conditions(),
+                # Other work on this machine slows both engines; runs are interleaved so the ratios hold up better.
+                "load_average_at_start": os.getloadavg(),
                 "settings": asdict(settings),
                 "compute_dtype": "float32",
                 "models": {name: _described(name, path) for name, path in models.items()},
@@ -214,7 +216,8 @@ def markdown(f: dict[str, Any]) -> str:
     head = (
         f"{c['chip']} ({c['cores']} cores, {c['memory_bytes'] / 2**30:.0f} GiB) · {c['os']} · backend {c['backend']} · "
         f"mlx {c['versions']['mlx']} · mlx-lm {c['versions']['mlx-lm']} · mlxinfer {c['versions']['mlxinfer']}; "
-        f"{f['compute_dtype']} compute, random weights (speed only)"
+        f"{f['compute_dtype']} compute, random weights (speed only); load average at start "
+        f"{f['load_average_at_start'][0]:.1f}"
     )
     return "\n\n".join([head, _shared_prefix_table(f), _decode_table(f), _models_table(f)])
 

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
+from mlxinfer.quantize import LayerQuant, QualityReport, Recipe, make_recipe
 from mlxinfer.quantize.affine import bits_per_weight, dequantize_rows, quantize_rows
 from mlxinfer.quantize.quality import scoring_bytes
 from tqdm.auto import tqdm
@@ -35,6 +35,8 @@ from mlxinfer.models.sizing import check_checkpoint, refuse_beyond_machine
 from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
+from .layout import Sanitize, converted_tensors, output_shapes
+from .mlx_lm_rules import QuantPredicate, apply_quant_predicate, mlx_lm_predicates
 from .output_config import output_config
 from .output_folder import MANIFEST, AtomicFolder, check_apart, check_output, check_space
 from .sources import Quantized, Source, open_source
@@ -71,13 +73,17 @@ class ConversionPlan:
     settings: ConvertSettings
     config: ModelConfig
     layers: dict[str, LayerQuant | None]  # quantizable module path -> its quantization
-    names: list[str]  # source tensors to write, in order
+    names: list[str]  # source tensors to read, in order
     dtype: mx.Dtype
     output_bytes: int
     peak_bytes: int  # the most the process will hold, over every step that runs
     params: int
     force: bool = False  # replace an existing OUT (only an empty folder or an earlier conversion)
     no_eval_peak_bytes: int | None = None  # the same without the quality report; None: peak_bytes
+    # Output tensors (the runtime's layout) and their shapes; None: the source's names and shapes.
+    shapes: dict[str, tuple[int, ...]] | None = None
+    sanitize: Sanitize | None = None  # the source layout -> the runtime's (the loader's model.mlx_sanitize)
+    uncast: frozenset[str] = frozenset()  # float tensors kept in their stored type (mlx-lm's cast_predicate)
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
@@ -156,54 +162,101 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     if isinstance(getattr(source, "folder", None), Path):
         check_tokenizer_files(source.folder)  # not after the weights are written
     model = build_model(config)  # parameters stay lazy: only shapes are used
-    names = _check_tensors(source, model, config)
+    names = _source_names(source, config)
+    # The loader's own conversion into the modules' layout, for families whose checkpoints need one.
+    sanitize = model.mlx_sanitize if config.spec.mlx_sanitize else None
+    shapes = _check_tensors(source, model, output_shapes(source, names, sanitize))
     block_quantized = any(t.dtype in BLOCK_BITS for t in source.tensors.values())
     if settings.group_size is None:
         settings.group_size = 32 if block_quantized else 64
     recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
-    shapes = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    layers = {
-        path: (recipe(path, shapes[f"{path}.weight"]) if recipe else None)
-        for path, module in model.named_modules()
-        if isinstance(module, (nn.Linear, nn.Embedding)) and f"{path}.weight" in shapes
-    }
+    quant_predicate, cast_predicate = mlx_lm_predicates(config)
+    layers = _quantizable_layers(model, shapes, recipe, quant_predicate)
     sensitivity = settings.recipe == "sensitivity" or (settings.recipe is None and settings.bpw is not None)
     settings.method = _method(settings, sensitivity)
+    if sensitivity or settings.method == "gptq":
+        _check_calibration(config, layers, shapes, "--method gptq" if not sensitivity else "--recipe sensitivity")
     if sensitivity:
         layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers, progress)
     layers = _keep_finer_blocks(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
-    output_bytes = sum(_output_bytes(shapes[n], layers.get(n.removesuffix(".weight")), dtype) for n in names)
-    largest = max(math.prod(shapes[n]) for n in names)
-    params = sum(math.prod(shapes[n]) for n in names)
-    # float32 copies of the largest tensor, one pending output shard, the runtime itself;
-    # calibration (sensitivity, GPTQ) also holds the whole model in its compute dtype (twice,
-    # with MLX's buffer cache), numpy working copies of the largest tensor, and the output.
-    peak = 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + RUNTIME_BYTES
+    output_bytes = sum(
+        _output_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
+    )
+    params = sum(math.prod(shape) for shape in shapes.values())
+    peak = _stream_peak_bytes(source, names, shapes, settings, output_bytes)
     if sensitivity or settings.method == "gptq":
-        peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * largest + output_bytes
-    evaluation = _evaluation_bytes(source, config, layers, names, settings.eval_tokens)
+        # Calibration holds the whole model in its compute dtype (twice, with MLX's buffer cache),
+        # numpy working copies of the largest tensor, and the output.
+        peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * max(map(math.prod, shapes.values()))
+        peak += output_bytes
+    evaluation = _evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
     if settings.evaluate:
         settings.evaluate = _evaluation_fits(source, evaluation)
     no_eval_peak = peak
     if settings.evaluate:  # the steps run one after another: the process peaks in the larger one
         peak = max(peak, RUNTIME_BYTES + evaluation)
+    uncast = frozenset(n for n in shapes if cast_predicate is not None and not cast_predicate(n))
     return ConversionPlan(
-        source, out, settings, config, layers, names, dtype, output_bytes, peak, params, no_eval_peak_bytes=no_eval_peak
-    )
+        source, out, settings, config, layers, names, dtype, output_bytes, peak, params,
+        no_eval_peak_bytes=no_eval_peak, shapes=shapes, sanitize=sanitize, uncast=uncast,
+    )  # fmt: skip
+
+
+def _stream_peak_bytes(
+    source: Source, names: list[str], shapes: dict[str, tuple[int, ...]], settings: ConvertSettings, output_bytes: int
+) -> int:
+    """The tensor stream's peak: float32 copies of the largest tensor read or written (a layer's stacked
+    experts, a fused tensor that is split), one pending output shard, the runtime itself."""
+    largest = max(math.prod(shape) for shape in [*shapes.values(), *(source.tensors[n].shape for n in names)])
+    return 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + RUNTIME_BYTES
+
+
+def _quantizable_layers(
+    model: nn.Module, shapes: dict[str, tuple[int, ...]], recipe: Recipe | None, predicate: QuantPredicate | None
+) -> dict[str, LayerQuant | None]:
+    """{module path: its format} for every module the loader can quantize (matrices, embeddings and
+    mlx-lm's per-expert SwitchLinear), as the recipe and then mlx-lm's rules for the family say."""
+    modules = {
+        path: module
+        for path, module in model.named_modules()
+        if hasattr(module, "to_quantized") and f"{path}.weight" in shapes
+    }
+    layers = {path: (recipe(path, shapes[f"{path}.weight"]) if recipe else None) for path in modules}
+    return apply_quant_predicate(layers, modules, shapes, predicate)
+
+
+def _check_calibration(
+    config: ModelConfig, layers: dict[str, LayerQuant | None], shapes: dict[str, tuple[int, ...]], flag: str
+) -> None:
+    # Both run the source model block by block on plain matrices; experts and recurrent layers are not covered.
+    experts = any(len(shapes[f"{p}.weight"]) != 2 for p in layers)
+    if experts or config.spec.recurrent_kinds:
+        raise ConversionError(
+            f"{flag} is not supported for model_type {config.model_type!r} yet; "
+            "use the default round-to-nearest (--bits 4 or 8, no --method/--recipe/--bpw)"
+        )
 
 
 def _evaluation_bytes(
-    source: Source, config: ModelConfig, layers: dict[str, LayerQuant | None], names: list[str], tokens: int
+    source: Source,
+    config: ModelConfig,
+    layers: dict[str, LayerQuant | None],
+    names: list[str],
+    tokens: int,
+    shapes: dict[str, tuple[int, ...]] | None = None,
 ) -> int:
-    """What the quality report holds on top of the runtime: both models, their KV caches, one chunk's scores."""
+    """What the quality report holds on top of the runtime: both models, their KV caches, one chunk's scores.
+
+    `shapes`: the output's tensors, when they are not the source's `names`."""
     compute = choose_compute_dtype(None)
     # Loading the source holds the tensors stored in another float type until their cast to
     # the compute dtype is done (a bf16 source on a bf16 GPU is never cast); the output is
     # loaded next, into the memory those free. Its unquantized tensors, scales and biases
     # follow the compute dtype too; its packed weights stay as written.
     loaded, cast = source.load_bytes(compute)
-    output = sum(_output_bytes(source.tensors[n].shape, layers.get(n.removesuffix(".weight")), compute) for n in names)
+    shapes = shapes if shapes is not None else {n: source.tensors[n].shape for n in names}
+    output = sum(_output_bytes(shape, layers.get(n.removesuffix(".weight")), compute) for n, shape in shapes.items())
     positions = -(-tokens // KV_STEP) * KV_STEP  # the KV cache grows in steps of KV_STEP positions
     per_position = 2 * config.num_layers * int(config.args["num_key_value_heads"]) * int(config.args["head_dim"])
     kv = 2 * per_position * positions * compute.size  # two models, keys and values each
@@ -232,21 +285,27 @@ def _method(settings: ConvertSettings, sensitivity: bool) -> str:
     return method
 
 
-def _check_tensors(source: Source, model: nn.Module, config: ModelConfig) -> list[str]:
+def _source_names(source: Source, config: ModelConfig) -> list[str]:
+    """The source tensors to convert: all but precomputed rotary tables and a tied head (as the loader)."""
+
+    def kept(name: str) -> bool:
+        tied_head = config.tie_word_embeddings and name == "lm_head.weight"
+        return not (tied_head or name.endswith("rotary_emb.inv_freq"))
+
+    return sorted(n for n in source.tensors if kept(n))
+
+
+def _check_tensors(source: Source, model: nn.Module, given: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`given` (the output's tensors and shapes), once they are exactly the model's parameters."""
     expected = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
-    given = {n: t for n, t in source.tensors.items() if not n.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        given.pop("lm_head.weight", None)
     missing = sorted(set(expected) - set(given))
     unexpected = sorted(set(given) - set(expected))
-    wrong = sorted(
-        f"{n} {given[n].shape} != {expected[n]}" for n in set(given) & set(expected) if given[n].shape != expected[n]
-    )
+    wrong = sorted(f"{n} {given[n]} != {expected[n]}" for n in set(given) & set(expected) if given[n] != expected[n])
     groups = (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong))
     problems = [f"{label}: {', '.join(items)}" for label, items in groups if items]
     if problems:
         raise ConversionError(f"{source.description}: tensors do not match config.json; " + "; ".join(problems))
-    return sorted(given)
+    return given
 
 
 def _gptq_layers(plan: ConversionPlan) -> dict[str, LayerQuant | None]:
@@ -327,31 +386,33 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
 
 def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: dict) -> tuple[list[str], int]:
     writer = ShardWriter(folder, plan.settings.shard_bytes)
-    total = sum(plan.source.tensors[n].nbytes for n in plan.names)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="converting", disable=not progress) as bar:
-        for name in plan.names:
-            for out_name, array in _convert_tensor(plan, name, rounded):
+    shapes = plan.shapes or {n: plan.source.tensors[n].shape for n in plan.names}
+    with tqdm(total=plan.params, unit="", unit_scale=True, desc="converting weights", disable=not progress) as bar:
+        for name, value in converted_tensors(plan.source, plan.names, plan.sanitize):
+            for out_name, array in _encode(plan, name, value, rounded):
                 mx.eval(array)
                 writer.add(out_name, array)
-            bar.update(plan.source.tensors[name].nbytes)
+            del value  # evaluated, its bytes (or, lazy, the tensors it was made of) are not needed again
+            bar.update(math.prod(shapes[name]))
             bar.set_postfix_str(name, refresh=False)
     return writer.finish(), writer.total_bytes
 
 
-def _convert_tensor(plan: ConversionPlan, name: str, rounded: dict):
+def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounded: dict):
+    """The tensors written for output tensor `name`: itself, or its packed weight, scales and biases."""
     path = name.removesuffix(".weight")
     quant = plan.layers.get(path) if name.endswith(".weight") else None
     if quant is not None and path in rounded:
         packed, scales, biases = rounded.pop(path)
         return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
-    value = plan.source.read(name)
     if isinstance(value, Quantized):
         if quant is not None and (quant.bits, quant.group_size) == (value.bits, value.group_size):
             # Same grid as the source (GGUF Q4_1 -> 4-bit group 32): copy, never round twice.
             return [(name, value.weight), (f"{path}.scales", value.scales), (f"{path}.biases", value.biases)]
         value = dequantize_rows(value.weight, value.scales, value.biases, value.bits, value.group_size)
     if quant is None:
-        return [(name, value.astype(plan.dtype) if mx.issubdtype(value.dtype, mx.floating) else value)]
+        cast = mx.issubdtype(value.dtype, mx.floating) and name not in plan.uncast
+        return [(name, value.astype(plan.dtype) if cast else value)]
     packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype)
     return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
 

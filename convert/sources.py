@@ -63,6 +63,8 @@ class Source(Protocol):
 class FolderSource:
     """A local Hugging Face (or MLX) checkpoint folder."""
 
+    is_lazy = True  # read() hands out mapped arrays: their bytes are read only when evaluated
+
     def __init__(self, folder: Path, description: str | None = None):
         checkpoint: Checkpoint = open_folder(folder)
         self.folder = folder

@@ -12,17 +12,21 @@ ROW_BLOCK_ELEMENTS = 1 << 24  # 64 MiB of float32 per block
 
 
 def quantize_rows(weight: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
-    """(packed uint32 weight, scales, biases) of a 2-D weight, scales/biases in `dtype`."""
-    rows = max(1, ROW_BLOCK_ELEMENTS // max(1, weight.shape[-1]))
+    """(packed uint32 weight, scales, biases) of a weight, scales/biases in `dtype`.
+
+    Groups run along the last axis; a 3-D weight (experts, out, in), as mlx-lm's SwitchLinear holds it,
+    is quantized per expert exactly as `mx.quantize` would quantize it whole."""
+    lead = weight.shape[:-1]
+    flat = weight.reshape(-1, weight.shape[-1])  # (experts * out, in): the same groups, row blocks stay bounded
+    rows = max(1, ROW_BLOCK_ELEMENTS // max(1, flat.shape[-1]))
     parts = []
-    for start in range(0, weight.shape[0], rows):
-        block = weight[start : start + rows].astype(mx.float32)
+    for start in range(0, flat.shape[0], rows):
+        block = flat[start : start + rows].astype(mx.float32)
         packed, scales, biases = mx.quantize(block, group_size=group_size, bits=bits)
         parts.append((packed, scales.astype(dtype), biases.astype(dtype)))
         mx.eval(parts[-1])
-    if len(parts) == 1:
-        return parts[0]
-    return tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))  # type: ignore[return-value]
+    joined = parts[0] if len(parts) == 1 else tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
+    return tuple(a.reshape(*lead, a.shape[-1]) for a in joined)  # type: ignore[return-value]
 
 
 def dequantize_rows(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:

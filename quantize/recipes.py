@@ -70,4 +70,5 @@ def make_recipe(name: str | None, bits: int, group_size: int, bpw: float | None)
 
 
 def _fits(shape: tuple[int, ...], group_size: int) -> bool:
-    return len(shape) == 2 and shape[-1] % group_size == 0 and shape[-1] >= group_size
+    # A matrix (out, in), or one per expert (experts, out, in) as mlx-lm's SwitchLinear holds them.
+    return len(shape) in (2, 3) and shape[-1] % group_size == 0 and shape[-1] >= group_size

@@ -85,3 +85,33 @@ def test_quick_harness_writes_json_markdown_and_plots(tmp_path, smol_path, defau
     table = next(tmp_path.glob("*-quick.md")).read_text()
     assert "decode" in table and "mlxinfer (uniform, 4-bit g64)" in table
     assert [r["converter"] for r in report["convert"]["rows"]][0].startswith("mlx-lm")
+
+
+def test_hybrid_bench_quick_runs_the_tiny_hybrids_through_both_engines(tmp_path):
+    # The real run (`python -m bench --hybrid-only`) measures torch-made, realistically shaped checkpoints;
+    # --quick sends the committed tiny fixtures through the same code (no torch needed).
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--hybrid-only", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(next(tmp_path.glob("*-quick-hybrid.json")).read_text())
+    assert figures["conditions"]["versions"]["mlx-lm"] and figures["conditions"]["cores"]
+    assert figures["models"]["lfm2"]["layer_types"] == {"conv": 2, "full_attention": 2}
+    prefix = figures["settings"]["prefix_tokens"]
+    rows = {r["how"]: r for r in figures["shared_prefix"]["rows"]}
+    # With snapshots every 32 tokens or a warmed prefix, the second request resumes exactly at the shared 64.
+    for how in ("after a request, snapshot_every=32", "after model.warm(prefix)"):
+        assert rows[how]["cached_tokens"] == prefix and rows[how]["prefilled_tokens"] == 16, rows[how]
+        assert f"resumed at {prefix}" in rows[how]["cache_note"]
+    decode = {r["family"]: r for r in figures["decode"]}
+    for family in ("lfm2", "gemma3_text"):
+        ours, theirs = decode[family]["mlxinfer"], decode[family]["mlx-lm"]
+        assert ours["decode_tps"] > 0 and theirs["decode_tps"] > 0
+        # Both engines compute the same model from the same weights: the same greedy tokens, as many of them.
+        assert decode[family]["same_tokens"] and ours["generated_tokens"] == theirs["generated_tokens"] > 1
+    table = next(tmp_path.glob("*-quick-hybrid.md")).read_text()
+    assert "| lfm2 |" in table and "| gemma3_text |" in table and "cached tokens" in table

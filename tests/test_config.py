@@ -309,7 +309,8 @@ GPT_OSS_YARN = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 def test_gpt_oss_classic_tf5_and_default_rope_forms_normalize_the_same():
     tf5 = config("gpt_oss")
     classic = {k: v for k, v in tf5.items() if k != "rope_parameters"}
-    classic |= {"rope_theta": 150000.0, "rope_scaling": {k: v for k, v in tf5["rope_parameters"].items() if k != "rope_theta"}}
+    scaling = {k: v for k, v in tf5["rope_parameters"].items() if k != "rope_theta"}
+    classic |= {"rope_theta": 150000.0, "rope_scaling": scaling}
     # GptOssConfig with no RoPE keys at all: YaRN factor 32 at theta 150000, the fixture's values.
     bare = {k: v for k, v in classic.items() if k not in ("rope_theta", "rope_scaling")}
     got = [normalize_config(raw).args for raw in (tf5, classic, bare)]
@@ -333,7 +334,7 @@ def test_gpt_oss_missing_keys_take_transformers_defaults():
         ({"factor": None}, {"factor": 131072 / 4096}),  # transformers: max / original positions
         ({"beta_fast": None, "beta_slow": 0}, {"beta_fast": 32, "beta_slow": 1}),  # read with `or`
         ({"attention_factor": 0.5}, {"attention_factor": 0.5}),
-        ({"mscale": 1.0, "mscale_all_dim": 0.5}, {"attention_factor": (0.1 * math.log(32) + 1) / (0.05 * math.log(32) + 1)}),
+        ({"mscale": 1, "mscale_all_dim": 0.5}, {"attention_factor": (1 + math.log(32) / 10) / (1 + math.log(32) / 20)}),
         ({"mscale": 2.0}, {"attention_factor": 0.1 * math.log(32) + 1}),  # mscale alone is ignored
         ({"truncate": True}, {"truncate": True}),
     ],
@@ -433,7 +434,10 @@ def test_granite_mamba_head_size_auto_and_defaults_follow_transformers():
         ({"time_step_limit": [1.0, 0.5]}, ConfigError, "0 <= low < high"),
         ({"time_step_limit": [{"__float__": "NaN"}, 1.0]}, ConfigError, "0 <= low < high"),
         ({"time_step_limit": [0.0, {"__float__": "Infinity", "x": 1}]}, ConfigError, "0 <= low < high"),
-        ({"layer_types": ["mamba", "conv", "attention", "mamba"]}, UnsupportedModelError, "layer_types must list"),
+        ({"layer_types": ["mamba", "conv", "attention", "mamba"]}, UnsupportedModelError, "layer type 'conv'"),
+        ({"layer_types": ["mamba", "sliding_attention", "mamba", "mamba"]}, UnsupportedModelError, "not supported"),
+        ({"layer_types": ["mamba", {"kind": "mamba"}, "mamba", "mamba"]}, UnsupportedModelError, "layer type"),
+        ({"layer_types": ["mamba"] * 3}, UnsupportedModelError, "layer_types must list num_hidden_layers=4"),
         ({"position_embedding_type": "alibi"}, UnsupportedModelError, "position_embedding_type 'alibi'"),
         ({"mamba_d_head": 15}, ConfigError, "mamba_n_heads \\* mamba_d_head"),
         ({"mamba_n_groups": 3}, ConfigError, "not a multiple of mamba_n_groups=3"),
@@ -448,3 +452,52 @@ def test_granite_mamba_head_size_auto_and_defaults_follow_transformers():
 def test_bad_granite_settings_are_refused(change, error, words):
     with pytest.raises(error, match=words):
         normalize_config({**config("granitemoehybrid"), **change})
+
+
+@pytest.mark.parametrize(
+    "name, outer, inner, tied",
+    [  # what transformers 5's Qwen3_5/Gemma3ForConditionalGeneration tie (checked with torch, not needed here)
+        ("qwen3_5_vl", True, False, True),
+        ("qwen3_5_vl", False, True, False),
+        ("qwen3_5_vl", None, True, False),
+        ("gemma3_vl", False, True, False),
+        ("gemma3_vl", None, False, True),
+    ],
+)
+def test_the_vl_wrapper_decides_whether_lm_head_is_tied(name, outer, inner, tied):
+    raw = config(name)
+    raw["text_config"]["tie_word_embeddings"] = inner
+    raw.pop("tie_word_embeddings")
+    if outer is not None:
+        raw["tie_word_embeddings"] = outer
+    assert normalize_config(raw).tie_word_embeddings is tied
+
+
+def test_gemma3_text_defaults_are_transformers_defaults():
+    pytest.importorskip("transformers")
+    from transformers import Gemma3TextConfig
+
+    from mlxinfer.models.multimodal import WRAPPERS
+
+    reference = Gemma3TextConfig()
+    for key, value in WRAPPERS["gemma3"].text_defaults.items():
+        assert getattr(reference, key) == value, key
+
+
+@pytest.mark.parametrize(
+    "model_type, config_class", [("gpt_oss", "GptOssConfig"), ("granitemoehybrid", "GraniteMoeHybridConfig")]
+)
+def test_gpt_oss_and_granite_defaults_are_transformers_defaults(model_type, config_class):
+    transformers = pytest.importorskip("transformers")
+    import dataclasses
+
+    from mlxinfer.models.family_config import GPT_OSS_YARN
+    from mlxinfer.models.registry import ARCHITECTURES
+
+    cls = getattr(transformers, config_class)
+    reference = {f.name: f.default for f in dataclasses.fields(cls)} | {"rope_theta": cls.default_theta}
+    for key, value in ARCHITECTURES[model_type].defaults.items():
+        expected = reference[key]
+        assert (list(expected) if isinstance(expected, tuple) else expected) == value, key
+    if model_type == "gpt_oss":
+        assert {k: v for k, v in cls().rope_parameters.items() if k != "rope_theta"} == GPT_OSS_YARN

@@ -65,7 +65,8 @@ def test_the_classic_config_form_gives_the_same_model(tmp_path):
         return config | {"rope_theta": params.pop("rope_theta"), "rope_scaling": params}
 
     np.testing.assert_array_equal(
-        mlxinfer.load(copy_with(tmp_path, "gpt_oss", classic)).logits(ids()), mlxinfer.load(TINY / "gpt_oss").logits(ids())
+        mlxinfer.load(copy_with(tmp_path, "gpt_oss", classic)).logits(ids()),
+        mlxinfer.load(TINY / "gpt_oss").logits(ids()),
     )
 
 
@@ -111,7 +112,8 @@ def test_the_experts_use_the_configs_swiglu_settings(tmp_path):
 def test_quantized_attention_with_sinks_matches_attention_over_the_dequantized_cache(mask_kind):
     rng = np.random.default_rng(0)
     B, heads, kv_heads, L, T, D = 2, 4, 2, 3, 7, KV_GROUP_SIZE
-    q, k, v = (mx.array(rng.normal(0, 1, (B, h, n, D)).astype(np.float32)) for h, n in ((heads, L), (kv_heads, T), (kv_heads, T)))  # fmt: skip
+    shapes = ((B, heads, L, D), (B, kv_heads, T, D), (B, kv_heads, T, D))
+    q, k, v = (mx.array(rng.normal(0, 1, shape).astype(np.float32)) for shape in shapes)
     sinks = mx.array(rng.normal(0, 1, (heads,)).astype(np.float32))
     qk, qv = mx.quantize(k, group_size=D, bits=8), mx.quantize(v, group_size=D, bits=8)
     mask = {

@@ -54,6 +54,7 @@ GRANITE_DEFAULTS: dict[str, Any] = {
     "mamba_proj_bias": False,
     "time_step_limit": [0.0, math.inf],
 }
+_GRANITE_LAYER_NAMES = frozenset({"mamba", "linear_attention", "attention", "full_attention"})
 _GRANITE_BOOLS = ("attention_bias", "mamba_conv_bias", "mamba_proj_bias")
 _GRANITE_MULTIPLIERS = ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier")
 MAX_CONV_KERNEL = 64  # Mamba's short convolution: 4 in every real model
@@ -74,6 +75,11 @@ def check_granitemoehybrid(args: dict[str, Any], source: str) -> None:
         args["layer_types"] = args.get("layers_block_type") or ["mamba"] * n
         if not isinstance(args["layer_types"], list):
             raise ConfigError(f"{source}: layers_block_type must be a list, got {shown(args['layer_types'])}")
+    # transformers builds attention for any name but "linear_attention", always full: refuse what it would misread.
+    odd = [t for t in args["layer_types"] if not isinstance(t, str) or t not in _GRANITE_LAYER_NAMES]
+    if odd:
+        names = "/".join(sorted(_GRANITE_LAYER_NAMES))
+        raise UnsupportedModelError(f"{source}: layer type {shown(odd[0])} is not supported for Granite ({names})")
     for key in _GRANITE_BOOLS:
         if not isinstance(args[key], bool):
             raise ConfigError(f"{source}: {key} must be true or false, got {shown(args[key])}")
@@ -114,7 +120,9 @@ def _check_mamba(args: dict[str, Any], source: str) -> None:
         raise ConfigError(f"{source}: mamba_n_heads={heads} is not a multiple of mamba_n_groups={groups}")
     # in_proj's output: gate, x, B and C for every group, and one time step per head.
     if 2 * inner + 2 * groups * state + heads > MAX_DIM:
-        raise ConfigError(f"{source}: the Mamba input projection is wider than {MAX_DIM}, the largest dimension MLX has")
+        raise ConfigError(
+            f"{source}: the Mamba input projection is wider than {MAX_DIM}, the largest dimension MLX has"
+        )
 
 
 def _time_step_limit(value: Any, source: str) -> tuple[float, float]:
@@ -132,11 +140,15 @@ def _check_experts(args: dict[str, Any], source: str, allow_dense: bool) -> None
     low = 0 if allow_dense else 1
     experts = args["num_local_experts"]
     if not (is_int(experts) and low <= experts <= MAX_EXPERTS):
-        raise ConfigError(f"{source}: num_local_experts must be an integer from {low} to {MAX_EXPERTS}, got {shown(experts)}")
+        raise ConfigError(
+            f"{source}: num_local_experts must be an integer from {low} to {MAX_EXPERTS}, got {shown(experts)}"
+        )
     if experts:
         top = args["num_experts_per_tok"]
         if not (is_int(top) and 0 < top <= experts):
-            raise ConfigError(f"{source}: num_experts_per_tok must be from 1 to num_local_experts={experts}, got {shown(top)}")
+            raise ConfigError(
+                f"{source}: num_experts_per_tok must be from 1 to num_local_experts={experts}, got {shown(top)}"
+            )
 
 
 def _positive_int(args: dict[str, Any], key: str, source: str, limit: int = MAX_DIM) -> int:

@@ -21,19 +21,19 @@ from .mlx_lm_modules import model_module
 from .weights_gpt_oss import convert_gpt_oss_weights
 from .yarn import yarn_inverse_frequencies
 
-_gpt_oss = model_module("gpt_oss")
+_gpt_oss, _activations = model_module("gpt_oss"), model_module("activations")
 
 
 def adapt(model: DecoderLM, config: ModelConfig) -> None:
     args = _gpt_oss.ModelArgs.from_dict(config.args)
     scaling = config.args.get("rope_scaling")
+    alpha, limit = config.args["swiglu_alpha"], config.args["swiglu_limit"]
     for layer in model.layers:
         attention = SinkAttention(args)
         if scaling is not None:  # "yarn", the only scaling config.py lets through for gpt_oss
             attention.rope = FrequencyRoPE(*yarn_inverse_frequencies(args.head_dim, args.rope_theta, scaling))
         layer.self_attn = attention
-        alpha, limit = config.args["swiglu_alpha"], config.args["swiglu_limit"]
-        layer.mlp.experts.activation = model_module("activations").SwigluOAI(alpha=alpha, limit=limit)
+        layer.mlp.experts.activation = _activations.SwigluOAI(alpha=alpha, limit=limit)
     model.mlx_sanitize = partial(convert_gpt_oss_weights, config=config)
 
 
@@ -58,7 +58,8 @@ class SinkAttention(_gpt_oss.AttentionBlock):
 
     def __call__(self, x: mx.array, mask: mx.array | None, cache=None) -> mx.array:
         B, L, _ = x.shape
-        q, k, v = (proj(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (p(x).reshape(B, L, -1, self.head_dim).swapaxes(1, 2) for p in projections)  # (B, heads, L, D)
         offset = cache.offset if cache is not None else 0
         q, k = self.rope(q, offset=offset), self.rope(k, offset=offset)
         if cache is not None:

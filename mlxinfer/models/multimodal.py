@@ -50,14 +50,26 @@ WRAPPERS: dict[str, Wrapper] = {
         "gemma3_text",
         tied_by_default=True,
         text_prefixes=_LANGUAGE_MODEL,
-        vision_prefixes=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                         "model.multi_modal_projector."),  # fmt: skip
+        vision_prefixes=(
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ),
         text_defaults={
-            "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-            "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
-            "query_pre_attn_scalar": 256, "sliding_window": 4096,
-        },  # fmt: skip
+            "vocab_size": 262_208,
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": 131_072,
+            "rms_norm_eps": 1e-6,
+            "query_pre_attn_scalar": 256,
+            "sliding_window": 4096,
+        },
         ignored=("final_logit_softcapping",),
     ),
     "qwen3_5": Wrapper(
@@ -72,6 +84,12 @@ _CARRIED = ("model_file", "auto_map", "quantization", "quantization_config")
 _MAX_IDS = 257  # normalize_config refuses more than 256 eos ids; merging never scans past that
 
 
+def wrapper_of(raw: dict[str, Any]) -> Wrapper | None:
+    """The Wrapper of a vision-language config.json, else None (normalize_config judges any other model_type)."""
+    model_type = raw.get("model_type")
+    return WRAPPERS.get(model_type) if isinstance(model_type, str) else None
+
+
 def text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """The text model's config of a vision-language config.json; any other config as it is.
 
@@ -79,7 +97,7 @@ def text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
         >>> text_config({"model_type": "gemma3", "text_config": {...}}, "config.json")["model_type"]
         'gemma3_text'
     """
-    wrapper = WRAPPERS.get(raw.get("model_type"))  # type: ignore[arg-type]
+    wrapper = wrapper_of(raw)
     if wrapper is None:
         return raw
     nested = raw.get("text_config")
@@ -118,7 +136,7 @@ def _as_list(value: Any) -> list[Any]:
 def text_checkpoint(checkpoint: Checkpoint) -> Checkpoint:
     """`checkpoint` as its text model: text tensors under the names the model uses, vision tensors left out
     (never read). A checkpoint of a text model comes back as it is."""
-    wrapper = WRAPPERS.get(checkpoint.config.get("model_type"))  # type: ignore[arg-type]
+    wrapper = wrapper_of(checkpoint.config)
     if wrapper is None:
         return checkpoint
     names, skipped = text_names(checkpoint.tensors, wrapper)

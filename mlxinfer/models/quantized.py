@@ -3,7 +3,8 @@
 Bits and group size are read off each tensor's shapes rather than trusted from
 a config block, so mixed files (a GGUF with a Q8_0 embedding and Q4_1 layers, or
 per-layer recipes) load without a table: a packed uint32 row of an (out, in)
-weight holds `in * bits / 32` words, and there is one scale per group.
+weight holds `in * bits / 32` words, and there is one scale per group. Experts
+(mlx-lm's SwitchLinear, (experts, out, in)) are quantized the same way per expert.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], mode: str = "a
 
 def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> tuple[int, int]:
     packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
-    in_features = module.weight.shape[-1]
-    if packed is None or packed.dtype != mx.uint32 or packed.ndim != 2:
-        raise WeightMismatchError(f"{path}: has scales but its weight is not a packed uint32 matrix")
-    if scales.ndim != 2 or not scales.shape[-1]:
+    # (out, in), or (experts, out, in) for mlx-lm's SwitchLinear: packed and scales keep the leading axes.
+    ndim, in_features = module.weight.ndim, module.weight.shape[-1]
+    what = "matrix" if ndim == 2 else f"{ndim}-D array"
+    if packed is None or packed.dtype != mx.uint32 or packed.ndim != ndim:
+        raise WeightMismatchError(f"{path}: has scales but its weight is not a packed uint32 {what}")
+    if scales.ndim != ndim or not scales.shape[-1]:
         raise WeightMismatchError(f"{path}.scales: shape {tuple(scales.shape)} is not one scale per group")
     bits, rem = divmod(packed.shape[-1] * 32, in_features)
     if rem or bits not in SUPPORTED_BITS:

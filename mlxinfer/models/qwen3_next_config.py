@@ -92,9 +92,9 @@ def _set_full_attention_interval(args: dict[str, Any], source: str) -> None:
     n = args["num_hidden_layers"]
     declared = args.get("layer_types")
     if declared is None:  # transformers' rule, which is also mlx-lm's
-        every = _int_in(args, "full_attention_interval", 1, MAX_LAYERS, source) if "full_attention_interval" in args else 4
+        args.setdefault("full_attention_interval", 4)
+        every = _int_in(args, "full_attention_interval", 1, MAX_LAYERS, source)
         args["layer_types"] = [LINEAR if (i + 1) % every else FULL for i in range(n)]
-        args["full_attention_interval"] = every
         return
     types = declared[: n + 1]  # one past n is enough to refuse a wrong length
     if len(types) != n or not all(t in (FULL, LINEAR) for t in types):

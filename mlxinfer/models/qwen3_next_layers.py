@@ -28,8 +28,8 @@ def adapt(model: DecoderLM, config: ModelConfig) -> None:
     initialize_rope = model_module("rope_utils").initialize_rope
     for i, (layer, kind) in enumerate(zip(model.layers, config.layer_types)):
         if layer.is_linear != (kind == LINEAR):
-            built = "a linear attention" if layer.is_linear else "a full attention"
-            raise UnsupportedModelError(f"{config.source}: layer {i} was built as {built} layer; layer_types says {kind}")
+            built = "linear attention" if layer.is_linear else "full attention"
+            raise UnsupportedModelError(f"{config.source}: layer {i} was built as {built}; layer_types says {kind}")
         if not layer.is_linear:
             attn = layer.self_attn
             attn.rope = initialize_rope(

@@ -45,6 +45,8 @@ class ArchSpec:
     fixed_head_dim: bool = False
     # The module rotates only the first partial_rotary_factor of each head's dimensions, as transformers does.
     partial_rotary: bool = False
+    # q_proj also computes each head's output gate: 2 * num_attention_heads * head_dim outputs.
+    gated_queries: bool = False
     # Layer types config.json may declare beyond full/sliding attention (recurrent kinds: each
     # gets a fixed-size state cache). Hybrid modules read `layer_types` themselves, so it stays in args.
     recurrent_kinds: frozenset[str] = frozenset()
@@ -114,6 +116,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_next": ArchSpec(
         "qwen3_next",
         sliding="declared",  # check_qwen3_next writes layer_types from full_attention_interval when absent
+        gated_queries=True,
         recurrent_kinds=frozenset({"linear_attention"}),
         rope_types=frozenset({"default"}),
         partial_rotary=True,
@@ -127,6 +130,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "qwen3_5_text": ArchSpec(
         "qwen3_5",
         sliding="declared",
+        gated_queries=True,
         recurrent_kinds=frozenset({"linear_attention"}),
         rope_types=frozenset({"default"}),
         partial_rotary=True,
@@ -140,7 +144,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "mistral": ArchSpec("llama", sliding="all"),
     "qwen2": ArchSpec("qwen2", sliding="qwen", fixed_head_dim=True),
     "qwen3": ArchSpec("qwen3", sliding="qwen", neutral={"attention_bias": False}),
-    "phi3": ArchSpec("phi3", sliding="all", fixed_head_dim=True, rope_types=frozenset({"default"}), partial_rotary=True),
+    "phi3": ArchSpec(
+        "phi3", sliding="all", fixed_head_dim=True, rope_types=frozenset({"default"}), partial_rotary=True
+    ),
     "gemma2": ArchSpec(
         "gemma2",
         sliding="alternate",

@@ -19,21 +19,23 @@ from ..display import mib
 from ..errors import MemoryBudgetError, WeightMismatchError
 from ..memory import machine_memory
 from ..untrusted import plain
-from .config import ModelConfig
+from .config import ATTENTION, ModelConfig
 
 # The fewest bits per weight any checkpoint we load stores (mlx 2-bit quantization):
 # a config that does not fit even so cannot fit at all.
 MIN_BITS_PER_WEIGHT = 2
 _LAYER = re.compile(r"model\.layers\.(0|[1-9][0-9]{0,8})\.")
 _L0 = "model.layers.0."
+_ATTN = "model.layers.{attn}."  # the first attention layer (hybrid models may start with recurrent ones)
+_GATED_Q = "2 * num_attention_heads * head_dim"
 # Tensors that show each size, in the order they are consulted: (name, dimension).
 _EVIDENCE: dict[str, tuple[tuple[str, int], ...]] = {
     "vocab_size": (("model.embed_tokens.weight", 0), ("lm_head.weight", 0)),
     "hidden_size": (("model.embed_tokens.weight", 1), ("model.norm.weight", 0), ("lm_head.weight", 1)),
-    "num_attention_heads * head_dim": ((f"{_L0}self_attn.q_proj.weight", 0), (f"{_L0}self_attn.o_proj.weight", 1)),
-    "num_key_value_heads * head_dim": ((f"{_L0}self_attn.k_proj.weight", 0), (f"{_L0}self_attn.v_proj.weight", 0)),
-    "(num_attention_heads + 2 * num_key_value_heads) * head_dim": ((f"{_L0}self_attn.qkv_proj.weight", 0),),
-    "head_dim": ((f"{_L0}self_attn.q_norm.weight", 0), (f"{_L0}self_attn.k_norm.weight", 0)),
+    "num_attention_heads * head_dim": ((f"{_ATTN}self_attn.q_proj.weight", 0), (f"{_ATTN}self_attn.o_proj.weight", 1)),
+    "num_key_value_heads * head_dim": ((f"{_ATTN}self_attn.k_proj.weight", 0), (f"{_ATTN}self_attn.v_proj.weight", 0)),
+    "(num_attention_heads + 2 * num_key_value_heads) * head_dim": ((f"{_ATTN}self_attn.qkv_proj.weight", 0),),
+    "head_dim": ((f"{_ATTN}self_attn.q_norm.weight", 0), (f"{_ATTN}self_attn.k_norm.weight", 0)),
     "intermediate_size": ((f"{_L0}mlp.gate_proj.weight", 0), (f"{_L0}mlp.up_proj.weight", 0)),
     "2 * intermediate_size": ((f"{_L0}mlp.gate_up_proj.weight", 0),),
 }
@@ -90,13 +92,27 @@ def check_checkpoint(
     config: ModelConfig, shapes: Mapping[str, Sequence[int]], source: str, packed: Container[str] = frozenset()
 ) -> None:
     """WeightMismatchError naming the field and the tensor where the config and the checkpoint disagree."""
-    sizes = _sizes(config)
+    sizes, evidence = _sizes(config), _evidence(config)
     for field in _REQUIRED:
-        _check_size(field, sizes[field], shapes, packed, source)
+        _check_size(field, sizes[field], evidence[field], shapes, packed, source)
     _check_layer_count(config.num_layers, shapes, source)
-    for field in _EVIDENCE:
+    for field in evidence:
         if field not in _REQUIRED:
-            _check_size(field, sizes[field], shapes, packed, source)
+            _check_size(field, sizes[field], evidence[field], shapes, packed, source)
+
+
+def _evidence(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """_EVIDENCE with the attention tensors of the model's first attention layer (none without one); a q_proj
+    that also computes each head's output gate (spec.gated_queries) shows twice the query width."""
+    attn = next((i for i, kind in enumerate(config.layer_types) if kind in ATTENTION), None)
+    evidence = {
+        field: tuple((name.format(attn=attn), dim) for name, dim in entries if attn is not None or _ATTN not in name)
+        for field, entries in _EVIDENCE.items()
+    }
+    if config.spec.gated_queries:
+        q_proj, o_proj = evidence["num_attention_heads * head_dim"]
+        evidence["num_attention_heads * head_dim"], evidence[_GATED_Q] = (o_proj,), (q_proj,)
+    return evidence
 
 
 def _sizes(config: ModelConfig) -> dict[str, tuple[int, str]]:
@@ -112,6 +128,7 @@ def _sizes(config: ModelConfig) -> dict[str, tuple[int, str]]:
         "num_attention_heads * head_dim": (heads * head_dim, attention),
         "num_key_value_heads * head_dim": (kv_heads * head_dim, attention),
         "(num_attention_heads + 2 * num_key_value_heads) * head_dim": ((heads + 2 * kv_heads) * head_dim, attention),
+        _GATED_Q: (2 * heads * head_dim, attention),
         "head_dim": (head_dim, attention),
         "intermediate_size": (inner, ""),
         "2 * intermediate_size": (2 * inner, ""),
@@ -119,10 +136,15 @@ def _sizes(config: ModelConfig) -> dict[str, tuple[int, str]]:
 
 
 def _check_size(
-    field: str, size: tuple[int, str], shapes: Mapping[str, Sequence[int]], packed: Container[str], source: str
+    field: str,
+    size: tuple[int, str],
+    evidence: tuple[tuple[str, int], ...],
+    shapes: Mapping[str, Sequence[int]],
+    packed: Container[str],
+    source: str,
 ) -> None:
     value, detail = size
-    for name, dim in _EVIDENCE[field]:
+    for name, dim in evidence:
         shape = shapes.get(name)
         if shape is None or (name in packed and dim == len(shape) - 1):
             continue  # absent, or a packed dimension that holds bits rather than inputs
@@ -133,7 +155,7 @@ def _check_size(
             )
         return
     if field in _REQUIRED:
-        names = " or ".join(name for name, _ in _EVIDENCE[field])
+        names = " or ".join(name for name, _ in evidence)
         raise WeightMismatchError(f"{source}: no tensor shows {field} (expected {names}); the checkpoint is incomplete")
 
 

@@ -29,9 +29,8 @@ def yarn_scaling(scaling: dict[str, Any], args: dict[str, Any], source: str) -> 
     `max_position_embeddings` (the fallback for it, and with it the fallback for a null factor)."""
     unknown = sorted(k for k in scaling if k not in YARN_KEYS)
     if unknown:
-        raise UnsupportedModelError(
-            f"{source}: yarn rope scaling key {shown(unknown[0])} is not supported (known: {', '.join(sorted(YARN_KEYS))})"
-        )
+        known = ", ".join(sorted(YARN_KEYS))
+        raise UnsupportedModelError(f"{source}: yarn rope scaling key {shown(unknown[0])} is not supported ({known})")
     original = _original_positions(scaling, args, source)
     factor = scaling.get("factor")
     if factor is None:
@@ -89,7 +88,9 @@ def _original_positions(scaling: dict[str, Any], args: dict[str, Any], source: s
 def _positions(values: dict[str, Any], key: str, source: str, where: str = "") -> int:
     value = values.get(key)
     if not (is_int(value) and 0 < value <= MAX_DIM):
-        raise ConfigError(f"{source}: {where}{key} must be a positive integer for yarn rope scaling, got {shown(value)}")
+        raise ConfigError(
+            f"{source}: {where}{key} must be a positive integer for yarn rope scaling, got {shown(value)}"
+        )
     return value
 
 
@@ -106,7 +107,9 @@ def _attention_factor(scaling: dict[str, Any], factor: float, source: str) -> fl
     explicit = scaling.get("attention_factor")
     if explicit is not None:
         if not (is_finite_number(explicit) and explicit > 0):
-            raise ConfigError(f"{source}: rope scaling attention_factor must be a positive number, got {shown(explicit)}")
+            raise ConfigError(
+                f"{source}: rope scaling attention_factor must be a positive number, got {shown(explicit)}"
+            )
         return float(explicit)
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
@@ -118,6 +121,8 @@ def _attention_factor(scaling: dict[str, Any], factor: float, source: str) -> fl
 
     if mscale and mscale_all_dim:
         if get_mscale(factor, mscale_all_dim) == 0:
-            raise ConfigError(f"{source}: rope scaling mscale_all_dim={shown(mscale_all_dim)} makes the attention factor infinite")
+            raise ConfigError(
+                f"{source}: rope scaling mscale_all_dim={shown(mscale_all_dim)} makes the attention factor infinite"
+            )
         return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
     return get_mscale(factor)

@@ -169,7 +169,12 @@ def test_an_untouched_file_is_used(warmed, root, caplog, cold):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_architecture_and_dtype_round_trips_its_warmed_prefix(arch, dtype, root, caplog):
-    mlxinfer.load(TINY / arch, dtype=dtype).warm(WARMED)
+    try:
+        mlxinfer.load(TINY / arch, dtype=dtype).warm(WARMED)
+    except RuntimeError as e:  # MLX's CPU gather_mm (mixture of experts) is float32 only; Metal runs them all
+        if "GatherMM" not in str(e) or mx.default_device().type != mx.cpu:
+            raise
+        pytest.skip(f"{arch} in {dtype} does not run on this CPU: {e}")
     restarted = mlxinfer.load(TINY / arch, dtype=dtype)
     result = restarted.generate(PROMPT, max_tokens=3)
     assert result.stats.cached_tokens == len(WARMED)
