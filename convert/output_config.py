@@ -23,6 +23,8 @@ def output_config(
     out = dict(source_config)
     out.setdefault("architectures", [_ARCHITECTURES.get(config.model_type, "LlamaForCausalLM")])
     out.update({k: config.args[k] for k in _CLASSIC_ROPE_KEYS if k in config.args})
+    # Arguments mlx-lm requires under its own name (lfm2's block_dim): the value mlxinfer derived.
+    out.update({k: config.args[k] for k in config.spec.renamed if k in config.args and k not in out})
     out["torch_dtype"] = dtype_name(dtype)
     out.pop("quantization_config", None)
     if settings.bits != 16:
@@ -46,4 +48,9 @@ _ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }

@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlxinfer.quantize import LayerQuant, QualityReport, Recipe, make_recipe
+from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
 from mlxinfer.quantize.affine import bits_per_weight, dequantize_rows, quantize_rows
 from mlxinfer.quantize.quality import scoring_bytes
 from tqdm.auto import tqdm
@@ -36,7 +36,7 @@ from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
 from .layout import Sanitize, converted_tensors, output_shapes
-from .mlx_lm_rules import QuantPredicate, apply_quant_predicate, mlx_lm_predicates
+from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates
 from .output_config import output_config
 from .output_folder import MANIFEST, AtomicFolder, check_apart, check_output, check_space
 from .sources import Quantized, Source, open_source
@@ -171,13 +171,14 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         settings.group_size = 32 if block_quantized else 64
     recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
     quant_predicate, cast_predicate = mlx_lm_predicates(config)
-    layers = _quantizable_layers(model, shapes, recipe, quant_predicate)
+    modules = _quantizable_modules(model, shapes)
+    layers = {path: (recipe(path, shapes[f"{path}.weight"]) if recipe else None) for path in modules}
     sensitivity = settings.recipe == "sensitivity" or (settings.recipe is None and settings.bpw is not None)
     settings.method = _method(settings, sensitivity)
-    if sensitivity or settings.method == "gptq":
-        _check_calibration(config, layers, shapes, "--method gptq" if not sensitivity else "--recipe sensitivity")
+    _check_calibration(config, shapes, sensitivity, settings.method)
     if sensitivity:
         layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers, progress)
+    layers = apply_quant_predicate(layers, modules, shapes, quant_predicate)  # routers at 8 bits, as mlx-lm
     layers = _keep_finer_blocks(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(
@@ -212,29 +213,30 @@ def _stream_peak_bytes(
     return 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + RUNTIME_BYTES
 
 
-def _quantizable_layers(
-    model: nn.Module, shapes: dict[str, tuple[int, ...]], recipe: Recipe | None, predicate: QuantPredicate | None
-) -> dict[str, LayerQuant | None]:
-    """{module path: its format} for every module the loader can quantize (matrices, embeddings and
-    mlx-lm's per-expert SwitchLinear), as the recipe and then mlx-lm's rules for the family say."""
-    modules = {
+def _quantizable_modules(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, nn.Module]:
+    """{path: module} of every module the loader can quantize: matrices, embeddings and mlx-lm's per-expert
+    SwitchLinear (the modules with `to_quantized`, as loader.quantize_like and mlx-lm's converter)."""
+    return {
         path: module
         for path, module in model.named_modules()
         if hasattr(module, "to_quantized") and f"{path}.weight" in shapes
     }
-    layers = {path: (recipe(path, shapes[f"{path}.weight"]) if recipe else None) for path in modules}
-    return apply_quant_predicate(layers, modules, shapes, predicate)
 
 
-def _check_calibration(
-    config: ModelConfig, layers: dict[str, LayerQuant | None], shapes: dict[str, tuple[int, ...]], flag: str
-) -> None:
-    # Both run the source model block by block on plain matrices; experts and recurrent layers are not covered.
-    experts = any(len(shapes[f"{p}.weight"]) != 2 for p in layers)
-    if experts or config.spec.recurrent_kinds:
+def _check_calibration(config: ModelConfig, shapes: dict[str, tuple[int, ...]], sensitivity: bool, method: str) -> None:
+    """Refuse what calibration cannot do: run recurrent layers (it runs each block on a batch without their
+    state), and GPTQ-round experts (it rounds plain matrices; experts would silently stay round-to-nearest)."""
+    flag = "--recipe sensitivity" if sensitivity else "--method gptq" if method == "gptq" else None
+    if flag and config.spec.recurrent_kinds:
         raise ConversionError(
-            f"{flag} is not supported for model_type {config.model_type!r} yet; "
-            "use the default round-to-nearest (--bits 4 or 8, no --method/--recipe/--bpw)"
+            f"{flag} is not supported for model_type {config.model_type!r} (recurrent layers) yet; "
+            "use round-to-nearest: --bits 4 or 8 without --recipe, --bpw or --method"
+        )
+    if method == "gptq" and any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight")):
+        default = " (the default with --recipe sensitivity)" if sensitivity else ""
+        raise ConversionError(
+            f"--method gptq{default} cannot round the experts of model_type {config.model_type!r} yet; "
+            "add --method rtn (round-to-nearest)"
         )
 
 
@@ -427,7 +429,7 @@ def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: 
         return None
     finally:
         mx.clear_cache()  # both models are gone; give their memory back (a notebook lives on)
-    report.advice = _advice(plan.settings)
+    report.advice = _advice(plan.settings, _sensitivity_flags(plan.config, plan.shapes or {}))
     if report.warning:  # logged once, here: a script or notebook shows it as the CLI does
         log.warning("%s", report.warning)
     return report
@@ -451,11 +453,20 @@ def _evaluate(plan: ConversionPlan, folder: Path, bpw: float, progress: bool) ->
         return compare_models(source, output, ids, bits_per_weight=bpw, progress=bar.update)
 
 
-def _advice(settings: ConvertSettings) -> str | None:
+def _sensitivity_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The flags of a sensitivity-recipe rerun that _check_calibration lets through; None: none can run."""
+    if config.spec.recurrent_kinds:
+        return None
+    experts = any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight"))
+    return "--recipe sensitivity --method rtn" if experts else "--recipe sensitivity"
+
+
+def _advice(settings: ConvertSettings, sensitivity: str | None = "--recipe sensitivity") -> str | None:
     """What to convert with instead when the report warns: on SmolLM2-135M-Instruct the sensitivity
     recipe at a quarter bit over 4-bit (group size 64, 4.75 bits/weight) came within the limits, and
     8 bits matched the source (numbers in quality.py). A budget is named with its group size: a rerun
-    without --group-size uses 64, where 4.5 bits/weight (a quarter bit over 4-bit at 128) is plain 4-bit."""
+    without --group-size uses 64, where 4.5 bits/weight (a quarter bit over 4-bit at 128) is plain 4-bit.
+    `sensitivity`: the flags of a sensitivity-recipe rerun the model allows (None: it allows none)."""
     if settings.bits == 16:
         return None  # nothing was rounded
     uniform = settings.recipe in (None, "uniform") and settings.bpw is None
@@ -465,9 +476,11 @@ def _advice(settings: ConvertSettings) -> str | None:
         return f"try `--bits 16`{flags} (unquantized): every layer already has 8 bits"
     if settings.bpw is not None:
         return f"try a larger `--bpw` than {settings.bpw:g} (at most {most:g}), or, safest, `--bits 8`{flags}"
+    if sensitivity is None:
+        return f"try `--bits 8`{flags}"
     quarter_over = bits_per_weight(4, settings.group_size) + 0.25
     return (
-        f"try `--recipe sensitivity --group-size {settings.group_size} --bpw {quarter_over:g}` "
+        f"try `{sensitivity} --group-size {settings.group_size} --bpw {quarter_over:g}` "
         f"(more bits where they matter) or, safest, `--bits 8`{flags}"
     )
 

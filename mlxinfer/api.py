@@ -12,18 +12,19 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
-from .cache import RECURRENT, PrefixCache, PrefixCacheStats, PrefixStore, StateCache, fingerprint, make_cache
-from .cache.store import KVLayout
-from .default_model import cache_dir, default_model_path
+from .cache import PrefixCache, PrefixCacheStats, make_cache
+from .default_model import default_model_path
 from .display import html_table, mib
-from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration, prefill
+from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration
 from .engine.prefill import SNAPSHOT_EVERY
+from .engine.prefix_store import prefix_store_for
 from .engine.sampling import is_int
-from .errors import CacheError, MemoryBudgetError, SamplingError, TokenizerError
-from .memory import MemoryPlan, default_prefix_cache_bytes, fit_prefill_chunk, hold_limits, machine_memory, plan_memory
+from .engine.single import warm_alone
+from .errors import SamplingError, TokenizerError
+from .memory import MemoryPlan, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
-from .models.footprint import KV_GROUP_SIZE, check_kv_bits, footprint
+from .models.footprint import check_kv_bits, footprint
 from .tokenizer import Tokenizer
 from .untrusted import shown
 
@@ -70,7 +71,9 @@ class Model:
         self.kv_bits = check_kv_bits(kv_bits, loaded.config)
         self.footprint = footprint(loaded, kv_bits)
         budget = prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes()
-        self.prefix_cache = PrefixCache(budget, store=self._prefix_store())
+        self.prefix_cache = PrefixCache(
+            budget, store=prefix_store_for(loaded, self.footprint, self.kv_bits, self.context_tokens)
+        )
         self.memory_limits = hold_limits(self, self.memory_plan())
 
     def memory_plan(self, context: int | None = None, prefill_chunk: int = 512) -> MemoryPlan:
@@ -106,19 +109,7 @@ class Model:
             log.warning("%s: warming the prefix in memory only; it will not be kept on disk", self.path)
         else:
             store.check_room(len(ids))  # a full or unwritable cache folder fails now, not after the prefill
-        hit = self.prefix_cache.lookup(ids, reuse_all=True)
-        kv = make_cache(self._loaded.model.cache_kinds, self.kv_bits)
-        if hit:
-            hit.restore(kv)
-        self.prefix_cache.release(hit)
-        start = kv[0].length
-        chunk = self._fit_request(len(ids), len(ids), 512)
-        if start < len(ids):
-            prefill(self._loaded.model, mx.array(ids[start:], dtype=mx.uint32), kv, chunk)
-        # The snapshots of the entry it resumed from stay resumable in the new one (and in its file).
-        snapshots = hit.snapshots if hit else None
-        if not self.prefix_cache.insert(ids, kv, persist=store is not None, snapshots=snapshots):
-            raise MemoryBudgetError(f"a {len(ids)}-token prefix does not fit the prefix cache's budget")
+        warm_alone(self.runtime, ids)
         return len(ids)
 
     def _prefix_ids(self, prefix: Prompt, chat: bool | None) -> list[int]:
@@ -138,60 +129,12 @@ class Model:
             )
         return ids
 
-    def _prefix_store(self) -> PrefixStore | None:
-        """Where warmed prefixes live on disk, with the KV layout (from the model) each file there must have."""
-        loaded = self._loaded
-        if not loaded.tokenizer:
-            return None
-        sizes, kinds = self.footprint, loaded.model.cache_kinds
-        try:
-            layout = KVLayout.of(
-                len(kinds), sizes.kv_heads, sizes.head_dim, loaded.compute_dtype, self.context_tokens,
-                kv_bits=self.kv_bits, group_size=KV_GROUP_SIZE, kinds=kinds, states=self._state_slots(),
-            )  # fmt: skip
-            model_fingerprint = self._fingerprint()
-        except CacheError as e:
-            log.warning("not using warmed prefixes: %s", e)
-            return None
-        except OSError as e:  # the model loaded: it still answers, without warmed prefixes
-            log.warning("not using warmed prefixes: cannot fingerprint %s (%s)", loaded.path, e.strerror or e)
-            return None
-        return PrefixStore(cache_dir() / "prefixes", model_fingerprint, layout, label=loaded.path.name)
-
-    def _state_slots(self) -> dict[int, tuple[mx.array | None, ...]]:
-        """Each recurrent layer's state after one token: every snapshot of it has these shapes and dtypes."""
-        model = self._loaded.model
-        if all(kind not in RECURRENT for kind, _ in model.cache_kinds):
-            return {}
-        caches = make_cache(model.cache_kinds, self.kv_bits)
-        try:
-            model.hidden(mx.array([[0]], dtype=mx.uint32), caches)  # its size does not grow with the input
-            return {i: c.snapshot() for i, c in enumerate(caches) if isinstance(c, StateCache)}
-        except (RuntimeError, ValueError) as e:  # what MLX raises for an op it cannot run here
-            raise CacheError(f"{self.path}: cannot run a token to learn its recurrent state's shapes ({e})") from None
-
-    def _fingerprint(self) -> str:
-        loaded, tokenizer = self._loaded, self.tokenizer
-        path = loaded.path
-        files = [path] if path.is_file() else [*path.glob("*.safetensors"), path / "config.json"]
-        settings = [dtype_name(loaded.compute_dtype), f"kv{self.kv_bits or 16}"]
-        return fingerprint(files, tokenizer.backend.to_str(), tokenizer.chat_template or "", *settings)
-
-    def _fit_request(self, prompt: int, total: int, prefill_chunk: int) -> int:
-        """The prefill chunk a request can run with; evicts cached prefixes first if memory is short."""
-        plan = self._plan(total, prefill_chunk, self.prefix_cache.stats.bytes_held, prompt)
-        shortfall = plan.needed_bytes - plan.usable_bytes
-        if shortfall > 0 and self.prefix_cache.evict(shortfall):
-            mx.clear_cache()  # freed entries sit in MLX's buffer cache until released
-            return self._fit_request(prompt, total, prefill_chunk)
-        return fit_prefill_chunk(plan)
-
     @property
     def runtime(self) -> ModelRuntime:
         """The parts a Scheduler serves requests with (this model's weights, tokenizer and prefix cache)."""
         return ModelRuntime(
             decoder=self._loaded.model,
-            tokenizer=self.tokenizer,
+            tokenizer=self._loaded.tokenizer,
             prefix_cache=self.prefix_cache,
             footprint=self.footprint,
             kv_bits=self.kv_bits,
@@ -202,7 +145,8 @@ class Model:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """Tokens that end a generation: the tokenizer's and the model config's."""
-        return tuple(dict.fromkeys(self.tokenizer.eos_token_ids + self.config.eos_token_ids))
+        tokenizer = self._loaded.tokenizer
+        return tuple(dict.fromkeys((tokenizer.eos_token_ids if tokenizer else ()) + self.config.eos_token_ids))
 
     @property
     def context_tokens(self) -> int:

@@ -58,6 +58,7 @@ class Job:
     snapshot_every: int | None = None  # tokens between state snapshots (None: the scheduler's)
     eos_token_ids: frozenset[int] | None = None  # None: the model's
     use_cache: bool = True  # False: neither reuse nor keep prefixes
+    warm: bool = False  # prefill only, and keep the prompt's state in the prefix cache and its store (Model.warm)
     submitted_at: float = 0.0
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 

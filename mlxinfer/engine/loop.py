@@ -84,10 +84,10 @@ class BatchLoop:
         self,
         runtime: ModelRuntime,
         config: SchedulerConfig = SINGLE,
-        machine: Callable[[], MachineMemory] = machine_memory,
+        machine: Callable[[], MachineMemory] | None = None,
         log_failures: bool = True,
     ):
-        self.runtime, self.config, self._machine = runtime, config, machine
+        self.runtime, self.config, self._machine = runtime, config, machine or _this_machine
         self._log_failures = log_failures  # a server logs what failed; a caller who gets the error raised does not
         self._waiting: deque[Job] = deque()
         self._prefill: _Prefill | None = None
@@ -241,7 +241,8 @@ class BatchLoop:
         if not self._batch.rows:
             mx.reset_peak_memory()  # the peak from here on is this request's (and of those joining it)
         cache = make_cache(runtime.decoder.cache_kinds, runtime.kv_bits)
-        hit = runtime.prefix_cache.lookup(prompt_ids) if runtime.prefix_cache and job.use_cache else None
+        prefix = runtime.prefix_cache if job.use_cache else None
+        hit = prefix.lookup(prompt_ids, reuse_all=job.warm) if prefix else None
         try:
             return self._prefill_from(job, chunk, cache, hit)
         except BaseException:
@@ -259,6 +260,7 @@ class BatchLoop:
         job.stats.diverged_at = hit.diverged_at if hit else None
         job.stats.cache_note = hit.reason if hit else ""
         job.stats.prefilled_tokens = len(prompt_ids) - job.stats.cached_tokens
+        job.stats.prefill_chunk = chunk
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
         sampler = Sampler(job.sampling, self._vocab)
         sampler.observe(prompt)
@@ -268,7 +270,8 @@ class BatchLoop:
         inherited = hit.snapshots if hit else None
         rest = prompt[cache[0].length :]
         every = job.snapshot_every or self.config.snapshot_every
-        run = Prefill.start(runtime.decoder, cache, rest, chunk, every, marks, inherited)
+        # A warmed prefix is continued by later prompts, never repeated whole: no snapshot before its end.
+        run = Prefill.start(runtime.decoder, cache, rest, chunk, every, marks, inherited, before_end=not job.warm)
         sequence.snapshots = run.snapshots  # the same dict: snapshots taken later join it
         return _Prefill(run, sequence)
 
@@ -276,10 +279,13 @@ class BatchLoop:
         p = self._prefill
         if p is None:
             return
-        hidden = p.run.step()
+        hidden = None if p.run.finished else p.run.step()  # a warm may find all of its prompt cached
         if not p.run.finished:
             return
         self._prefill = None
+        if p.sequence.job.warm:
+            self._keep_warmed(p.sequence, p.run.cache)
+            return
         token = p.sequence.sampler(self.runtime.decoder.head(hidden[:, -1])[0])
         mx.eval(token)
         sequence, stats = p.sequence, p.sequence.job.stats
@@ -331,6 +337,21 @@ class BatchLoop:
             log.warning("could not keep a finished request's prefix", exc_info=True)
         self._release(sequence)
 
+    def _keep_warmed(self, sequence: Running, cache: list[Cache]) -> None:
+        """A warm's prompt, prefilled: into the prefix cache and, where the model has one, its store on disk."""
+        job, prefix = sequence.job, self.runtime.prefix_cache
+        try:
+            kept = prefix is not None and prefix.insert(
+                job.prompt_ids, cache, persist=prefix.store is not None, snapshots=sequence.snapshots
+            )
+        finally:
+            self._release(sequence)
+        if not kept:
+            tokens = len(job.prompt_ids)
+            _emit(job, Failed(MemoryBudgetError(f"a {tokens}-token prefix does not fit the prefix cache's budget")))
+            return
+        self._finish(sequence, "length")
+
     def _release(self, sequence: Running) -> None:
         if self.runtime.prefix_cache is not None and sequence.hit is not None:
             self.runtime.prefix_cache.release(sequence.hit)
@@ -360,6 +381,10 @@ class BatchLoop:
         self._waiting.clear()
         self._batch.clear()
         self._prefill = None
+
+
+def _this_machine() -> MachineMemory:
+    return machine_memory()  # looked up at each call, so a test can stand in another machine
 
 
 def _no_text(ids: object) -> str:

@@ -31,9 +31,11 @@ def message_ends(ids: Sequence[int], end_of_turn: Collection[int]) -> list[int]:
     return [i + 1 for i, token in enumerate(ids) if token in end_of_turn][-MAX_MESSAGE_MARKS:]
 
 
-def snapshot_positions(start: int, end: int, every: int, marks: Iterable[int] = ()) -> list[int]:
+def snapshot_positions(
+    start: int, end: int, every: int, marks: Iterable[int] = (), before_end: bool = True
+) -> list[int]:
     """Where to snapshot while prefilling positions [start, end): sorted, each in (start, end]."""
-    due = {end, end - 1, *range(every, end, every), *marks}
+    due = {end, *range(every, end, every), *marks} | ({end - 1} if before_end else set())
     return sorted(p for p in due if start < p <= end)
 
 
@@ -53,9 +55,9 @@ class Prefill:
     @classmethod
     def start(cls, model: DecoderLM, cache: list[Cache], ids: mx.array, chunk: int,
               every: int = SNAPSHOT_EVERY, marks: Iterable[int] = (),
-              inherited: dict[int, Snapshot] | None = None) -> Prefill:  # fmt: skip
+              inherited: dict[int, Snapshot] | None = None, before_end: bool = True) -> Prefill:  # fmt: skip
         base = cache[0].length
-        stops = [] if cuttable(cache) else snapshot_positions(base, base + ids.size, every, marks)
+        stops = [] if cuttable(cache) else snapshot_positions(base, base + ids.size, every, marks, before_end)
         return cls(model, cache, ids, base, chunk, stops, dict(inherited or {}))
 
     @property

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ..errors import BusyError, ShutdownError
-from ..memory import MachineMemory, machine_memory
+from ..memory import MachineMemory
 from .job import Job
 from .loop import BatchLoop, ModelRuntime, SchedulerConfig
 from .threads import run_on_device_thread
@@ -32,7 +32,7 @@ class Scheduler:
         self,
         runtime: ModelRuntime,
         config: SchedulerConfig | None = None,
-        machine: Callable[[], MachineMemory] = machine_memory,
+        machine: Callable[[], MachineMemory] | None = None,
     ):
         self.runtime, self.config = runtime, config or SchedulerConfig()
         self._loop = BatchLoop(runtime, self.config, machine)  # the thread's own

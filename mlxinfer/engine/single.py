@@ -18,6 +18,7 @@ from ..models.decoder import DecoderLM
 from .generate import MAX_TOKENS, GenerationRequest, check_options
 from .job import Delta, Event, Failed, Finished, Job
 from .loop import SINGLE, BatchLoop, ModelRuntime, SchedulerConfig
+from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 from .stats import GenerationStats
 from .text import check_stops, truncate_at_stop
 
@@ -47,6 +48,12 @@ def run_alone(runtime: ModelRuntime, job: Job, config: SchedulerConfig = SINGLE)
         job.stats.finish_reason = "cancelled"
         loop.interrupt()
         raise
+
+
+def warm_alone(runtime: ModelRuntime, ids: list[int], chunk: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
+    """Prefill `ids` and keep their state in the prefix cache and on disk (MemoryBudgetError if it cannot fit)."""
+    for _ in run_alone(runtime, Job(ids, on_event=_unset, max_tokens=1, prefill_chunk=chunk, warm=True)):
+        pass
 
 
 def job_for(request: GenerationRequest, stop: Sequence[str], stats: GenerationStats, use_cache: bool) -> Job:

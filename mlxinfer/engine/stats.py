@@ -15,6 +15,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prefilled_tokens: int = 0  # prompt tokens run through the model
+    prefill_chunk: int = 0  # tokens per prefill step it ran with (halved while memory was short)
     diverged_at: int | None = None  # on a partial hit, where the prompt left the best cached entry
     cache_note: str = ""  # on a hit, where the prompt resumed and why (a snapshot may sit before the shared part)
     generated_tokens: int = 0

@@ -31,7 +31,7 @@ import pytest
 from click.testing import CliRunner
 
 import mlxinfer
-import mlxinfer.api as api_module
+import mlxinfer.engine.prefix_store as prefix_store_module
 from mlxinfer import disk
 from mlxinfer.cache import PrefixStore, prefix_file
 from mlxinfer.cache import prefix as prefix_module
@@ -39,6 +39,8 @@ from mlxinfer.cache import store as store_module
 from mlxinfer.cache.kv import KVCache, QuantizedKVCache
 from mlxinfer.cache.store import KVLayout, clear_prefixes, list_prefixes
 from mlxinfer.cli import main
+from mlxinfer.engine.prefill import Prefill
+from mlxinfer.engine.prefix_store import prefix_store_for
 from mlxinfer.errors import CacheError, SamplingError
 from tests.conftest import ARCHITECTURES, TINY
 
@@ -838,7 +840,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 def test_a_full_disk_is_refused_before_the_prefill(tmpfs, monkeypatch):
     monkeypatch.setenv("MLXINFER_CACHE_DIR", str(tmpfs))
     model = mlxinfer.load(LLAMA)
-    monkeypatch.setattr(api_module, "prefill", lambda *a, **k: pytest.fail("prefilled before refusing"))
+    monkeypatch.setattr(Prefill, "step", lambda *a, **k: pytest.fail("prefilled before refusing"))
     with pytest.raises(CacheError, match=r"free but a 200-token prefix takes .*; free some space"):
         model.warm(list(range(200)))  # 100 KiB of KV
     assert not [p for p in tmpfs.rglob("*") if p.is_file()]
@@ -902,7 +904,7 @@ def test_a_file_size_limit_is_one_line_from_cache_warm(stage, expected, tmp_path
 ], ids=["257 ids", "1024 ids", "16385 chars", "500k chars", "one long message", "two messages"])  # fmt: skip
 def test_warm_refuses_a_prefix_longer_than_the_context(prefix, root, monkeypatch):
     model = mlxinfer.load(LLAMA)
-    monkeypatch.setattr(api_module, "prefill", lambda *a, **k: pytest.fail("prefilled before refusing"))
+    monkeypatch.setattr(Prefill, "step", lambda *a, **k: pytest.fail("prefilled before refusing"))
     with pytest.raises(SamplingError, match=f"the prefix to warm .*context (of|is) {CONTEXT}"):
         model.warm(prefix)
     assert not root.exists()
@@ -1043,7 +1045,7 @@ def test_a_model_that_cannot_be_fingerprinted_answers_and_warms_in_memory_only(
     def unreadable(*args):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
 
-    monkeypatch.setattr(api_module, "fingerprint", unreadable)
+    monkeypatch.setattr(prefix_store_module, "fingerprint", unreadable)
     model = mlxinfer.load(LLAMA)
     assert f"not using warmed prefixes: cannot fingerprint {LLAMA} (Permission denied)" in caplog.text
     assert model.generate(PROMPT, max_tokens=6, use_cache=False).token_ids == cold
@@ -1064,7 +1066,7 @@ def test_a_model_that_cannot_be_fingerprinted_answers_and_warms_in_memory_only(
 def test_a_model_without_a_tokenizer_warms_token_ids_in_memory(root, caplog):
     model = mlxinfer.load(LLAMA)
     model._loaded.tokenizer = None  # as a model loaded without one
-    model.prefix_cache.store = model._prefix_store()
+    model.prefix_cache.store = prefix_store_for(model._loaded, model.footprint, model.kv_bits, model.context_tokens)
     assert model.prefix_cache.store is None
     assert model.warm(WARMED) == len(WARMED) and "will not be kept on disk" in caplog.text
     assert model.cache_stats.entries == 1 and not root.exists()
