@@ -114,3 +114,27 @@ def test_an_edited_conversation_resumes_at_the_end_of_the_last_unchanged_message
     result = model.chat(edited, max_tokens=4)
     assert result.stats.cached_tokens == end_of_turn  # the state after the system message's end is a snapshot
     assert result.token_ids == model.chat(edited, max_tokens=4, use_cache=False).token_ids
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_a_window_returns_the_same_recent_keys_as_a_full_cache(bits):
+    """Position by position, a windowed cache (float or quantized) hands attention the same last window of
+    keys and values as a cache that keeps everything, while holding a bounded number of positions."""
+    window, kinds = 8, [("full_attention", None), ("sliding_attention", 8)]
+    full, sliding = make_cache(kinds, kv_bits=bits)
+    rng = np.random.default_rng(6)
+    for step in range(2 * STEP + 40):
+        new = 1 if step % 5 else 7  # decode steps with a few prefill chunks in between
+        keys, values = (mx.array(rng.standard_normal((1, 2, new, 64)).astype(np.float32)) for _ in range(2))
+        start = sliding.key_start(new)
+        got, want = sliding.update_and_fetch(keys, values), full.update_and_fetch(keys, values)
+        assert start == sliding.start and sliding.length == full.length
+        for a, b in zip(_flat(got), _flat(want)):
+            np.testing.assert_array_equal(np.array(a[..., -window:, :]), np.array(b[..., -window:, :]))
+        assert sliding.arrays[0].shape[2] <= window + 2 * STEP  # the window, a chunk, one step of slack
+    assert sliding.nbytes < full.nbytes / 2
+
+
+def _flat(pair):
+    keys, values = pair
+    return [*keys, *values] if isinstance(keys, tuple) else [keys, values]

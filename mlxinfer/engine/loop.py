@@ -129,7 +129,7 @@ class BatchLoop:
         return bool(self._waiting or self._prefill or self._batch.rows)
 
     def turn(self) -> None:
-        self._drop_cancelled_and_expired()
+        self.drop_cancelled()
         self._admit()
         if self._prefill is not None and self._batch.pending:
             self._guarded(self._decode_step, list(self._batch.rows))  # take the queued step before a row joins
@@ -168,9 +168,6 @@ class BatchLoop:
 
     def drop_cancelled(self) -> None:
         """End cancelled and expired requests now (keeping what they computed for the prefix cache)."""
-        self._drop_cancelled_and_expired()
-
-    def _drop_cancelled_and_expired(self) -> None:
         now = time.perf_counter()
         for job in [j for j in self._waiting if j.cancelled or j.expired(now)]:
             self._waiting.remove(job)

@@ -8,6 +8,7 @@ layer type. Parameter paths stay the Hugging Face ones (`model.layers.0...`).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 from collections.abc import Sequence
@@ -122,7 +123,8 @@ class DecoderLM(nn.Module):
 def build_model(config: ModelConfig) -> DecoderLM:
     """Instantiate the architecture for `config` (weights still random)."""
     module = model_module(config.spec.mlx_module)
-    reference = module.Model(module.ModelArgs.from_dict(config.args))
+    # A copy: some mlx-lm modules rewrite their args in place (qwen3_5 renames rope_parameters keys).
+    reference = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config.args)))
     backbone = reference.model
     lm_head = None
     if not config.tie_word_embeddings:
