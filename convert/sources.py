@@ -20,6 +20,7 @@ from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
 from mlxinfer.models.gguf import gguf_config, gguf_tensors, hf_names, unpermute_rows
 from mlxinfer.models.gguf_file import REPACKED, GGUFFile, QuantizedTensor
+from mlxinfer.models.multimodal import text_checkpoint, text_config
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 
 from .writer import TOKENIZER_FILES, copy_file, write_json, write_text
@@ -66,10 +67,11 @@ class FolderSource:
     is_lazy = True  # read() hands out mapped arrays: their bytes are read only when evaluated
 
     def __init__(self, folder: Path, description: str | None = None):
-        checkpoint: Checkpoint = open_folder(folder)
+        # A vision-language checkpoint converts to its text model (the vision tower skipped, with one line).
+        checkpoint: Checkpoint = text_checkpoint(open_folder(folder))
         self.folder = folder
         self.description = description or str(folder)
-        self.config = checkpoint.config
+        self.config = text_config(checkpoint.config, str(folder / "config.json"))
         if "quantization" in self.config:
             raise ConversionError(f"{folder}: already quantized (has a 'quantization' block); convert the original")
         self.tensors = {

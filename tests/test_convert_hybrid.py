@@ -198,3 +198,16 @@ def test_hostile_quantized_expert_shapes_are_refused(tmp_path, change, words):
     mx.save_safetensors(str(shard), change(mx.load(str(shard)), key))
     with pytest.raises(WeightMismatchError, match=words):
         mlxinfer.load(out)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "gemma3_vl"])
+def test_a_vision_language_checkpoint_converts_to_its_text_model(name, tmp_path, caplog):
+    out = tmp_path / name
+    convert(TINY / name, out, bits=16, dtype="float32", evaluate=False, progress=False)
+    assert "skipped the vision tower" in caplog.text
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] in ("qwen3_5_text", "gemma3_text") and "vision_config" not in config
+    assert not any("vision" in n or "visual" in n for n in stored(out))
+    ref = golden(name)  # transformers' full model on text alone
+    logits = mlxinfer.load(out).logits(ref["input_ids"].tolist())
+    assert np.abs(logits - np.array(ref["logits"])).max() < 1e-3

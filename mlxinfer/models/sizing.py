@@ -109,6 +109,9 @@ def _evidence(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
         field: tuple((name.format(attn=attn), dim) for name, dim in entries if attn is not None or _ATTN not in name)
         for field, entries in _EVIDENCE.items()
     }
+    final_norm = f"model.{config.spec.final_norm}.weight"  # lfm2's is embedding_norm: with a packed, tied
+    if final_norm not in dict(evidence["hidden_size"]):  # embedding it is the only tensor showing hidden_size
+        evidence["hidden_size"] += ((final_norm, 0),)
     if config.spec.gated_queries:
         q_proj, o_proj = evidence["num_attention_heads * head_dim"]
         evidence["num_attention_heads * head_dim"], evidence[_GATED_Q] = (o_proj,), (q_proj,)
