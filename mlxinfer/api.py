@@ -80,17 +80,13 @@ class Model:
         """What this model needs at `context` tokens (default: its trained length, at most 32k) on this machine."""
         if context is None:
             context = min(self.context_tokens, 32768)
-        return self._plan(context, prefill_chunk, self.prefix_cache.budget_bytes)
-
-    def _plan(self, total: int, prefill_chunk: int, prefix_bytes: int, prompt: int | None = None) -> MemoryPlan:
         return plan_memory(
             machine_memory(),
             self.footprint,
-            total,
+            context,
             prefill_chunk=prefill_chunk,
-            prefix_cache_bytes=prefix_bytes,
+            prefix_cache_bytes=self.prefix_cache.budget_bytes,
             already_ours=mx.get_active_memory() + mx.get_cache_memory(),
-            prompt=prompt,
         )
 
     def warm(self, prefix: Prompt, *, chat: bool | None = None) -> int:

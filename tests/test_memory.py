@@ -174,7 +174,7 @@ def test_sliding_layers_stop_growing_and_the_planner_counts_what_the_caches_hold
     assert f.kv_bytes_per_token == position  # only the full layer grows
 
 
-@pytest.mark.parametrize(("name", "sliding", "full"), [("gemma3", 5, 1), ("gemma2", 2, 2)])
+@pytest.mark.parametrize(("name", "sliding", "full"), [("gemma3", 5, 1), ("gemma2", 2, 2), ("gpt_oss", 2, 2)])
 def test_plan_shows_the_bound_of_the_sliding_layers(name, sliding, full):
     runner = CliRunner()
     result = runner.invoke(main, ["plan", str(TINY / name), "--context", "4096"])
