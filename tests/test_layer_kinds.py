@@ -138,3 +138,16 @@ def test_a_window_returns_the_same_recent_keys_as_a_full_cache(bits):
 def _flat(pair):
     keys, values = pair
     return [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+
+
+@pytest.mark.parametrize("arch", ["lfm2", "gemma3_long"])
+def test_a_prompt_that_leaves_a_cached_one_snapshots_there_for_the_next(arch):
+    model = mlxinfer.load(TINY / arch)
+    shared = PROMPT[:30]
+    model.generate(shared + [1, 2, 3], max_tokens=2, snapshot_every=1000)
+    second = model.generate(shared + [7, 8, 9], max_tokens=2, snapshot_every=1000)
+    assert second.stats.cached_tokens == 0  # no snapshot within the 30 shared tokens yet: said, not silent
+    assert "shares 30 tokens" in second.stats.cache_note and "no state snapshot" in second.stats.cache_note
+    third = model.generate(shared + [5, 5, 5], max_tokens=2, snapshot_every=1000)
+    assert third.stats.cached_tokens == 30  # the second took a snapshot where it left the first
+    assert third.token_ids == model.generate(shared + [5, 5, 5], max_tokens=2, use_cache=False).token_ids

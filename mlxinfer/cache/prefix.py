@@ -177,6 +177,10 @@ class PrefixCache:
         self.stats.cached_tokens += depth
         return _hit(entry_id, entry, ids, depth, shared)
 
+    def shared_tokens(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of `ids` some cached entry shares (whether or not it can resume there)."""
+        return self._deepest(ids)[2]
+
     def release(self, hit: PrefixHit | None) -> None:
         """The request that looked `hit` up is done with it."""
         entry = self._entries.get(hit.entry_id) if hit else None

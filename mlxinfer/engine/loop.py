@@ -256,6 +256,12 @@ class BatchLoop:
         job.stats.cached_tokens = hit.tokens if hit else 0
         job.stats.diverged_at = hit.diverged_at if hit else None
         job.stats.cache_note = hit.reason if hit else ""
+        shared = self._shared(job, hit)
+        if shared and not hit:
+            job.stats.cache_note = (
+                f"not resumed: the prompt shares {shared} tokens with a cached one, but no state snapshot sits at "
+                "or before that; one is taken there now for the next prompt"
+            )
         job.stats.prefilled_tokens = len(prompt_ids) - job.stats.cached_tokens
         job.stats.prefill_chunk = chunk
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
@@ -263,7 +269,8 @@ class BatchLoop:
         sampler.observe(prompt)
         decode = runtime.tokenizer.decode if runtime.tokenizer else _no_text
         sequence = Running(job, sampler, TextStream(decode, job.stop), hit)
-        marks = message_ends(prompt_ids, runtime.eos_token_ids)
+        # Where this prompt leaves a cached one is where the next ones sharing it will want to resume.
+        marks = [*message_ends(prompt_ids, runtime.eos_token_ids), shared]
         inherited = hit.snapshots if hit else None
         rest = prompt[cache[0].length :]
         every = job.snapshot_every or self.config.snapshot_every
@@ -271,6 +278,13 @@ class BatchLoop:
         run = Prefill.start(runtime.decoder, cache, rest, chunk, every, marks, inherited, before_end=not job.warm)
         sequence.snapshots = run.snapshots  # the same dict: snapshots taken later join it
         return _Prefill(run, sequence)
+
+    def _shared(self, job: Job, hit: PrefixHit | None) -> int:
+        """Tokens the prompt shares with the prefix cache (beyond where a hit could resume, for a snapshot there)."""
+        prefix = self.runtime.prefix_cache if job.use_cache else None
+        if hit or prefix is None:
+            return hit.shared if hit else 0
+        return prefix.shared_tokens(job.prompt_ids if job.warm else job.prompt_ids[:-1])
 
     def _prefill_step(self) -> None:
         p = self._prefill
