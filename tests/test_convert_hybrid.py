@@ -163,6 +163,7 @@ def test_the_stream_holds_one_layer_of_experts_at_a_time(tmp_path):
     mx.clear_cache()
     source = FolderSource(tmp_path)
     mx.reset_peak_memory()
+    held = mx.get_active_memory()  # what the rest of this process holds (other tests' models) is not the stream's
     written = []
     for name, value in converted_tensors(source, sorted(source.tensors), partial(to_mlx_layout, num_experts=experts)):
         mx.eval(value)
@@ -170,7 +171,7 @@ def test_the_stream_holds_one_layer_of_experts_at_a_time(tmp_path):
         written.append(name)
         del value
     assert len(written) == 3 * layers
-    assert mx.get_peak_memory() <= 2.5 * group  # the group read and its stacked output, not the model
+    assert mx.get_peak_memory() - held <= 2.5 * group  # the group read and its stacked output, not the model
 
 
 def quantized_qwen3_next(tmp_path: Path) -> Path:
