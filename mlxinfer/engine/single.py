@@ -39,6 +39,8 @@ def run_alone(runtime: ModelRuntime, job: Job, config: SchedulerConfig = SINGLE)
                 if isinstance(event, Finished):
                     return
                 yield event
+            if not loop.has_work():  # every path ends a job with Finished or Failed; never spin without one
+                raise RuntimeError("the generation loop went idle before the request ended")
             loop.turn()
     except GeneratorExit:  # the caller stopped reading: what was computed serves the next prompt
         job.cancel()
