@@ -141,15 +141,10 @@ class BatchLoop:
 
         KeyboardInterrupt is raised between two bytecodes, never by a failed computation: whatever the
         layers hold is sound, even mid-forward (held_positions keeps what every layer has)."""
-        if self._prefill is not None:
-            prefill, self._prefill = self._prefill, None
-            self._keep_prefix(prefill.sequence, prefill.run.cache)
-            self._finish(prefill.sequence, "cancelled")
-        for row, sequence in enumerate(self._batch.rows):
-            self._keep_prefix(sequence, self._batch.row_cache(row))
-            self._finish(sequence, "cancelled")
-        self._batch.clear()
-        self._waiting.clear()
+        running = [s.job for s in self._batch.rows] + ([self._prefill.sequence.job] if self._prefill else [])
+        for job in [*self._waiting, *running]:
+            job.cancel()
+        self.drop_cancelled()
 
     def _guarded(self, step: Callable[[], None], affected: list[Running]) -> None:
         # A failure in one step ends the requests it touched; the server keeps serving.
