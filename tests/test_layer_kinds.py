@@ -151,3 +151,11 @@ def test_a_prompt_that_leaves_a_cached_one_snapshots_there_for_the_next(arch):
     third = model.generate(shared + [5, 5, 5], max_tokens=2, snapshot_every=1000)
     assert third.stats.cached_tokens == 30  # the second took a snapshot where it left the first
     assert third.token_ids == model.generate(shared + [5, 5, 5], max_tokens=2, use_cache=False).token_ids
+
+
+def test_snapshot_positions_are_bounded_whatever_the_spacing_asked():
+    from mlxinfer.engine.prefill import MAX_MESSAGE_MARKS, MAX_SPACED_SNAPSHOTS, snapshot_positions
+
+    assert snapshot_positions(0, 40, 8) == [8, 16, 24, 32, 39, 40]  # a short prompt: as asked
+    stops = snapshot_positions(0, 1_000_000, 1, marks=range(0, 1_000_000, 3)[-MAX_MESSAGE_MARKS:])
+    assert len(stops) <= MAX_SPACED_SNAPSHOTS + MAX_MESSAGE_MARKS + 2

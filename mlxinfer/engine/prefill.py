@@ -24,6 +24,7 @@ from ..models.decoder import DecoderLM
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 SNAPSHOT_EVERY = 1024  # tokens between state snapshots of a long prompt
 MAX_MESSAGE_MARKS = 64  # message ends snapshotted per prompt: the last ones, where edits happen
+MAX_SPACED_SNAPSHOTS = 64  # every-N snapshots per prompt: a longer prompt (or a tiny N) spaces them wider
 
 
 def message_ends(ids: Sequence[int], end_of_turn: Collection[int]) -> list[int]:
@@ -34,7 +35,11 @@ def message_ends(ids: Sequence[int], end_of_turn: Collection[int]) -> list[int]:
 def snapshot_positions(
     start: int, end: int, every: int, marks: Iterable[int] = (), before_end: bool = True
 ) -> list[int]:
-    """Where to snapshot while prefilling positions [start, end): sorted, each in (start, end]."""
+    """Where to snapshot while prefilling positions [start, end): sorted, each in (start, end].
+
+    At most MAX_SPACED_SNAPSHOTS + MAX_MESSAGE_MARKS + 2, whatever `every` and the prompt length:
+    each snapshot ends a prefill chunk and holds memory until the prompt is done."""
+    every = max(every, -(-end // MAX_SPACED_SNAPSHOTS))
     due = {end, *range(every, end, every), *marks} | ({end - 1} if before_end else set())
     return sorted(p for p in due if start < p <= end)
 
