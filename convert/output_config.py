@@ -25,6 +25,7 @@ def output_config(
     out.update({k: config.args[k] for k in _CLASSIC_ROPE_KEYS if k in config.args})
     # Arguments mlx-lm requires under its own name (lfm2's block_dim): the value mlxinfer derived.
     out.update({k: config.args[k] for k in config.spec.renamed if k in config.args and k not in out})
+    out.update(_mlx_lm_form(config))
     out["torch_dtype"] = dtype_name(dtype)
     out.pop("quantization_config", None)
     if settings.bits != 16:
@@ -38,6 +39,26 @@ def output_config(
         out["quantization"] = block
         out["quantization_config"] = block  # mlx-lm writes both keys
     return out
+
+
+def _mlx_lm_form(config: ModelConfig) -> dict[str, Any]:
+    """Keys whose source form mlx-lm's `load()` would misread, in the form it reads (and mlxinfer too)."""
+    args, kind = config.args, config.model_type
+    if kind == "qwen3_5_text":  # mlx-lm has no qwen3_5_text: its qwen3_5 takes a flat text config
+        return {"model_type": "qwen3_5"}
+    if kind == "gemma3_text":  # mlx-lm places global layers by pattern only; transformers reads layer_types
+        period = _global_period(config.layer_types)
+        return {"sliding_window_pattern": period} if period else {}
+    if kind == "granitemoehybrid":  # the computed values: legacy layer names, a dense model's MLP, NoPE
+        return {key: args[key] for key in ("layer_types", "intermediate_size", "position_embedding_type")}
+    return {}
+
+
+def _global_period(layer_types: tuple[str, ...]) -> int | None:
+    """N when every Nth layer (and only it) is global, as mlx-lm's `sliding_window_pattern` says; else None."""
+    n = next((i + 1 for i, kind in enumerate(layer_types) if kind == "full_attention"), len(layer_types))
+    expected = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(len(layer_types)))
+    return n if expected == layer_types else None
 
 
 _ARCHITECTURES = {

@@ -40,6 +40,9 @@ class Wrapper:
     text_defaults: dict[str, Any] = field(default_factory=dict)
     # Text-model keys the wrapper's forward ignores: Gemma3ForConditionalGeneration never soft-caps its logits.
     ignored: tuple[str, ...] = ()
+    # A config with neither text_config nor vision_config is the text model itself (mlx-lm has no module of
+    # the text model_type, so converted Qwen3.5 text models say the wrapper's).
+    flat_text: bool = False
 
 
 _LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -77,6 +80,7 @@ WRAPPERS: dict[str, Wrapper] = {
         tied_by_default=False,
         text_prefixes=_LANGUAGE_MODEL,
         vision_prefixes=("model.visual.", "visual.", "vision_tower."),
+        flat_text=True,
     ),
 }
 # Keys of the outer config that hold for the text model too (the loader's refusals read them there).
@@ -101,6 +105,8 @@ def text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if wrapper is None:
         return raw
     nested = raw.get("text_config")
+    if wrapper.flat_text and "text_config" not in raw and "vision_config" not in raw:
+        return {**raw, "model_type": wrapper.text_type}
     if not isinstance(nested, dict):
         raise ConfigError(f"{source}: model_type {raw['model_type']!r} needs a text_config object, got {shown(nested)}")
     text_type = nested.get("model_type", wrapper.text_type)
