@@ -31,6 +31,10 @@ ARCHITECTURES = [
     "gpt_oss",
     "granitemoehybrid",
     "granitemoehybrid_nope",
+    # ---- MoE families (A) ----
+    # ---- MoE families (B) ----
+    # ---- dense 2026 families (A) ----
+    # ---- dense 2026 families (B) ----
 ]
 # Models with layers that cannot be cut back (sliding windows, recurrent state): prefix snapshots, batched rows.
 HYBRID = [

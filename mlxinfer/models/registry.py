@@ -140,6 +140,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         mlx_sanitize=True,
         adapter="qwen3_next_layers",
     ),
+    # ---- MoE families (A) ----
+    # ---- MoE families (B: GLM-4.5, DeepSeek-V3 MLA) ----
+    # ---- dense 2026 families (A) ----
+    # ---- dense 2026 families (B) ----
     "llama": ArchSpec("llama", neutral={"pretraining_tp": 1}),
     "mistral": ArchSpec("llama", sliding="all"),
     "qwen2": ArchSpec("qwen2", sliding="qwen", fixed_head_dim=True),
