@@ -204,6 +204,13 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     )  # fmt: skip
 
 
+def _kv_width(config: ModelConfig) -> int:
+    """K (or V) elements per position in one layer; an unverified config may leave head_dim to its module."""
+    args = config.args
+    heads = int(args.get("num_attention_heads") or 1)
+    return int(args.get("num_key_value_heads") or heads) * int(args.get("head_dim") or config.hidden_size // heads)
+
+
 def _stream_peak_bytes(
     source: Source, names: list[str], shapes: dict[str, tuple[int, ...]], settings: ConvertSettings, output_bytes: int
 ) -> int:
@@ -227,9 +234,10 @@ def _check_calibration(config: ModelConfig, shapes: dict[str, tuple[int, ...]], 
     """Refuse what calibration cannot do: run recurrent layers (it runs each block on a batch without their
     state), and GPTQ-round experts (it rounds plain matrices; experts would silently stay round-to-nearest)."""
     flag = "--recipe sensitivity" if sensitivity else "--method gptq" if method == "gptq" else None
-    if flag and config.spec.recurrent_kinds:
+    if flag and (config.spec.recurrent_kinds or not config.verified):
+        why = "recurrent layers" if config.verified else "unverified: mlx-lm's model code runs it"
         raise ConversionError(
-            f"{flag} is not supported for model_type {config.model_type!r} (recurrent layers) yet; "
+            f"{flag} is not supported for model_type {config.model_type!r} ({why}) yet; "
             "use round-to-nearest: --bits 4 or 8 without --recipe, --bpw or --method"
         )
     if method == "gptq" and any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight")):
@@ -260,7 +268,7 @@ def _evaluation_bytes(
     shapes = shapes if shapes is not None else {n: source.tensors[n].shape for n in names}
     output = sum(_output_bytes(shape, layers.get(n.removesuffix(".weight")), compute) for n, shape in shapes.items())
     positions = -(-tokens // KV_STEP) * KV_STEP  # the KV cache grows in steps of KV_STEP positions
-    per_position = 2 * config.num_layers * int(config.args["num_key_value_heads"]) * int(config.args["head_dim"])
+    per_position = 2 * config.num_layers * _kv_width(config)
     kv = 2 * per_position * positions * compute.size  # two models, keys and values each
     return loaded + max(cast, output) + kv + scoring_bytes(config.vocab_size, compute.size)
 

@@ -255,15 +255,27 @@ class Model:
     def _logit_chunks(self, ids: mx.array, chunk_tokens: int) -> Iterator[np.ndarray]:
         cache = make_cache(self._loaded.model.cache_kinds, self.kv_bits)
         for start in range(0, ids.size, chunk_tokens):
-            part = self._loaded.model(ids[None, start : start + chunk_tokens], cache)[0].astype(mx.float32)
+            model = self._loaded.model
+            part = model.head(model.hidden(ids[None, start : start + chunk_tokens], cache))[0].astype(mx.float32)
             mx.eval(part)
             yield np.array(part)
+
+    @property
+    def verified(self) -> bool:
+        """Whether the family was checked against transformers; False for mlx-lm's model code run as it is."""
+        return self._loaded.config.verified
+
+    @property
+    def architecture(self) -> str:
+        """The model_type, labelled when unverified."""
+        kind = self._loaded.config.model_type
+        return kind if self.verified else f"{kind} (unverified)"
 
     def __repr__(self) -> str:
         loaded = self._loaded
         quant = f", {loaded.quantized_layers} quantized layers" if loaded.quantized_layers else ""
         return (
-            f"Model({loaded.path.name}: {loaded.config.model_type}, {loaded.config.num_layers} layers{quant}, "
+            f"Model({loaded.path.name}: {self.architecture}, {loaded.config.num_layers} layers{quant}, "
             f"{mib(loaded.weights_bytes)}, compute {self.compute_dtype})"
         )
 
@@ -271,7 +283,7 @@ class Model:
         loaded = self._loaded
         rows = [
             ("path", loaded.path),
-            ("architecture", f"{loaded.config.model_type}, {loaded.config.num_layers} layers"),
+            ("architecture", f"{self.architecture}, {loaded.config.num_layers} layers"),
             ("weights", f"{mib(loaded.weights_bytes)}, {loaded.quantized_layers} quantized layers"),
             ("compute dtype", self.compute_dtype),
             ("KV cache", f"{self.kv_bits}-bit" if self.kv_bits else self.compute_dtype),

@@ -107,7 +107,8 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
     if as_json:
         for _ in run:
             pass
-        payload = {"model": str(llm.path), "text": run.text(), "finish_reason": run.stats.finish_reason}
+        payload = {"model": str(llm.path), "architecture": llm.architecture, "verified": llm.verified,
+                   "text": run.text(), "finish_reason": run.stats.finish_reason}  # fmt: skip
         click.echo(json.dumps({**payload, "stats": run.stats.to_dict()}, ensure_ascii=False))
         return
     for chunk in run:
@@ -281,7 +282,7 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
         click.echo(f"  {part:<22}{mib(size, 0):>14}")
     click.echo(f"  {'needed':<22}{mib(memory_plan.needed_bytes, 0):>14}")
     click.echo(f"  {'usable':<22}{mib(memory_plan.usable_bytes, 0):>14}")
-    for line in memory_plan.cache_lines():
+    for line in memory_plan.lines():  # MoE: what decoding reads of the weights; then each kind of layer's cache
         click.echo(line)
     click.echo(f"verdict: {memory_plan.verdict} at {memory_plan.context} tokens; {memory_plan.context_limit()}")
     for tip in memory_plan.suggestions():

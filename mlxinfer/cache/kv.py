@@ -73,6 +73,19 @@ class _PositionCache(_RowCache):
             return self.start
         return max(self.start, self.length - (self.window - 1))
 
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> mx.array | None:
+        """mlx-lm's mask protocol, for models whose own `__call__` builds masks from their caches (the
+        unverified fallback, models/fallback.py): `n` queries after `length` over the keys the next
+        `update_and_fetch` returns. One sequence: such models are never batched."""
+        window = window_size or self.window
+        start = self.key_start(n)
+        if n == 1 and not return_array and (window is None or self.length + 1 - start <= window):
+            return None
+        query = mx.arange(self.length, self.length + n)[:, None]
+        key = mx.arange(start, self.length + n)[None]
+        mask = query >= key
+        return mask & (query < key + window) if window else mask
+
     def _append(self, parts: tuple[mx.array, ...]) -> tuple[mx.array, ...]:
         """Write `parts` after the current positions; returns every array from `start` to the new end."""
         new = parts[0].shape[2]

@@ -37,6 +37,10 @@ class StateCache(_RowCache):
     def __setitem__(self, slot: int, value: mx.array) -> None:
         self._pending[slot] = value
 
+    def make_mask(self, n: int) -> None:
+        """mlx-lm's mask protocol (models/fallback.py): no padded rows to hide, each row runs alone."""
+        return None
+
     def advance(self, n: int) -> None:
         """The layer wrote every slot for `n` new positions: make them the state."""
         for slot, value in sorted(self._pending.items()):

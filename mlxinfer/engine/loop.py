@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -87,12 +87,15 @@ class BatchLoop:
         machine: Callable[[], MachineMemory] | None = None,
         log_failures: bool = True,
     ):
+        if not runtime.decoder.batchable and config.max_batch > 1:
+            log.warning("an unverified model runs one request at a time: batching is not supported for it")
+            config = replace(config, max_batch=1)
         self.runtime, self.config, self._machine = runtime, config, machine or _this_machine
         self._log_failures = log_failures  # a server logs what failed; a caller who gets the error raised does not
         self._waiting: deque[Job] = deque()
         self._prefill: _Prefill | None = None
         self._batch = DecodeBatch(runtime.decoder, runtime.kv_bits)
-        self._vocab = runtime.decoder.model.embed_tokens.weight.shape[0]
+        self._vocab = getattr(runtime.decoder, "vocab_size", None) or runtime.decoder.model.embed_tokens.weight.shape[0]
         self.service_s = 5.0  # running mean of a request's time in the batch, for Retry-After
 
     def check(self, job: Job, within_context: bool = True) -> None:

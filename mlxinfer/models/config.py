@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..untrusted import is_finite_number, is_int, shown
+from .fallback import mlx_lm_module_name
 from .multimodal import WRAPPERS, text_config
 from .registry import ARCHITECTURES, ArchSpec, supported_model_types
 from .safetensors_header import MAX_DIM
@@ -43,9 +44,17 @@ class ModelConfig:
     bos_token_id: int | None
     quantization: dict[str, Any] | None
     source: str
+    # The mlx-lm module of a model_type mlxinfer has not verified (models/fallback.py); None when verified.
+    fallback_module: str | None = None
+
+    @property
+    def verified(self) -> bool:
+        return self.fallback_module is None
 
     @property
     def spec(self) -> ArchSpec:
+        if self.fallback_module is not None:  # mlx-lm's module whole, with its own sanitize
+            return ArchSpec(self.fallback_module, mlx_sanitize=True)
         return ARCHITECTURES[self.model_type]
 
     @property
@@ -74,10 +83,7 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     raw = text_config(raw, source)  # a vision-language checkpoint runs as its text model
     model_type = raw.get("model_type")
     if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{source}: model_type {shown(model_type)} is not supported; "
-            f"supported: {', '.join(sorted([*supported_model_types(), *WRAPPERS]))}"
-        )
+        return _unverified_config(raw, source)
     spec = ARCHITECTURES[model_type]
     # transformers 5 writes an infinite float as {"__float__": "Infinity"} (Granite's time_step_limit).
     args = {key: _special_floats(value) for key, value in raw.items()}
@@ -119,6 +125,52 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
         quantization=raw.get("quantization"),
         source=source,
     )
+
+
+def _unverified_config(raw: dict[str, Any], source: str) -> ModelConfig:
+    """A model_type mlxinfer has not verified but mlx-lm ships: its module runs whole, labelled unverified.
+
+    Only what the engine itself reads is checked here; mlx-lm's module reads the rest, and the checkpoint's
+    tensors must then match the module it builds (loader.verify_weights)."""
+    model_type = raw.get("model_type")
+    module = mlx_lm_module_name(model_type)
+    if module is None:
+        raise UnsupportedModelError(
+            f"{source}: model_type {shown(model_type)} is not supported (mlx-lm has no module for it either); "
+            f"verified: {', '.join(sorted([*supported_model_types(), *WRAPPERS]))}"
+        )
+    args = {key: _special_floats(value) for key, value in raw.items()}
+    _check_types(args, source)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
+        value = args.get(key)
+        if not (is_int(value) and 0 < value <= (MAX_LAYERS if key == "num_hidden_layers" else MAX_DIM)):
+            raise ConfigError(f"{source}: {key} must be a positive integer, got {shown(value)}")
+    args.update(_classic_rope_keys(args))
+    _check_numbers(args, source)
+    return ModelConfig(
+        model_type=model_type,
+        args=args,
+        layer_types=(),  # the module decides; the built model's cache_kinds say what each layer keeps
+        sliding_window=None,
+        tie_word_embeddings=False,  # the module's own sanitize drops a tied head
+        eos_token_ids=_token_ids(raw, "eos_token_id", source),
+        bos_token_id=next(iter(_token_ids(raw, "bos_token_id", source, many=False)), None),
+        quantization=raw.get("quantization"),
+        source=source,
+        fallback_module=module,
+    )
+
+
+def _classic_rope_keys(args: dict[str, Any]) -> dict[str, Any]:
+    """The top-level keys mlx-lm's modules read, from a transformers-5 `rope_parameters` (mlx-lm 0.32 would
+    silently use its default base instead); keys the config sets itself win."""
+    rope = args.get("rope_parameters")
+    if not isinstance(rope, dict):
+        return {}
+    classic = {k: rope[k] for k in ("rope_theta", "partial_rotary_factor") if k in rope and k not in args}
+    if rope.get("rope_type", "default") != "default" and args.get("rope_scaling") is None:
+        classic["rope_scaling"] = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    return classic
 
 
 _FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}

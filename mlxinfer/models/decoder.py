@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ATTENTION, SLIDING, ModelConfig
+from .fallback import build_fallback
 from .mlx_lm_modules import model_module
 
 
@@ -38,6 +39,9 @@ class Layout:
 
 class DecoderLM(nn.Module):
     """A causal LM: embeddings -> blocks -> norm -> head, with per-layer masks."""
+
+    verified = True  # a family checked against transformers (models/fallback.py runs the others)
+    batchable = True  # rows of any length decode together (per-row masks)
 
     def __init__(self, backbone: nn.Module, lm_head: nn.Module | None, layout: Layout):
         super().__init__()
@@ -122,6 +126,8 @@ class DecoderLM(nn.Module):
 
 def build_model(config: ModelConfig) -> DecoderLM:
     """Instantiate the architecture for `config` (weights still random)."""
+    if not config.verified:
+        return build_fallback(config.spec.mlx_module, config.args, config.source)
     module = model_module(config.spec.mlx_module)
     # A copy: some mlx-lm modules rewrite their args in place (qwen3_5 renames rope_parameters keys).
     reference = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config.args)))

@@ -26,6 +26,7 @@ from .checkpoint import Checkpoint, load_tensors, open_folder
 from .config import ModelConfig, normalize_config
 from .decoder import DecoderLM, build_model
 from .dtype import choose_compute_dtype
+from .fallback import UNVERIFIED
 from .gguf import gguf_config, gguf_tensors, gguf_weights
 from .gguf_file import GGUFFile
 from .multimodal import text_checkpoint
@@ -84,6 +85,8 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
     model.eval()
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     log.info("loaded %s: %d quantized layers, %.1f MB, %s", path, quantized, nbytes / 1e6, compute)
+    if not config.verified:
+        log.warning("%s: model_type %s is %s", path, config.model_type, UNVERIFIED)
     return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start)
 
 

@@ -232,9 +232,12 @@ class API:
                 log.exception("on_finished listener failed")
 
     async def list_models(self, request: Request) -> Response:
+        # `verified`: the family matches transformers; false for mlx-lm's model code run as it is (unverified).
         data = [
-            {"id": name, "object": "model", "created": self.started, "owned_by": "mlxinfer"} for name in self.models.ids
-        ]
+            {"id": name, "object": "model", "created": self.started, "owned_by": "mlxinfer",
+             "verified": self.models.verified(name)}
+            for name in self.models.ids
+        ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:

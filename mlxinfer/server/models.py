@@ -35,6 +35,7 @@ class _Slot:
     loader: Callable[[], Model]
     config: SchedulerConfig | None
     served: ServedModel | None = None
+    verified: bool = True  # the family was checked against transformers (models/fallback.py runs the others)
     loading: threading.Lock = field(default_factory=threading.Lock)  # one load; other requests for it wait
 
 
@@ -54,7 +55,7 @@ class ModelSet:
     def add(self, model: Model, config: SchedulerConfig | None = None, name: str | None = None) -> ServedModel:
         """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings."""
         loader = partial(load, model.path, dtype=model.compute_dtype, kv_bits=model.kv_bits)
-        slot = _Slot(name or model_id(model), loader, config)
+        slot = _Slot(name or model_id(model), loader, config, verified=model.verified)
         with self._lock:
             self._stop(self._slots.pop(slot.id, None), "the model was replaced")
             slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, config))
@@ -103,6 +104,10 @@ class ModelSet:
     @property
     def ids(self) -> list[str]:
         return list(self._slots)
+
+    def verified(self, name: str) -> bool:
+        slot = self._slots.get(name)
+        return slot is None or slot.verified
 
     def __iter__(self) -> Iterator[ServedModel]:
         """The loaded models."""
