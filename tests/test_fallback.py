@@ -1,7 +1,8 @@
 """A family outside the verified list runs through mlx-lm's own model class, labelled unverified everywhere.
 
-The fixture is Starcoder2, written by transformers (tests/fixtures/make_tiny_models.py); mlxinfer has no
-registry row for it, mlx-lm has a module.
+The fixtures are written by transformers (tests/fixtures/make_tiny_models.py) for families mlxinfer has no
+registry row for and mlx-lm has a module: Starcoder2 (dense), AFMoE (sliding windows, experts), LFM2-MoE
+(short-convolution state, experts).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.test_mlx_lm_roundtrip import mlx_lm_greedy
 from tests.test_scheduler import batch_sizes, run_jobs
 
 NAME = "starcoder2"
+UNVERIFIED = [NAME, "afmoe", "lfm2_moe"]
 # Transformers computes GELU-tanh in float32 through torch's kernel, mlx-lm through its own formula:
 # measured 1.5e-3 at most on this fixture. A wrong RoPE base (mlx-lm's own default, when it reads a
 # transformers-5 config as it is) measures 2.8.
@@ -38,17 +40,27 @@ def model():
     return mlxinfer.load(TINY / NAME)
 
 
-def test_it_matches_transformers_and_is_labelled_on_the_load_line(caplog):
+@pytest.mark.parametrize("name", UNVERIFIED)
+def test_it_matches_transformers_and_is_labelled_on_the_load_line(name, caplog):
     with caplog.at_level(logging.WARNING):
-        model = mlxinfer.load(TINY / NAME)
-    assert f"model_type {NAME} is unverified" in caplog.text
+        model = mlxinfer.load(TINY / name)
+    assert f"model_type {name} is unverified" in caplog.text
     assert not model.verified and "(unverified)" in repr(model) and "(unverified)" in model._repr_html_()
-    ref = golden(NAME)
+    ref = golden(name)
     ids = ref["input_ids"].tolist()
     logits = model.logits(ids)
     assert np.abs(logits - np.array(ref["logits"])).max() < TOLERANCE
     assert np.abs(model.logits(ids, chunk_tokens=5) - logits).max() < 1e-4  # our caches, mlx-lm's masks
     assert model.generate(ids, max_tokens=16).token_ids == ref["greedy"].tolist()
+
+
+def test_its_layers_keep_the_caches_mlx_lm_gives_them():
+    kinds = {name: [k for k, _ in mlxinfer.load(TINY / name)._loaded.model.cache_kinds] for name in UNVERIFIED}
+    assert kinds == {
+        NAME: ["full_attention"] * 2,
+        "afmoe": ["sliding_attention", "full_attention"] * 2,
+        "lfm2_moe": ["linear_attention", "full_attention"] * 2,
+    }
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -79,11 +91,15 @@ def test_a_quantized_kv_cache_is_refused_in_one_line():
         mlxinfer.load(TINY / NAME, kv_bits=8)
 
 
-def test_the_prefix_cache_resumes_it(model):
-    ids = golden(NAME)["input_ids"].tolist()
-    cold = mlxinfer.load(TINY / NAME, prefix_cache_bytes=0).generate(ids[:20] + [7, 8, 9], max_tokens=6)
-    model.generate(ids, max_tokens=2)
-    warm = model.generate(ids[:20] + [7, 8, 9], max_tokens=6)
+@pytest.mark.parametrize("name", UNVERIFIED)
+def test_the_prefix_cache_resumes_it(name):
+    # The window of afmoe (8) and the state of lfm2_moe cannot be cut: the resume comes from a snapshot.
+    ids = golden(name)["input_ids"].tolist()
+    probe = ids[:20] + [7, 8, 9]
+    cold = mlxinfer.load(TINY / name, prefix_cache_bytes=0).generate(probe, max_tokens=6)
+    model = mlxinfer.load(TINY / name)
+    model.generate(ids, max_tokens=2, snapshot_every=4)
+    warm = model.generate(probe, max_tokens=6)
     assert warm.stats.cached_tokens == 20 and warm.token_ids == cold.token_ids
 
 

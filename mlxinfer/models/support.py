@@ -1,0 +1,78 @@
+"""What each architecture gets, made from the registries: the README's architecture table.
+
+`python -m mlxinfer.models.support` prints the table; tests/test_readme.py checks that the README holds
+exactly this text, so a family added to the registry (or a GGUF architecture) shows up there or fails CI.
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+from .footprint import NO_QUANTIZED_KV
+from .gguf_arch import ARCHITECTURES as GGUF_ARCHITECTURES
+from .multimodal import WRAPPERS
+from .registry import ARCHITECTURES, ArchSpec
+
+HEADER = ("family", "status", "GGUF import", "converter", "prefix cache", "batching", "KV quantization")
+# Families llama.cpp writes under another architecture's name.
+_GGUF_ALIASES = {"mistral": "llama"}
+
+
+@dataclass(frozen=True)
+class Support:
+    family: str
+    status: str
+    gguf: str
+    converter: str
+    prefix_cache: str
+    batching: str
+    kv_quantization: str
+
+
+def support_rows() -> list[Support]:
+    """One row per verified model_type, then the unverified fallback's."""
+    rows = [_verified(model_type, spec) for model_type, spec in sorted(ARCHITECTURES.items())]
+    rows.append(
+        Support(
+            "any other model_type mlx-lm ships a module for",
+            "unverified (mlx-lm's model code, labelled)",
+            "no",
+            "yes",
+            "cut at any position; state snapshots where it keeps a window or a state",
+            "one request at a time",
+            "no",
+        )
+    )
+    return rows
+
+
+def _verified(model_type: str, spec: ArchSpec) -> Support:
+    wrappers = sorted(name for name, w in WRAPPERS.items() if w.text_type == model_type)
+    family = f"`{model_type}`" + "".join(f", `{w}` (vision-language: its text model)" for w in wrappers)
+    gguf = [f"`{name}`" for name, arch in sorted(GGUF_ARCHITECTURES.items()) if arch.model_type == model_type]
+    if model_type in _GGUF_ALIASES:
+        gguf.append(f"`{_GGUF_ALIASES[model_type]}` (as llama.cpp writes it)")
+    windows = spec.sliding != "none"
+    if spec.recurrent_kinds or spec.sliding in ("alternate", "pattern", "declared"):
+        prefix = "state snapshots"
+    else:
+        prefix = "cut at any position" + ("; snapshots with a sliding window" if windows else "")
+    if model_type in NO_QUANTIZED_KV:
+        kv = "no"
+    else:
+        kv = "8 or 4 bits" + (" (attention layers)" if spec.recurrent_kinds else "")
+    return Support(family, "verified", ", ".join(gguf) or "no", "yes", prefix, "yes", kv)
+
+
+def support_markdown() -> str:
+    lines = [_row(HEADER), _row(("---",) * len(HEADER))]
+    lines += [_row(astuple(row)) for row in support_rows()]
+    return "\n".join(lines) + "\n"
+
+
+def _row(cells: tuple[str, ...]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+if __name__ == "__main__":
+    print(support_markdown(), end="")
