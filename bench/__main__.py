@@ -1,5 +1,5 @@
 """python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only | --kv-memory-only |
---hybrid-only]:
+--hybrid-only | --moe-only]:
 mlxinfer vs mlx-lm, side by side, one run."""
 
 from __future__ import annotations
@@ -41,7 +41,13 @@ def main() -> None:
     parser.add_argument(
         "--hybrid-only", action="store_true", help="only the hybrid-model figures (--quick: on the tiny fixtures)"
     )
+    parser.add_argument(
+        "--moe-only", action="store_true", help="only the MoE figures: decode and converter (--quick: tiny fixture)"
+    )
     args = parser.parse_args()
+    if args.moe_only:
+        write_moe_outputs(args.out, args.quick)
+        return
     if args.hybrid_only:
         write_hybrid_outputs(args.out, args.quick)
         return
@@ -110,6 +116,16 @@ def write_hybrid_outputs(out: Path, quick: bool) -> None:
     settings = HybridSettings.quick() if quick else HybridSettings()
     figures = run_hybrid_bench(prepare_hybrid_models(tiny=quick), settings)
     write_figures(figures, hybrid_markdown(figures), out, quick, "-hybrid")
+
+
+def write_moe_outputs(out: Path, quick: bool) -> None:
+    from .moe_bench import MoeSettings, moe_family, prepare_moe_model, run_moe_bench
+    from .moe_bench import markdown as moe_markdown
+
+    family = moe_family()
+    settings = MoeSettings.quick() if quick else MoeSettings()
+    figures = run_moe_bench(prepare_moe_model(family, tiny=quick), family, settings)
+    write_figures(figures, moe_markdown(figures), out, quick, "-moe")
 
 
 def write_figures(figures: dict, table: str, out: Path, quick: bool, suffix: str) -> str:

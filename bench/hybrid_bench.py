@@ -9,6 +9,7 @@ greedy, on the same prompt ids. The checkpoints are random-weight, realistically
 from __future__ import annotations
 
 import gc
+import json
 import os
 import statistics
 import sys
@@ -58,7 +59,7 @@ def run_hybrid_bench(models: dict[str, Path], settings: HybridSettings) -> dict[
                 "decode": [],
             }
             for name, path in models.items():
-                figures["decode"].append(_decode_row(name, path, Path(work) / name, settings))
+                figures["decode"].append(decode_row(name, path, Path(work) / name, settings))
                 _progress(figures["decode"][-1])
             ttft_model = models.get(settings.ttft_family)
             figures["shared_prefix"] = _shared_prefix(ttft_model, settings) if ttft_model else None
@@ -137,8 +138,11 @@ def _ttft_row(label: str, cold_ttft_s: float, hit: Any) -> dict[str, Any]:
     }
 
 
-def _decode_row(name: str, path: Path, work: Path, s: HybridSettings) -> dict[str, Any]:
-    """Both engines on `path`, runs interleaved so drift on this machine hits both alike."""
+def decode_row(name: str, path: Path, work: Path, s: Any) -> dict[str, Any]:
+    """Both engines on `path` in float32, runs interleaved so drift on this machine hits both alike.
+
+    `s` gives prompt_tokens, decode_tokens and runs (HybridSettings, MoeSettings). Each engine first
+    decodes 2 tokens after an 8-token prompt (warm-up: kernels, allocator), not counted."""
     import mlxinfer
 
     row: dict[str, Any] = {"family": name}
@@ -146,9 +150,14 @@ def _decode_row(name: str, path: Path, work: Path, s: HybridSettings) -> dict[st
         ours = mlxinfer.load(path, dtype="float32")
     except Exception as e:  # a family that does not load (yet) is a row that says why, not a failed bench
         return {**row, "skipped": _one_line(f"mlxinfer cannot load it: {type(e).__name__}: {e}")}
+    # What one decoded token reads of the weights (an MoE model: its dense weights and active experts only).
+    row["weights_bytes"] = ours.footprint.weights_bytes
+    row["decode_weights_bytes"] = ours.footprint.decode_weights_bytes
     theirs = _mlx_lm(path, work / "mlx-lm-view")
     if isinstance(theirs, str):
         row["mlx_lm_skipped"] = theirs
+    else:
+        row["mlx_lm_decode_weights_bytes"] = _decode_weights_bytes(theirs[0], path)
     prompt = _text_ids(ours, s.prompt_tokens)
     runs: dict[str, list[dict[str, Any]]] = {"mlxinfer": [], "mlx-lm": []}
     _ours_run(ours, prompt[:8], 2)  # warm-up
@@ -178,10 +187,23 @@ def _mlx_lm(path: Path, view: Path) -> tuple[Any, Any] | str:
         model, tokenizer = load(str(mlx_lm_view(path, view)))
     except Exception as e:  # mlx-lm's own limits are a finding to report
         return _one_line(f"mlx-lm cannot load it: {type(e).__name__}: {e}")
+    model.set_dtype(mx.float32)  # floats only (bf16 files, quantization scales); packed weights stay
+    mx.eval(model.parameters())
     dtypes = {v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)}
     if dtypes != {mx.float32}:
         return f"mlx-lm would compute in {dtypes}, not float32"
     return model, tokenizer
+
+
+def _decode_weights_bytes(model: Any, path: Path) -> int:
+    """The same count on mlx-lm's model: its experts sit in the same SwitchLinear modules as ours."""
+    from mlx.utils import tree_flatten
+
+    from mlxinfer.models.footprint import resident_experts
+
+    per_token = json.loads((path / "config.json").read_text()).get("num_experts_per_tok") or 0
+    experts = resident_experts(model, int(per_token))
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters())) - experts.nbytes + experts.active_nbytes
 
 
 def _one_line(message: str) -> str:

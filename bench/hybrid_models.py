@@ -223,17 +223,22 @@ def prepare_hybrid_models(
 
 
 def _built(name: str, out: Path) -> Path:
+    return build_checkpoint(SHAPES[name], out)
+
+
+def build_checkpoint(shape: Shape, out: Path, dtype: str = "float32") -> Path:
+    """`out` holding a random model of `shape` as transformers saves it (in `dtype`), unless it is there already."""
     if (out / "config.json").exists():
         return out
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    arguments = dict(SHAPES[name].config)
+    arguments = dict(shape.config)
     config = AutoConfig.for_model(
         arguments.pop("model_type"), **arguments, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # transformers' own random init
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))  # transformers' own random init
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp))
@@ -343,6 +348,14 @@ def _full_attention_every(config: dict, module: str) -> int:
     return every
 
 
+def _qwen3_moe(config: dict) -> dict:
+    # transformers 5 writes num_local_experts and rope_parameters; mlx-lm reads num_experts and rope_theta.
+    # A folder mlx-lm wrote itself already has both.
+    rope = config.get("rope_parameters") or {}
+    experts = config.get("num_experts") or config["num_local_experts"]
+    return {**config, "num_experts": experts, "rope_theta": config.get("rope_theta") or rope["rope_theta"]}
+
+
 def _gpt_oss(config: dict) -> dict:
     # mlx-lm reads YaRN from rope_scaling; it always truncates the correction range (transformers does not when
     # truncate is false), so its logits differ somewhat: the speed is still that of the same work.
@@ -364,6 +377,7 @@ MLX_LM_FIXUPS: dict[str, Callable[[dict], dict]] = {
     "qwen3_5_text": _qwen3_5_text,
     "gpt_oss": _gpt_oss,
     "granitemoehybrid": _granitemoehybrid,
+    "qwen3_moe": _qwen3_moe,
 }
 
 

@@ -51,3 +51,24 @@ def apply_quant_predicate(
             if inputs % override.group_size == 0:
                 chosen[path] = override
     return chosen
+
+
+ROUTER = LayerQuant(8, 64)  # mlx-lm's format for the routers it keeps finer
+_ROUTER_NAMES = ("gate", "router", "router.layer", "shared_expert_gate")
+
+
+def routers_at_8_bits(
+    layers: dict[str, LayerQuant | None], shapes: dict[str, tuple[int, ...]], moe: bool
+) -> dict[str, LayerQuant | None]:
+    """Every MoE router at 8 bits or finer, also in families whose mlx-lm module has no rule for it
+    (mixtral, olmoe): a router's few outputs pick the experts, so its rounding changes which run."""
+    if not moe:
+        return layers
+    chosen = dict(layers)
+    for path, quant in layers.items():
+        last = path.rsplit(".", 2)
+        is_router = last[-1] in _ROUTER_NAMES or ".".join(last[-2:]) in _ROUTER_NAMES
+        if is_router and quant is not None and quant.bits < ROUTER.bits:
+            inputs = shapes[f"{path}.weight"][-1]
+            chosen[path] = ROUTER if inputs % ROUTER.group_size == 0 else None  # else it stays in float
+    return chosen

@@ -46,9 +46,15 @@ def _mlx_lm_form(config: ModelConfig) -> dict[str, Any]:
     args, kind = config.args, config.model_type
     if kind == "qwen3_5_text":  # mlx-lm has no qwen3_5_text: its qwen3_5 takes a flat text config
         return {"model_type": "qwen3_5"}
+    if kind == "qwen3_5_moe_text":  # nor qwen3_5_moe_text: its qwen3_5_moe takes a flat text config too
+        return {"model_type": "qwen3_5_moe"}
+    if kind == "gemma4_text":  # transformers 5 writes per_layer_config; mlx-lm reads the global layers' sizes here
+        return {key: args[key] for key in ("global_head_dim", "num_global_key_value_heads")}
     if kind == "gemma3_text":  # mlx-lm places global layers by pattern only; transformers reads layer_types
         period = _global_period(config.layer_types)
         return {"sliding_window_pattern": period} if period else {}
+    if kind == "exaone4" and "sliding_attention" in config.layer_types:  # mlx-lm reads only an L/G string
+        return {"sliding_window_pattern": "".join("L" if t == "sliding_attention" else "G" for t in config.layer_types)}
     if kind == "granitemoehybrid":  # the computed values: legacy layer names, a dense model's MLP, NoPE
         return {key: args[key] for key in ("layer_types", "intermediate_size", "position_embedding_type")}
     return {}

@@ -36,7 +36,7 @@ from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
 from .layout import Sanitize, converted_tensors, output_shapes
-from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates
+from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates, routers_at_8_bits
 from .output_config import output_config
 from .output_folder import MANIFEST, AtomicFolder, check_apart, check_output, check_space
 from .sources import Quantized, Source, open_source
@@ -179,6 +179,8 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     if sensitivity:
         layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers, progress)
     layers = apply_quant_predicate(layers, modules, shapes, quant_predicate)  # routers at 8 bits, as mlx-lm
+    moe = any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight"))
+    layers = routers_at_8_bits(layers, shapes, moe)
     layers = _keep_finer_blocks(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(

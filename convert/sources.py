@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
-from mlxinfer.models.gguf import gguf_config, gguf_tensors, hf_names, unpermute_rows
+from mlxinfer.models.gguf import from_llama_cpp, gguf_config, gguf_tensors, hf_names
 from mlxinfer.models.gguf_file import REPACKED, GGUFFile, QuantizedTensor
 from mlxinfer.models.multimodal import text_checkpoint, text_config
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
@@ -103,7 +103,7 @@ class FolderSource:
 
 
 class GGUFSource:
-    """A llama-architecture GGUF file; Q4_0/Q4_1/Q8_0 arrive quantized (group size 32)."""
+    """A GGUF file (the architectures models/gguf_arch.py reads); Q4_0/Q4_1/Q8_0 arrive quantized (group size 32)."""
 
     def __init__(self, path: Path):
         self.description = str(path)
@@ -116,7 +116,7 @@ class GGUFSource:
         }
 
     def read(self, name: str) -> mx.array | Quantized:
-        value = unpermute_rows(name, self._file.read(self._names[name]), self.config)
+        value = from_llama_cpp(name, self._file.read(self._names[name]), self.config)
         if isinstance(value, QuantizedTensor):
             return Quantized(
                 mx.array(value.weight), mx.array(value.scales), mx.array(value.biases), value.bits, value.group_size

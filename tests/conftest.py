@@ -32,12 +32,39 @@ ARCHITECTURES = [
     "granitemoehybrid",
     "granitemoehybrid_nope",
     # ---- MoE families (A) ----
+    "qwen3_moe",
+    "qwen3_moe_sliding",
+    "qwen3_5_moe",
+    "mixtral",
+    "mixtral_sliding",
+    "olmoe",
+    "granitemoe",
     # ---- MoE families (B) ----
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v3_plain",
     # ---- dense 2026 families (A) ----
+    "smollm3",
+    "cohere2",
+    "ministral3",
+    "mistral3_vl",
+    "gemma4",
+    "gemma4_vl",
     # ---- dense 2026 families (B) ----
+    "olmo2",
+    "olmo3",
+    "granite",
+    "glm4",
+    "exaone4",
 ]
 # Models with layers that cannot be cut back (sliding windows, recurrent state): prefix snapshots, batched rows.
 HYBRID = [
+    "cohere2",  # dense 2026 (A)
+    "gemma4",  # dense 2026 (A)
+    "gemma4_vl",  # dense 2026 (A)
+    "qwen3_moe_sliding",  # MoE families (A)
+    "qwen3_5_moe",  # MoE families (A)
+    "mixtral_sliding",  # MoE families (A)
     "gemma2",
     "gemma3",
     "gemma3_long",
@@ -47,6 +74,8 @@ HYBRID = [
     "gpt_oss",
     "granitemoehybrid",
     "granitemoehybrid_nope",
+    "olmo3",  # dense 2026 (B)
+    "exaone4",  # dense 2026 (B)
 ]
 
 

@@ -115,3 +115,33 @@ def test_hybrid_bench_quick_runs_the_tiny_hybrids_through_both_engines(tmp_path)
         assert decode[family]["same_tokens"] and ours["generated_tokens"] == theirs["generated_tokens"] > 1
     table = next(tmp_path.glob("*-quick-hybrid.md")).read_text()
     assert "| lfm2 |" in table and "| gemma3_text |" in table and "cached tokens" in table
+
+
+def test_moe_bench_quick_converts_and_decodes_the_tiny_moe_with_both_engines(tmp_path):
+    # The real run (`python -m bench --moe-only`) builds a shaped bf16 checkpoint with transformers; --quick sends
+    # the committed tiny fixture through the same code: two conversions, each in its own process, then decoding.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--moe-only", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(next(tmp_path.glob("*-quick-moe.json")).read_text())
+    assert figures["conditions"]["versions"]["mlx-lm"] and figures["conditions"]["cores"]
+    assert figures["settings"]["bits"] == 4 and figures["settings"]["prompt_tokens"] == 24
+    assert [r["converter"] for r in figures["convert"]] == ["mlx-lm", "mlxinfer"]
+    assert all(r["wall_s"] > 0 and r["peak_rss_bytes"] > 0 for r in figures["convert"])
+    assert len(figures["decode"]) == 2  # the source files and mlx-lm's 4-bit output, both engines on each
+    for row in figures["decode"]:
+        ours, theirs = row["mlxinfer"], row["mlx-lm"]
+        assert ours["decode_tps"] > 0 and theirs["decode_tps"] > 0
+        assert row["same_tokens"] and ours["generated_tokens"] == theirs["generated_tokens"] > 1
+        # Both engines hold the experts alike: a token reads the same bytes (2 of 4 experts) of either.
+        assert row["decode_weights_bytes"] == row["mlx_lm_decode_weights_bytes"] < row["weights_bytes"]
+    ratios = figures["ratios"]
+    peak = figures["convert"][1]["peak_rss_bytes"] / figures["convert"][0]["peak_rss_bytes"]
+    assert ratios["convert_peak_rss"] == pytest.approx(peak)
+    assert f"converter peak RSS, mlxinfer / mlx-lm: {peak:.2f}x (goal: at most 0.5x" in done.stdout
+    assert done.stdout.count("mlxinfer / mlx-lm: ") == 3  # the converter's and each decode row's ratio

@@ -81,7 +81,7 @@ def minimal(model_type: str = "llama") -> dict:
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, UnsupportedModelError, "rope type 'dynamic'"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, UnsupportedModelError, "'yarn'"),
         ({"model_file": "modeling_evil.py"}, UnsupportedModelError, "model_file"),
-        ({"model_type": "mamba"}, UnsupportedModelError, "model_type 'mamba'"),
+        ({"model_type": "bert"}, UnsupportedModelError, "model_type 'bert' is not supported (mlx-lm has no module"),
         ({"hidden_act": "relu"}, UnsupportedModelError, "hidden_act='relu'"),
         ({"quantization_config": {"quant_method": "gptq"}}, UnsupportedModelError, "gptq"),
         ({"num_attention_heads": 3, "num_key_value_heads": 3}, ConfigError, "not divisible"),

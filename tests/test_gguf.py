@@ -45,7 +45,11 @@ def gguf_name(hf: str) -> str:
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[hf]
 
 
-def random_q4_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+def random_q4_k_blocks(rows: int, cols: int, seed: int = 0, kind=gguf.GGMLQuantizationType.Q4_K) -> np.ndarray:
+    if kind != gguf.GGMLQuantizationType.Q4_K:
+        from tests.test_gguf_families import _random_k_blocks
+
+        return _random_k_blocks(kind, rows, cols)
     """Valid Q4_K bytes: small positive f16 scale d and min dmin, random 6-bit sub-scales and nibbles."""
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows * cols // 256, 144), dtype=np.uint8)
@@ -54,7 +58,9 @@ def random_q4_k_blocks(rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 144)
 
 
-def write_tiny_gguf(path: Path, k_quant: str | None = None, hidden: int | None = None) -> Path:
+def write_tiny_gguf(
+    path: Path, k_quant: str | None = None, hidden: int | None = None, k_type=gguf.GGMLQuantizationType.Q4_K
+) -> Path:
     """The tiny llama fixture as GGUF; with `hidden`, random weights of that width instead."""
     folder = TINY / "llama_classic"
     config = json.loads((folder / "config.json").read_text())
@@ -90,9 +96,12 @@ def write_tiny_gguf(path: Path, k_quant: str | None = None, hidden: int | None =
         elif ".k_proj." in name:
             value = llama_cpp_permute(value, config["num_key_value_heads"])
         if k_quant and name == k_quant:
-            writer.add_tensor(
-                gguf_name(name), random_q4_k_blocks(*value.shape), raw_dtype=gguf.GGMLQuantizationType.Q4_K
+            blocks = (
+                gguf.quants.quantize(value.astype(np.float32), k_type)
+                if k_type == gguf.GGMLQuantizationType.Q8_0
+                else random_q4_k_blocks(*value.shape, kind=k_type)
             )
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=k_type)
         else:
             writer.add_tensor(gguf_name(name), value.astype(np.float32))
     writer.write_header_to_file()
@@ -146,3 +155,40 @@ def test_unsupported_gguf_tokenizer_is_one_clear_error(tmp_path, field, value, w
         metadata = {**f.metadata, field: value}
     with pytest.raises(TokenizerError, match=words):
         tokenizer_from_gguf(metadata)
+
+
+def spm_metadata(arch: str) -> dict:
+    """A small SentencePiece vocabulary as llama.cpp stores it: <unk>/<s>/</s>, 256 <0xNN> byte pieces, pieces."""
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "▁h", "▁he", "▁hello", "wo", "▁w",
+              "▁wor", "ld", "▁world", "▁▁", "é", "  "]  # fmt: skip
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, "<start_of_turn>"]
+    scores = [0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(len(pieces))), 0.0]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(pieces)), 3]
+    return {"general.architecture": arch, "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_sentencepiece_gguf_vocabulary_tokenizes_like_transformers(arch):
+    pytest.importorskip("transformers")
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf
+
+    md = spm_metadata(arch)
+    keys = {"tokens": "tokens", "scores": "scores", "token_type": "token_type", "bos_token_id": "bos_token_id",
+            "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id"}  # fmt: skip
+    ref_dict = {new: md[f"tokenizer.ggml.{old}"] for old, new in keys.items()} | {"tokenizer_type": "llama"}
+    reference, _ = convert_gguf_tokenizer(arch, ref_dict)
+    ours = backend_from_gguf(md)
+    texts = ["hello world", " hello  world", "hello\nwörld ✓", "<start_of_turn>hello", "hé llo", "wor ld  "]
+    for text in texts:
+        expected = reference.encode(text, add_special_tokens=False).ids
+        got = ours.encode(text, add_special_tokens=False).ids
+        assert got == expected, text
+        assert ours.decode(got, skip_special_tokens=False) == reference.decode(expected, skip_special_tokens=False)
+    # Byte fallback really happened: '✓' is not a piece, its three UTF-8 bytes are.
+    assert [f"<0x{b:02X}>" for b in "✓".encode()] == [md["tokenizer.ggml.tokens"][i] for i in ours.encode("✓").ids[-3:]]
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    assert ours.encode("hello").ids[0] == 1

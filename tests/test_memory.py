@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
+import shutil
 
 import mlx.core as mx
 import pytest
 from click.testing import CliRunner
+from safetensors import safe_open
 
 import mlxinfer
 from mlxinfer.cache import StateCache, make_cache
@@ -298,3 +302,87 @@ def test_limits_count_every_loaded_model_until_it_is_gone(monkeypatch):
     gc.collect()
     assert wired[-1] == with_first  # set again from the models still loaded
     del first
+
+
+# ---- mixture of experts: every expert resident, decode reads only the routed ones ----
+MOE_FIXTURES = ["gpt_oss", "qwen3_next", "granitemoehybrid"]
+# Routed experts as transformers saves them (per expert or stacked) and as mlx-lm's converter writes them;
+# qwen3_next's `shared_expert.` and Granite's `shared_mlp.` are dense: read in full by every token.
+ROUTED = re.compile(r"\.experts\.|\.switch_mlp\.|block_sparse_moe\.(input|output)_linear\.")
+
+
+def stored_shapes(folder) -> dict[str, tuple[int, ...]]:
+    """Every weight tensor's shape, from the safetensors headers."""
+    shapes = {}
+    for path in sorted(folder.glob("model*.safetensors")):
+        with safe_open(str(path), "numpy") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
+def expected_moe_bytes(folder) -> tuple[int, int, int]:
+    """(weights, routed experts, read per decoded token) in float32 bytes, from config.json and the headers alone:
+    a token reads num_experts_per_tok of each layer's num_experts routed experts, and everything else."""
+    config = json.loads((folder / "config.json").read_text())
+    experts = config.get("num_experts") or config["num_local_experts"]
+    shapes = stored_shapes(folder)
+    total = 4 * sum(math.prod(s) for s in shapes.values())  # float32 floats, uint32 packed words: 4 bytes each
+    routed = 4 * sum(math.prod(s) for name, s in shapes.items() if ROUTED.search(name))
+    return total, routed, total - routed + routed * config["num_experts_per_tok"] // experts
+
+
+@pytest.mark.parametrize("name", MOE_FIXTURES)
+def test_moe_decode_reads_only_the_active_experts_and_plan_says_so(name):
+    total, routed, decoded = expected_moe_bytes(TINY / name)
+    f = mlxinfer.load(TINY / name, dtype="float32", prefix_cache_bytes=0).footprint
+    assert (f.weights_bytes, f.expert_bytes, f.decode_weights_bytes) == (total, routed, decoded)
+    assert 0 < decoded < total  # every expert resident, half of them (2 of 4) read per token
+    result = CliRunner().invoke(main, ["plan", str(TINY / name), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert f"experts: 4, 2 active per token: decode reads {decoded / 1e3:.3g} KB of {total / 1e3:.3g} KB" in (
+        result.output
+    )
+    data = json.loads(CliRunner().invoke(main, ["plan", str(TINY / name), "--dtype", "float32", "--json"]).output)
+    assert data["decode_weights_bytes"] == decoded and data["weights_bytes"] == data["parts"]["weights"] == total
+    assert data["experts"] == {"experts": 4, "experts_per_token": 2, "expert_bytes": routed,
+                               "active_expert_bytes": routed // 2}  # fmt: skip
+
+
+def test_quantized_experts_count_their_packed_bits_and_scales(tmp_path):
+    from mlxinfer.convert import convert
+
+    out = tmp_path / "q4"
+    convert(TINY / "qwen3_next", out, bits=4, dtype="float32", evaluate=False, progress=False)
+    total, routed, decoded = expected_moe_bytes(out)
+    assert any(name.endswith("switch_mlp.up_proj.scales") for name in stored_shapes(out))
+    f = mlxinfer.load(out, dtype="float32", prefix_cache_bytes=0).footprint
+    assert (f.weights_bytes, f.expert_bytes, f.decode_weights_bytes) == (total, routed, decoded)
+
+
+def test_a_dense_model_reads_all_its_weights_and_plans_no_experts():
+    data = json.loads(CliRunner().invoke(main, ["plan", str(TINY / "qwen2"), "--json"]).output)
+    assert data["experts"] is None and data["decode_weights_bytes"] == data["weights_bytes"] > 0
+    assert "experts:" not in CliRunner().invoke(main, ["plan", str(TINY / "qwen2")]).output
+
+
+@pytest.mark.parametrize("name", [*MOE_FIXTURES, "qwen3_moe"])  # qwen3_moe: layer 1 is dense (mlp_only_layers)
+def test_the_config_counts_every_expert_weight_the_checkpoint_holds(name):
+    from mlxinfer.models.config import normalize_config
+    from mlxinfer.models.sizing import moe_layout
+
+    config = normalize_config(json.loads((TINY / name / "config.json").read_text()))
+    moe = moe_layout(config)
+    hidden = config.hidden_size
+    # gate, up and down matrices of every routed expert in every MoE layer (their biases are not counted)
+    matrices = [s for n, s in stored_shapes(TINY / name).items() if ROUTED.search(n) and not n.endswith("bias")]
+    assert len(moe.sparse_layers) * moe.experts * 3 * hidden * moe.expert_width == sum(math.prod(s) for s in matrices)
+
+
+def test_a_config_whose_expert_count_is_not_the_checkpoints_is_refused_before_building(tmp_path):
+    from mlxinfer.errors import WeightMismatchError
+
+    shutil.copytree(TINY / "gpt_oss", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_local_experts": 8}))
+    with pytest.raises(WeightMismatchError, match=r"num_local_experts is 8 but model\.layers\.0\.mlp\.router\.weight"):
+        mlxinfer.load(tmp_path / "m")

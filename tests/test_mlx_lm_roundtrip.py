@@ -20,8 +20,13 @@ EOS = 258  # every fixture's end-of-text id (tests/fixtures/make_tiny_models.py)
 # family -> what mlx-lm 0.32.2 computes differently from transformers (and so from us).
 MLX_LM_DIFFERS: dict[str, str] = {
     "gemma2": "its gemma2 attends to every position: it ignores sliding_window (the fixture's is 8)",
+    # Checked: with the window removed from the converted config.json, ours gives mlx-lm's tokens.
+    "qwen3_moe_sliding": "its qwen3_moe attends to every position: it ignores use_sliding_window (window 8 here)",
+    "mixtral_sliding": "its mixtral attends to every position: it ignores sliding_window (8 here)",
     "gpt_oss": "its YaRN always rounds the correction range (gpt-oss says truncate: false)",
     "granitemoehybrid_nope": "its gated norm spans every Mamba group; transformers normalizes each (2 here)",
+    "deepseek_v3_plain": "its MLA always rotates interleaved pairs (rope_interleave: false asks for half-split) "
+    "and a top-1 router skips norm_topk_prob",
 }
 
 

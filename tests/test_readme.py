@@ -86,3 +86,24 @@ def test_notebook_extra_installs_a_jupyter_front_end():
     )
     assert result.returncode == 0, result.stderr
     assert re.match(r"\d+\.\d+", result.stdout.strip())
+
+
+def test_the_architecture_table_is_the_registrys():
+    from mlxinfer.models.support import support_markdown
+
+    table = README.split("<!-- architectures -->\n")[1].split("<!-- /architectures -->")[0]
+    assert table == support_markdown(), "regenerate it: python -m mlxinfer.models.support"
+
+
+def test_every_family_the_table_calls_verified_has_a_fixture_checked_against_transformers():
+    import json
+
+    from mlxinfer.models.multimodal import WRAPPERS
+    from mlxinfer.models.registry import ARCHITECTURES as REGISTRY
+    from tests.conftest import ARCHITECTURES, TINY
+
+    checked = set()
+    for name in ARCHITECTURES:  # each runs tests/test_parity.py and tests/test_mlx_lm_roundtrip.py
+        model_type = json.loads((TINY / name / "config.json").read_text())["model_type"]
+        checked.add(WRAPPERS[model_type].text_type if model_type in WRAPPERS else model_type)
+    assert set(REGISTRY) <= checked, sorted(set(REGISTRY) - checked)

@@ -1,7 +1,8 @@
 """The physical limit of decoding: memory bandwidth over the bytes read per token.
 
-Decoding one token reads every weight once plus the KV cache so far; with perfect
-overlap that bounds tokens/s at bandwidth / bytes-per-token. On Apple GPUs
+Decoding one token reads every weight once (of a mixture of experts, only the experts
+it is routed to) plus the KV cache so far; with perfect overlap that bounds tokens/s
+at bandwidth / bytes-per-token. On Apple GPUs
 decode runs near that bound; on MLX's CPU backend it is compute-bound, so
 engines reach only a small fraction of it there.
 """
@@ -59,5 +60,6 @@ def kv_bytes_per_token(model_path: Path, dtype_bytes: int) -> int:
 
 
 def ceiling_tps(bandwidth_gbps: float, weights_bytes: int, kv_bytes: int, context_tokens: float) -> float:
-    """Bandwidth-bound tokens/s when each step reads all weights and the KV cache."""
+    """Bandwidth-bound tokens/s when each step reads `weights_bytes` (all of a dense model's weights, an MoE
+    model's dense ones and active experts: ModelFootprint.decode_weights_bytes) and the KV cache."""
     return bandwidth_gbps * 1e9 / (weights_bytes + kv_bytes * context_tokens)

@@ -7,6 +7,7 @@ greedily.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ class Engine(Protocol):
     name: str
     compute_dtype: str
     weights_bytes: int
+    decode_weights_bytes: int  # what one decoded token reads of them (MoE: only the experts it is routed to)
 
     def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
         """(start time, time each of `n` generated tokens became available)."""
@@ -44,6 +46,7 @@ class Ours:
         self._lm = loaded.model
         self.compute_dtype = dtype_name(loaded.compute_dtype)
         self.weights_bytes = loaded.weights_bytes
+        self.decode_weights_bytes = self._model.footprint.decode_weights_bytes
 
     def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
         from ..engine import GenerationRequest, GenerationStats, generate_ids
@@ -71,6 +74,7 @@ class MlxLm:
         mx.eval(self._model.parameters())
         self.compute_dtype = dtype or _float_dtype(self._model)
         self.weights_bytes = sum(v.nbytes for _, v in tree_flatten(self._model.parameters()))
+        self.decode_weights_bytes = _decode_weights_bytes(self._model, path, self.weights_bytes)
 
     def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
         from mlx_lm.generate import generate_step
@@ -96,6 +100,15 @@ def _bare_steps(forward: Callable[[mx.array], mx.array], prompt: list[int], step
     for _ in range(steps):
         mx.eval(forward(token))
     return (time.perf_counter() - start) / steps
+
+
+def _decode_weights_bytes(model: nn.Module, path: Path, weights_bytes: int) -> int:
+    """mlx-lm's model holds its experts in the same modules as ours: count them the same way."""
+    from ..models.footprint import resident_experts
+
+    config = json.loads((path / "config.json").read_text())
+    experts = resident_experts(model, int(config.get("num_experts_per_tok") or 0))
+    return weights_bytes - experts.nbytes + experts.active_nbytes
 
 
 def _float_dtype(model: nn.Module) -> str:

@@ -63,6 +63,7 @@ class Measurement:
     model_step_s: float
     engine_overhead: float  # decode step / bare model step
     weights_bytes: int
+    decode_weights_bytes: int  # read per decoded token (MoE: the routed experts only)
     peak_memory_bytes: int  # MLX allocator peak
     peak_rss_bytes: int  # whole process
     extra: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +103,7 @@ def measure(spec: RunSpec) -> Measurement:
         model_step_s=model_step,
         engine_overhead=step.median / model_step,
         weights_bytes=engine.weights_bytes,
+        decode_weights_bytes=engine.decode_weights_bytes,
         peak_memory_bytes=mx.get_peak_memory(),
         peak_rss_bytes=peak_rss_bytes(),
     )

@@ -79,7 +79,7 @@ def _with_ceiling(m: Measurement, gbps: float, settings: Settings) -> dict[str, 
     kv = kv_bytes_per_token(Path(m.model), dtype_bytes)
     # Mean context while decoding: the prompt plus half the generated tokens.
     context = settings.prompt_tokens + settings.decode_tokens / 2
-    ceiling = ceiling_tps(gbps, m.weights_bytes, kv, context)
+    ceiling = ceiling_tps(gbps, m.decode_weights_bytes, kv, context)
     derived = {"kv_bytes_per_token": kv, "ceiling_tps": ceiling, "ceiling_fraction": m.decode_tps.median / ceiling}
     return {**m.to_dict(), **derived, "quantization": _quantization(Path(m.model))}
 

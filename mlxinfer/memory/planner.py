@@ -51,6 +51,41 @@ class ModelFootprint:
     window: int | None = None  # the sliding layers' window
     recurrent_layers: int = 0
     state_bytes: int = 0  # the recurrent layers' state for one sequence, all of them together
+    # Mixture of experts: every expert is resident (in weights_bytes), but a decoded token reads only the
+    # experts_per_token its router picks in each layer, plus everything dense (shared experts included).
+    experts: int = 0  # routed experts per MoE layer; 0 for a dense model
+    experts_per_token: int = 0
+    expert_bytes: int = 0  # all routed experts' weights, every layer
+    active_expert_bytes: int = 0  # the part of them one decoded token reads
+
+    @property
+    def decode_weights_bytes(self) -> int:
+        """Weight bytes one decoded token reads: the numerator of the bandwidth roofline (tokens/s at most
+        bandwidth / these bytes, plus the KV read)."""
+        return self.weights_bytes - self.expert_bytes + self.active_expert_bytes
+
+    def expert_lines(self) -> list[str]:
+        """The experts and what decoding reads of the weights, in words (none for a dense model).
+
+        Example:
+            >>> footprint.expert_lines()
+            ['experts: 128, 8 active per token: decode reads 3.89 GB of 30.5 GB']
+        """
+        if not self.experts:
+            return []
+        reads, of = _gb(self.decode_weights_bytes), _gb(self.weights_bytes)
+        return [f"experts: {self.experts}, {self.experts_per_token} active per token: decode reads {reads} of {of}"]
+
+    def expert_counts(self) -> dict[str, int] | None:
+        """The experts as numbers (for JSON); None for a dense model."""
+        if not self.experts:
+            return None
+        return {
+            "experts": self.experts,
+            "experts_per_token": self.experts_per_token,
+            "expert_bytes": self.expert_bytes,
+            "active_expert_bytes": self.active_expert_bytes,
+        }
 
     @property
     def kv_bytes_per_position(self) -> int:
@@ -202,6 +237,10 @@ class MemoryPlan:
         """What each kind of layer keeps at this plan's context, in words."""
         return self.footprint.cache_lines(self.context, self.prefill_chunk)
 
+    def lines(self) -> list[str]:
+        """What decoding reads of the weights (MoE), then what each kind of layer keeps, in words."""
+        return self.footprint.expert_lines() + self.cache_lines()
+
     @property
     def needed_bytes(self) -> int:
         return sum(self.parts.values())
@@ -266,6 +305,7 @@ class MemoryPlan:
 
     def _repr_html_(self) -> str:
         rows = [(part, mib(size)) for part, size in self.parts.items()]
+        rows += [("experts", line) for line in self.footprint.expert_lines()]
         rows += [("layers", line) for line in self.cache_lines()]
         rows += [("needed", mib(self.needed_bytes)), ("usable", mib(self.usable_bytes)), ("verdict", self.verdict)]
         rows += [("largest context that fits", f"{self.max_context()} tokens"), ("limit", self.context_limit())]
@@ -279,6 +319,9 @@ class MemoryPlan:
             "prefill_chunk": self.prefill_chunk,
             "parts": self.parts,
             "layers": self.footprint.layer_counts(self.context, self.prefill_chunk),
+            "weights_bytes": self.footprint.weights_bytes,
+            "decode_weights_bytes": self.footprint.decode_weights_bytes,  # what one decoded token reads
+            "experts": self.footprint.expert_counts(),
             "needed_bytes": self.needed_bytes,
             "usable_bytes": self.usable_bytes,
             "verdict": self.verdict,
@@ -359,3 +402,11 @@ def _size(n: int) -> str:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _gb(n: int) -> str:
+    """Decimal units, as bandwidth is quoted (GB/s), with three significant digits."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"

@@ -107,7 +107,7 @@ def normalize_config(raw: dict[str, Any], source: str = "config.json") -> ModelC
     # mlx-lm's own mask and cache logic must not see sliding layers: ours builds
     # the per-layer masks (see models/decoder.py). Hybrid modules pick each layer's
     # block from layer_types, so they keep it.
-    if spec.recurrent_kinds:
+    if spec.recurrent_kinds or spec.keeps_layer_types:
         args["layer_types"] = [spec.mlx_layer_names.get(kind, kind) for kind in layer_types]
     else:
         args.pop("layer_types", None)
@@ -232,7 +232,8 @@ def _check_types(args: dict[str, Any], source: str) -> None:
         if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
             expected = " or ".join(t.__name__ for t in types)
             raise ConfigError(f"{source}: {key} must be a {expected}, got {shown(value)}")
-    if args.get("use_bidirectional_attention"):
+    # "vision" (Gemma 4): only image tokens see each other; a text prompt stays causal.
+    if args.get("use_bidirectional_attention") not in (None, False, "vision"):
         raise UnsupportedModelError(f"{source}: use_bidirectional_attention is not supported (causal LMs only)")
 
 

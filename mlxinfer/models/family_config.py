@@ -137,18 +137,21 @@ def _time_step_limit(value: Any, source: str) -> tuple[float, float]:
 
 
 def _check_experts(args: dict[str, Any], source: str, allow_dense: bool) -> None:
+    check_experts(args, source, "num_local_experts", allow_dense)
+
+
+def check_experts(args: dict[str, Any], source: str, key: str, allow_dense: bool) -> int:
+    """The expert count `args[key]` (num_local_experts, num_experts: families name it differently), checked with
+    num_experts_per_tok; 0 only where `allow_dense` (every layer a dense MLP)."""
     low = 0 if allow_dense else 1
-    experts = args["num_local_experts"]
+    experts = args.get(key)
     if not (is_int(experts) and low <= experts <= MAX_EXPERTS):
-        raise ConfigError(
-            f"{source}: num_local_experts must be an integer from {low} to {MAX_EXPERTS}, got {shown(experts)}"
-        )
+        raise ConfigError(f"{source}: {key} must be an integer from {low} to {MAX_EXPERTS}, got {shown(experts)}")
     if experts:
-        top = args["num_experts_per_tok"]
+        top = args.get("num_experts_per_tok")
         if not (is_int(top) and 0 < top <= experts):
-            raise ConfigError(
-                f"{source}: num_experts_per_tok must be from 1 to num_local_experts={experts}, got {shown(top)}"
-            )
+            raise ConfigError(f"{source}: num_experts_per_tok must be from 1 to {key}={experts}, got {shown(top)}")
+    return experts
 
 
 def _positive_int(args: dict[str, Any], key: str, source: str, limit: int = MAX_DIM) -> int:

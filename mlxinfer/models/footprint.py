@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..errors import ConfigError
 from ..memory import ModelFootprint
 from .config import ATTENTION, FULL, SLIDING, ModelConfig
 from .decoder import DecoderLM
 from .loader import LoadedModel
+from .mlx_lm_modules import model_module
+from .sizing import moe_layout
 
 KV_GROUP_SIZE = 64
 # mlx-lm's gemma2 attention softcaps scores itself instead of calling the shared
-# attention function, so it cannot read quantized keys.
-NO_QUANTIZED_KV = {"gemma2"}
+# attention function, so it cannot read quantized keys; its deepseek_v3 (MLA) multiplies the cached latent.
+NO_QUANTIZED_KV = {"gemma2", "deepseek_v3"}
 
 
 def check_kv_bits(kv_bits: int | None, config: ModelConfig) -> int | None:
@@ -22,6 +28,11 @@ def check_kv_bits(kv_bits: int | None, config: ModelConfig) -> int | None:
         return None
     if kv_bits not in (4, 8):
         raise ConfigError(f"kv_bits must be 4 or 8 (or None for a float KV cache), got {kv_bits!r}")
+    if not config.verified:
+        raise ConfigError(
+            f"model_type {config.model_type} is unverified (mlx-lm's model code): a quantized KV cache is not "
+            "supported for it; load it with kv_bits=None"
+        )
     if config.model_type in NO_QUANTIZED_KV:
         raise ConfigError(f"{config.model_type} cannot use a quantized KV cache; load it with kv_bits=None")
     if int(config.args["head_dim"]) % KV_GROUP_SIZE:
@@ -39,15 +50,18 @@ def footprint(loaded: LoadedModel, kv_bits: int | None = None) -> ModelFootprint
     kinds = [kind for kind, _ in loaded.model.cache_kinds]
     has_attention = any(kind in ATTENTION for kind in kinds)
     recurrent = sum(kind not in ATTENTION for kind in kinds)
+    moe = moe_layout(config, str(loaded.path))
+    experts = resident_experts(loaded.model, moe.experts_per_token if moe else 0)
+    intermediate = int(args.get("intermediate_size", 4 * config.hidden_size))
+    if moe:  # a prefill chunk runs each token through experts_per_token experts and the shared ones
+        intermediate = max(intermediate, moe.experts_per_token * moe.expert_width + moe.shared_width)
     return ModelFootprint(
         weights_bytes=loaded.weights_bytes,
         full_layers=kinds.count(FULL),
         # Attention shapes: a model without attention layers stores no KV, whatever its config says.
-        kv_heads=int(args["num_key_value_heads"]) if has_attention else 0,
-        head_dim=int(args["head_dim"]) if has_attention else 0,
-        heads=int(args["num_attention_heads"]) if has_attention else 0,
+        **_attention_shape(loaded, has_attention),
         hidden=config.hidden_size,
-        intermediate=int(args.get("intermediate_size", 4 * config.hidden_size)),
+        intermediate=intermediate,
         vocab=config.vocab_size,
         compute_bytes=size,
         kv_bytes=kv_bytes,
@@ -55,8 +69,87 @@ def footprint(loaded: LoadedModel, kv_bits: int | None = None) -> ModelFootprint
         sliding_layers=kinds.count(SLIDING),
         window=config.sliding_window,
         recurrent_layers=recurrent,
-        state_bytes=recurrent_state_bytes(loaded.model) if recurrent else 0,
+        state_bytes=(recurrent_state_bytes(loaded.model) if loaded.config.verified else _probe(loaded.model)[1])
+        if recurrent
+        else 0,
+        experts=experts.experts,
+        experts_per_token=experts.experts_per_token,
+        expert_bytes=experts.nbytes,
+        active_expert_bytes=experts.active_nbytes,
     )
+
+
+@dataclass(frozen=True)
+class ResidentExperts:
+    """The routed experts a model holds, as they sit in memory (packed bits and scales included)."""
+
+    experts: int = 0  # per MoE layer (the most of any layer); 0: a dense model
+    experts_per_token: int = 0
+    nbytes: int = 0  # all of them, every layer
+    active_nbytes: int = 0  # what one decoded token reads of them: experts_per_token of each layer's experts
+
+
+def resident_experts(model: nn.Module, experts_per_token: int) -> ResidentExperts:
+    """The routed experts in `model` (ours or mlx-lm's), from its actual arrays.
+
+    mlx-lm keeps each MoE layer's experts in SwitchLinear modules (QuantizedSwitchLinear once quantized)
+    whose every array has the experts first: weights (experts, out, in), scales, biases (experts, out).
+    A decoded token reads experts_per_token of them in each layer; shared experts and routers are
+    ordinary Linear layers, read in full like every dense weight.
+
+    Example:
+        >>> resident_experts(load_model("tests/fixtures/tiny/qwen3_next").model, 2)
+        ResidentExperts(experts=4, experts_per_token=2, nbytes=294912, active_nbytes=147456)
+    """
+    switch = model_module("switch_layers")
+    experts = nbytes = active = 0
+    for _, module in model.named_modules():
+        if isinstance(module, (switch.SwitchLinear, switch.QuantizedSwitchLinear)):
+            count = module.num_experts
+            held = sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+            experts, nbytes = max(experts, count), nbytes + held
+            active += held * min(experts_per_token, count) // count
+    return ResidentExperts(experts, experts_per_token if experts else 0, nbytes, active)
+
+
+def _attention_shape(loaded: LoadedModel, has_attention: bool) -> dict[str, int]:
+    """kv_heads, head_dim and heads of the attention layers (0 without any)."""
+    args = loaded.config.args
+    if not has_attention:
+        return {"kv_heads": 0, "head_dim": 0, "heads": 0}
+    if loaded.config.verified:
+        return {k: int(args[key]) for k, key in _ATTENTION_KEYS.items()}
+    # An unverified module may store keys and values of other widths (latent attention): the planner counts
+    # one "head" of the widest layer's K and V widths together.
+    width = _probe(loaded.model)[0]
+    return {"kv_heads": 1, "head_dim": (width + 1) // 2, "heads": int(args.get("num_attention_heads") or 1)}
+
+
+_ATTENTION_KEYS = {"kv_heads": "num_key_value_heads", "head_dim": "head_dim", "heads": "num_attention_heads"}
+
+
+def _probe(model) -> tuple[int, int]:
+    """(widest K + V elements per position of any attention layer, recurrent state bytes) of a model run
+    whole (models/fallback.py), learned from one lazy token through stand-ins for its caches: nothing is
+    computed, MLX knows the shapes before it evaluates anything."""
+    probes = [_StateProbe() if kind not in ATTENTION else _KVProbe() for kind, _ in model.cache_kinds]
+    model.hidden(mx.zeros((1, 1), dtype=mx.uint32), probes)
+    width = max((p.width for p in probes if isinstance(p, _KVProbe)), default=0)
+    return width, sum(p.nbytes for p in probes if isinstance(p, _StateProbe))
+
+
+class _KVProbe:
+    """What an attention layer sees of cache/kv.py's KVCache, enough to learn the widths it would store."""
+
+    offset = 0
+    width = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.width = max(self.width, keys.shape[1] * keys.shape[-1] + values.shape[1] * values.shape[-1])
+        return keys, values
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> None:
+        return None
 
 
 def recurrent_state_bytes(model: DecoderLM) -> int:

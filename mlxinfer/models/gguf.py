@@ -1,9 +1,10 @@
 """Read a GGUF file as a Hugging Face-style config and weights.
 
 gguf_file.py validates the header and turns Q4_0/Q4_1/Q8_0 tensors into MLX
-affine quantized arrays (weight, scales, biases). What is left here: llama.cpp's
-tensor names, its hyperparameter keys, and the row permutation its converter
-applies to Q and K. See https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+affine quantized arrays (weight, scales, biases); gguf_arch.py holds each
+architecture's keys and names. What is left here: applying them, and undoing
+what llama.cpp's converter did to the values (Q/K rows, Gemma's norms).
+See https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
 from __future__ import annotations
@@ -18,26 +19,16 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
-from ..untrusted import is_finite_number, is_int, plain, shown
-from .config import MAX_LAYERS
-from .gguf_file import REPACKED, GGUFFile, QuantizedTensor, TensorInfo
-from .safetensors_header import MAX_DIM
+from ..untrusted import is_int, plain, shown
+from .gguf_arch import ARCHITECTURES, BARE, DEFAULTS, TOP_NAMES, GGUFArch, Meta, architecture, common_config, layer_name
+from .gguf_file import MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
+from .gguf_rope import llama3_from_rope_freqs
 from .sizing import StoredTensor
 
 log = logging.getLogger(__name__)
-
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_REQUIRED = Meta.REQUIRED
+_BY_MODEL_TYPE = {**{a.model_type: a for a in ARCHITECTURES.values()}, "mistral": ARCHITECTURES["llama"]}
+CONSUMED = frozenset({"rope_freqs.weight"})  # read into the config (gguf_rope.py), not a weight
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str, Any]]:
@@ -50,12 +41,21 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
 def gguf_weights(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, mx.array]:
     """Every tensor of an open GGUF file as MLX arrays under its Hugging Face name."""
     weights: dict[str, mx.array] = {}
+    _note_dequantized(gguf)
     for hf_name, name in hf_names(gguf).items():
         try:
-            weights.update(to_mlx(hf_name, unpermute_rows(hf_name, gguf.read(name), config)))
+            weights.update(to_mlx(hf_name, from_llama_cpp(hf_name, gguf.read(name), config)))
         except WeightMismatchError as e:
             raise WeightMismatchError(f"{gguf.path}: {e}") from None
     return weights
+
+
+def _note_dequantized(gguf: GGUFFile) -> None:
+    """One info line when MXFP4 tensors (gpt-oss experts) are widened to floats: the loader keeps only
+    affine-quantized layers, and MXFP4's shared power-of-two scales have no exact affine form here."""
+    mxfp4 = [n for n, t in gguf.tensors.items() if t.ggml_type == MXFP4]
+    if mxfp4:
+        log.info("%s: %d MXFP4 tensors (e.g. %s) are dequantized to floats", gguf.path, len(mxfp4), plain(mxfp4[0]))
 
 
 def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
@@ -72,8 +72,11 @@ def hf_names(gguf: GGUFFile) -> dict[str, str]:
     """Hugging Face name -> GGUF name; two tensors that would land on one name are refused."""
     names: dict[str, str] = {}
     claimed: dict[str, str] = {}
+    _, arch = architecture(gguf.path, gguf.metadata)
     for name, info in gguf.tensors.items():
-        hf_name = hf_tensor_name(name)
+        if name in CONSUMED:
+            continue
+        hf_name = hf_tensor_name(name, arch)
         stem = hf_name.removesuffix(".weight")
         # A Q4/Q8 weight also brings its scales and biases (see to_mlx).
         extra = (f"{stem}.scales", f"{stem}.biases") if info.ggml_type in REPACKED else ()
@@ -89,18 +92,25 @@ def hf_names(gguf: GGUFFile) -> dict[str, str]:
 
 def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
     """config.json-style dict of an open GGUF file; refuses architectures we cannot map."""
-    arch = gguf.metadata.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(
-            f"{gguf.path}: GGUF general.architecture={shown(arch)} is not supported yet (only 'llama'); "
-            "use the model's Hugging Face checkpoint instead"
-        )
+    path, md = gguf.path, gguf.metadata
+    name, arch = architecture(path, md)
+    meta = Meta(path, md, name, gguf.tensors)
+    config: dict[str, Any] = {"model_type": arch.model_type, **common_config(meta, *DEFAULTS[name])}
+    config["rope_scaling"] = _rope_scaling(meta)
+    config.update(arch.extra(meta))
     if "rope_freqs.weight" in gguf.tensors:
-        raise UnsupportedModelError(
-            f"{gguf.path}: this GGUF stores its RoPE scaling as a rope_freqs tensor (Llama 3.1 style), "
-            "which is not supported yet; use the model's Hugging Face checkpoint"
-        )
-    return llama_config(gguf.path, gguf.metadata, has_output="output.weight" in gguf.tensors)
+        config["rope_scaling"] = llama3_from_rope_freqs(gguf, config)
+    tokens = md.get("tokenizer.ggml.tokens", [])
+    if not isinstance(tokens, list):
+        raise ConfigError(f"{path}: GGUF metadata 'tokenizer.ggml.tokens' must be a list, got {shown(tokens)}")
+    vocab = meta.int("vocab_size", len(tokens) if tokens else _REQUIRED)
+    config["vocab_size"] = vocab
+    config["tie_word_embeddings"] = "output.weight" not in gguf.tensors
+    # An id outside the vocabulary is refused here, by its GGUF key (llama.cpp writes none for "no token"),
+    # but for a BOS the model never adds: llama.cpp then ignores it, and so do we (see tokenizer/gguf_vocab.py).
+    config["bos_token_id"] = _bos_token_id(path, md, vocab)
+    config["eos_token_id"] = meta.int("tokenizer.ggml.eos_token_id", None, low=0, high=vocab - 1, prefix=False)
+    return config
 
 
 def to_mlx(hf_name: str, value: np.ndarray | QuantizedTensor) -> dict[str, mx.array]:
@@ -114,62 +124,6 @@ def to_mlx(hf_name: str, value: np.ndarray | QuantizedTensor) -> dict[str, mx.ar
     return {hf_name: mx.array(value)}
 
 
-_REQUIRED: Any = object()
-
-
-def _meta_int(
-    path: Path, md: dict[str, Any], key: str, default: Any = _REQUIRED, low: int = 1, high: int = MAX_DIM
-) -> Any:
-    """An integer metadata value in [low, high]; `default` when absent (required when not given)."""
-    value = md.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ConfigError(f"{path}: GGUF metadata lacks {key!r}; the file is incomplete")
-        return default
-    if not is_int(value) or not low <= value <= high:
-        raise ConfigError(f"{path}: GGUF metadata {key!r} must be an integer from {low} to {high}, got {shown(value)}")
-    return int(value)  # a plain int, should a reader hand in a numpy scalar
-
-
-def _meta_float(path: Path, md: dict[str, Any], key: str, default: float) -> float:
-    """A positive, finite number (every float we read is a base, an epsilon or a factor)."""
-    value = md.get(key)
-    if value is None:
-        return default
-    if not is_finite_number(value) or value <= 0:
-        raise ConfigError(f"{path}: GGUF metadata {key!r} must be a positive finite number, got {shown(value)}")
-    return float(value)
-
-
-def llama_config(path: Path, md: dict[str, Any], has_output: bool) -> dict[str, Any]:
-    """A config.json-style dict from a llama GGUF's metadata; normalize_config checks how the values fit together."""
-    hidden = _meta_int(path, md, "llama.embedding_length")
-    heads = _meta_int(path, md, "llama.attention.head_count")
-    tokens = md.get("tokenizer.ggml.tokens", [])
-    if not isinstance(tokens, list):
-        raise ConfigError(f"{path}: GGUF metadata 'tokenizer.ggml.tokens' must be a list, got {shown(tokens)}")
-    vocab = _meta_int(path, md, "llama.vocab_size", len(tokens) if tokens else _REQUIRED)
-    return {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": _meta_int(path, md, "llama.feed_forward_length"),
-        "num_hidden_layers": _meta_int(path, md, "llama.block_count", high=MAX_LAYERS),
-        "num_attention_heads": heads,
-        "num_key_value_heads": _meta_int(path, md, "llama.attention.head_count_kv", heads),
-        "head_dim": _meta_int(path, md, "llama.rope.dimension_count", hidden // heads),
-        "rms_norm_eps": _meta_float(path, md, "llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": _meta_float(path, md, "llama.rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(path, md),
-        "max_position_embeddings": _meta_int(path, md, "llama.context_length", 4096),
-        "vocab_size": vocab,
-        "tie_word_embeddings": not has_output,
-        # An id outside the vocabulary is refused here, by its GGUF key (llama.cpp writes none for "no token"),
-        # but for a BOS the model never adds: llama.cpp then ignores it, and so do we (see tokenizer/gguf_vocab.py).
-        "bos_token_id": _bos_token_id(path, md, vocab),
-        "eos_token_id": _meta_int(path, md, "tokenizer.ggml.eos_token_id", None, low=0, high=vocab - 1),
-    }
-
-
 def _bos_token_id(path: Path, md: dict[str, Any], vocab: int) -> int | None:
     key = "tokenizer.ggml.bos_token_id"
     value = md.get(key)
@@ -178,29 +132,45 @@ def _bos_token_id(path: Path, md: dict[str, Any], vocab: int) -> int | None:
             "%s: GGUF metadata %r is %s, outside the vocabulary, and never added; ignored", path, key, shown(value)
         )
         return None
-    return _meta_int(path, md, key, None, low=0, high=vocab - 1)
+    return Meta(path, md, "", {}).int(key, None, low=0, high=vocab - 1, prefix=False)
 
 
-def _rope_scaling(path: Path, md: dict[str, Any]) -> dict[str, Any] | None:
-    kind = md.get("llama.rope.scaling.type")
-    if kind is None or kind == "none":
+def _rope_scaling(meta: Meta) -> dict[str, Any] | None:
+    kind = meta.str("rope.scaling.type")
+    if kind is None or kind == "none" or kind == "yarn" and meta.arch == "gpt-oss":  # gpt-oss: see gguf_arch
         return None
     if kind != "linear":
         raise UnsupportedModelError(
-            f"{path}: GGUF llama.rope.scaling.type={shown(kind)} is not supported (only 'linear')"
+            f"{meta.path}: GGUF {meta.arch}.rope.scaling.type={shown(kind)} is not supported (only 'linear')"
         )
-    return {"type": "linear", "factor": _meta_float(path, md, "llama.rope.scaling.factor", 1.0)}
+    return {"type": "linear", "factor": meta.float("rope.scaling.factor", 1.0)}
 
 
-def hf_tensor_name(name: str) -> str:
+def hf_tensor_name(name: str, arch: GGUFArch) -> str:
     """The Hugging Face name of a llama.cpp tensor (unknown names pass through, and fail verification)."""
+    if name.endswith(".attn_sinks"):  # gpt-oss sinks, should a writer leave off the suffix
+        name += ".weight"
     stem, _, kind = name.rpartition(".")  # kind: weight | scales | biases | bias
     block = re.fullmatch(r"blk\.(0|[1-9][0-9]{0,8})\.(\w+)", stem)
     if block:
-        mapped = _LAYER_NAMES.get(block.group(2))
+        mapped = layer_name(arch, block.group(2))
+        if mapped in BARE:
+            return f"model.layers.{block.group(1)}.{mapped}"
         return f"model.layers.{block.group(1)}.{mapped}.{kind}" if mapped else name
-    mapped = _TOP_NAMES.get(stem)
+    mapped = TOP_NAMES.get(stem)
     return f"{mapped}.{kind}" if mapped else name
+
+
+def from_llama_cpp(name: str, value: np.ndarray | QuantizedTensor, config: dict[str, Any]) -> Any:
+    """Undo what llama.cpp's converter did to one tensor: Q/K row order (llama), 1 + w norms (Gemma)."""
+    arch = _BY_MODEL_TYPE[config["model_type"]]
+    if arch.permutes_qk:
+        value = unpermute_rows(name, value, config)
+    if arch.norm_shift and name.endswith("norm.weight") and isinstance(value, np.ndarray):
+        if value.dtype == np.uint16:  # bf16 bits: widen to float32 first
+            value = (value.astype(np.uint32) << 16).view(np.float32)
+        value = value.astype(np.float32) - np.float32(arch.norm_shift)
+    return value
 
 
 def unpermute_rows(name: str, array: Any, config: dict[str, Any]) -> Any:

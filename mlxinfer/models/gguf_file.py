@@ -29,7 +29,7 @@ MAX_ALIGNMENT = 1 << 20  # llama.cpp writes 32
 MAX_FILE_BYTES = 1 << 44  # 16 TiB: a larger tensor offset is garbage, not a big model
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+F32, F16, Q4_0, Q4_1, Q8_0, BF16, MXFP4 = 0, 1, 2, 3, 8, 30, 39
 # type -> (elements per block, bytes per block)
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
 REPACKED = (Q4_0, Q4_1, Q8_0)  # kept quantized (read() returns a QuantizedTensor); other types become floats
@@ -239,14 +239,22 @@ def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
     if info.ggml_type == Q8_0:
         q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # signed -> unsigned grid
         bias = (scale.astype(np.float32) * -128).astype(np.float16)
-        return QuantizedTensor(_pack(q.reshape(rows, cols), 8), scale, bias, 8, 32)
+        return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 8), scale, bias, 8, 32), info.shape)
     if info.ggml_type == Q4_1:
         bias, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
     else:  # Q4_0: w = d * (q - 8)
         bias, nibbles = (scale.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
     # Byte j holds element j in its low nibble and element j + 16 in its high nibble.
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-    return QuantizedTensor(_pack(q.reshape(rows, cols), 4), scale, bias, 4, 32)
+    return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 4), scale, bias, 4, 32), info.shape)
+
+
+def _shaped(t: QuantizedTensor, shape: tuple[int, ...]) -> QuantizedTensor:
+    """The triplet with the tensor's leading axes back (stacked experts are (experts, out, in))."""
+    lead = shape[:-1]
+    return QuantizedTensor(
+        t.weight.reshape(*lead, -1), t.scales.reshape(*lead, -1), t.biases.reshape(*lead, -1), t.bits, t.group_size
+    )
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:

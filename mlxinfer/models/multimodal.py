@@ -43,6 +43,8 @@ class Wrapper:
     # A config with neither text_config nor vision_config is the text model itself (mlx-lm has no module of
     # the text model_type, so converted Qwen3.5 text models say the wrapper's).
     flat_text: bool = False
+    # Other text model_types the wrapper may hold (Mistral 3: a mistral or a ministral3 text model).
+    other_text_types: tuple[str, ...] = ()
 
 
 _LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -82,6 +84,40 @@ WRAPPERS: dict[str, Wrapper] = {
         vision_prefixes=("model.visual.", "visual.", "vision_tower."),
         flat_text=True,
     ),
+    "qwen3_5_moe": Wrapper(
+        "qwen3_5_moe_text",
+        tied_by_default=False,
+        text_prefixes=_LANGUAGE_MODEL,
+        vision_prefixes=("model.visual.", "visual.", "vision_tower."),
+        flat_text=True,
+    ),
+    "mistral3": Wrapper(
+        "mistral",
+        tied_by_default=True,  # Mistral3Config's default
+        text_prefixes=_LANGUAGE_MODEL,
+        vision_prefixes=(
+            "vision_tower.",
+            "multi_modal_projector.",
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+        ),
+        other_text_types=("ministral3",),
+    ),
+    "gemma4": Wrapper(
+        "gemma4_text",
+        tied_by_default=True,
+        text_prefixes=_LANGUAGE_MODEL,
+        vision_prefixes=(
+            "model.vision_tower.",
+            "model.embed_vision.",
+            "model.audio_tower.",
+            "model.embed_audio.",
+            "vision_tower.",
+            "embed_vision.",
+            "audio_tower.",
+            "embed_audio.",
+        ),
+    ),
 }
 # Keys of the outer config that hold for the text model too (the loader's refusals read them there).
 _CARRIED = ("model_file", "auto_map", "quantization", "quantization_config")
@@ -110,7 +146,7 @@ def text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(nested, dict):
         raise ConfigError(f"{source}: model_type {raw['model_type']!r} needs a text_config object, got {shown(nested)}")
     text_type = nested.get("model_type", wrapper.text_type)
-    if text_type != wrapper.text_type:
+    if text_type != wrapper.text_type and text_type not in wrapper.other_text_types:
         raise UnsupportedModelError(
             f"{source}: text_config.model_type is {shown(text_type)}; {raw['model_type']} holds a {wrapper.text_type}"
         )

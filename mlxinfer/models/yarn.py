@@ -40,7 +40,7 @@ def yarn_scaling(scaling: dict[str, Any], args: dict[str, Any], source: str) -> 
     truncate = scaling.get("truncate", True)
     if not isinstance(truncate, bool):
         raise ConfigError(f"{source}: rope scaling truncate must be true or false, got {shown(truncate)}")
-    return {
+    resolved = {
         "type": "yarn",
         "rope_type": "yarn",
         "factor": factor,
@@ -51,6 +51,9 @@ def yarn_scaling(scaling: dict[str, Any], args: dict[str, Any], source: str) -> 
         "truncate": truncate,
         "attention_factor": _attention_factor(scaling, factor, source),
     }
+    # DeepSeek-V3's attention reads mscale_all_dim again for its softmax scale (transformers and mlx-lm).
+    resolved.update({key: scaling[key] for key in ("mscale", "mscale_all_dim") if scaling.get(key) is not None})
+    return resolved
 
 
 def yarn_inverse_frequencies(dims: int, base: float, yarn: dict[str, Any]) -> tuple[list[float], float]:

@@ -2,7 +2,8 @@
 
 GGUF stores the BPE vocabulary, merges and token types; the pre-tokenizer is
 only named (`tokenizer.ggml.pre`), so the regexes below restate llama.cpp's
-(llama-vocab.cpp) for the names we support.
+(llama-vocab.cpp) for the names we support. SentencePiece vocabularies
+(`tokenizer.ggml.model = llama`) are rebuilt in gguf_spm.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tokenizers.models import BPE
 
 from ..errors import ChatTemplateError, TokenizerError
 from ..untrusted import first_line, is_int, shown
+from .gguf_spm import sentencepiece_backend
 from .tokenizer import Tokenizer
 
 # llama-bpe and qwen2 differ only in how many digits a number chunk may hold.
@@ -108,19 +110,17 @@ def _vocabulary(metadata: dict[str, Any], where: str) -> tuple[list[str], list[t
 def backend_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Backend:
     """The fast-tokenizer backend (what tokenizer.json holds) of a GGUF file."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind == "llama":
+        backend = sentencepiece_backend(metadata, where)
+    elif kind == "gpt2":
+        backend = _byte_level_backend(metadata, where)
+    else:
         raise TokenizerError(
             f"{where} metadata tokenizer.ggml.model={shown(kind)} is not supported yet "
-            "(only byte-level BPE, 'gpt2'); use the model's Hugging Face checkpoint"
+            "(byte-level BPE 'gpt2' and SentencePiece 'llama'); use the model's Hugging Face checkpoint"
         )
-    tokens, merges, types = _vocabulary(metadata, where)
-    try:
-        backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-    except Exception as e:  # the Rust side raises plain Exception
-        reason = first_line(e)
-        raise TokenizerError(f"{where} metadata: vocabulary and merges do not form a tokenizer ({reason})") from None
-    backend.pre_tokenizer = _pre_tokenizer(_key(metadata, "tokenizer.ggml.pre", str, where) or "default", where)
-    backend.decoder = decoders.ByteLevel()
+    _, _, types = _vocabulary(metadata, where)
+    tokens = _strings(metadata, "tokenizer.ggml.tokens", where)
     specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
     backend.add_special_tokens(specials)
     user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
@@ -134,8 +134,22 @@ def backend_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Backend:
     return backend
 
 
+def _byte_level_backend(metadata: dict[str, Any], where: str) -> Backend:
+    tokens, merges, types = _vocabulary(metadata, where)
+    try:
+        backend = Backend(BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    except Exception as e:  # the Rust side raises plain Exception
+        reason = first_line(e)
+        raise TokenizerError(f"{where} metadata: vocabulary and merges do not form a tokenizer ({reason})") from None
+    backend.pre_tokenizer = _pre_tokenizer(_key(metadata, "tokenizer.ggml.pre", str, where) or "default", where)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
 def _add_bos(metadata: dict[str, Any], where: str) -> bool:
     value = metadata.get("tokenizer.ggml.add_bos_token")
+    if value is None:  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        return metadata.get("tokenizer.ggml.model") == "llama"
     if value not in (None, True, False, 0, 1):
         raise TokenizerError(f"{where} metadata 'tokenizer.ggml.add_bos_token' must be a bool")
     return bool(value)

@@ -1,0 +1,20 @@
+"""Granite 3.x (dense) on mlx-lm's layers, made to compute what transformers' GraniteForCausalLM does.
+
+Our forward (models/decoder.py) runs mlx-lm's blocks but not its backbone's or head's `__call__`, so the
+two scalings those apply are set here: embeddings times `embedding_multiplier`, logits divided by
+`logits_scaling`. The blocks apply attention_multiplier (the softmax scale) and residual_multiplier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .config import ModelConfig
+from .decoder import DecoderLM
+from .granitemoehybrid_layers import ScaledRMSNorm
+
+
+def adapt(model: DecoderLM, config: ModelConfig) -> None:
+    args = config.args
+    model.layout = replace(model.layout, embed_scale=float(args["embedding_multiplier"]))
+    model.model.norm = ScaledRMSNorm(config.hidden_size, args["rms_norm_eps"], 1 / args["logits_scaling"])
