@@ -230,7 +230,7 @@ def _decode_table(f: dict[str, Any]) -> str:
         if "skipped" in r:
             lines.append(f"| {r['files']} | skipped: {r['skipped'][:160]} | | | | |")
             continue
-        reads = f"{r['decode_weights_bytes'] / 1e6:.3g} MB ({r['weights_bytes'] / 1e6:.3g} MB)"
+        reads = f"{_size(r['decode_weights_bytes'])} ({_size(r['weights_bytes'])})"
         if "mlx-lm" not in r:
             lines.append(f"| {r['files']} | {_tps(r['mlxinfer'])} | {r['mlx_lm_skipped'][:160]} | | | {reads} |")
             continue
@@ -254,6 +254,11 @@ def _ratio_lines(f: dict[str, Any]) -> str:
         f"- {name}, mlxinfer / mlx-lm: {value:.2f}x" for name, value in found.items() if name.startswith("decode")
     ]
     return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """Decimal units, as bandwidth is quoted (GB/s): the roofline is bandwidth over these bytes."""
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
 
 
 def _tps(engine: dict[str, Any]) -> str:

@@ -187,7 +187,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         _output_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
     )
     params = sum(math.prod(shape) for shape in shapes.values())
-    peak = _stream_peak_bytes(source, names, shapes, settings, output_bytes)
+    peak = _stream_peak_bytes(source, names, shapes)
     if sensitivity or settings.method == "gptq":
         # Calibration holds the whole model in its compute dtype (twice, with MLX's buffer cache),
         # numpy working copies of the largest tensor, and the output.
@@ -213,13 +213,12 @@ def _kv_width(config: ModelConfig) -> int:
     return int(args.get("num_key_value_heads") or heads) * int(args.get("head_dim") or config.hidden_size // heads)
 
 
-def _stream_peak_bytes(
-    source: Source, names: list[str], shapes: dict[str, tuple[int, ...]], settings: ConvertSettings, output_bytes: int
-) -> int:
+def _stream_peak_bytes(source: Source, names: list[str], shapes: dict[str, tuple[int, ...]]) -> int:
     """The tensor stream's peak: float32 copies of the largest tensor read or written (a layer's stacked
-    experts, a fused tensor that is split), one pending output shard, the runtime itself."""
+    experts, a fused tensor that is split) and the bytes of it being written, the runtime itself. Shards
+    are written tensor by tensor (convert/writer.py): no pending shard is held."""
     largest = max(math.prod(shape) for shape in [*shapes.values(), *(source.tensors[n].shape for n in names)])
-    return 3 * 4 * largest + min(settings.shard_bytes, output_bytes) + RUNTIME_BYTES
+    return 4 * 4 * largest + RUNTIME_BYTES
 
 
 def _quantizable_modules(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, nn.Module]:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import mlx.core as mx
 
@@ -24,6 +26,11 @@ from mlxinfer.tokenizer.tokenizer import MAX_TOKENIZER_BYTES
 from mlxinfer.untrusted import MAX_SIDE_FILE_BYTES, shown_path
 
 DEFAULT_SHARD_BYTES = 1 << 30
+SAFETENSORS_DTYPES = {
+    mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
+    mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16", mx.int64: "I64", mx.uint64: "U64",
+    mx.bool_: "BOOL",
+}  # fmt: skip
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -57,32 +64,61 @@ def writing(path: str | Path) -> Iterator[None]:
 
 
 class ShardWriter:
-    """Collects tensors and writes a shard whenever `max_bytes` are pending."""
+    """Writes each tensor's bytes to disk as it arrives; a shard is closed once `max_bytes` are written.
+
+    A safetensors header lists every tensor's offsets before the data, so a shard's data goes to a side
+    file first and is copied behind its header when the shard closes: memory holds one tensor, never a
+    shard (a 1 GiB pending shard was most of a small MoE conversion's peak)."""
 
     def __init__(self, folder: Path, max_bytes: int = DEFAULT_SHARD_BYTES):
         self.folder, self.max_bytes = folder, max_bytes
-        self._pending: dict[str, mx.array] = {}
-        self._pending_bytes = 0
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._data: BinaryIO | None = None
+        self._written = 0
         self._shards: list[list[str]] = []
         self.total_bytes = 0
 
     def add(self, name: str, array: mx.array) -> None:
-        self._pending[name] = array
-        self._pending_bytes += array.nbytes
-        if self._pending_bytes >= self.max_bytes:
+        mx.eval(array)
+        data = memoryview(array).tobytes()  # C order, whatever the array's strides
+        if self._data is None:
+            self._data = self._open(self._data_path)
+        with writing(self._data_path):
+            self._data.write(data)
+        dtype = SAFETENSORS_DTYPES[array.dtype]
+        self._entries[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [self._written, self._written + len(data)],
+        }
+        self._written += len(data)
+        if self._written >= self.max_bytes:
             self.flush()
 
+    @property
+    def _data_path(self) -> Path:
+        return self.folder / f"shard-{len(self._shards)}.data.partial"
+
+    @staticmethod
+    def _open(path: Path) -> BinaryIO:
+        with writing(path):
+            return open(path, "xb")  # a new file only: nothing is written through a planted link
+
     def flush(self) -> None:
-        if not self._pending:
+        if self._data is None:
             return
+        data_path, self._data = self._data_path, self._data.close()
+        header = json.dumps({"__metadata__": {"format": "mlx"}, **self._entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
         path = self.folder / f"shard-{len(self._shards)}.partial.safetensors"
-        # Through a Python file, so a failed write raises OSError with its errno (disk full, EFBIG);
-        # given a path, MLX reports every failure as the same RuntimeError.
-        with writing(path), open(path, "xb") as f:
-            mx.save_safetensors(f, self._pending, {"format": "mlx"})
-        self._shards.append(sorted(self._pending))
-        self.total_bytes += self._pending_bytes
-        self._pending, self._pending_bytes = {}, 0
+        with writing(path), open(path, "xb") as f, open(data_path, "rb") as data:
+            f.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(data, f, 1 << 24)
+        with writing(data_path):
+            os.unlink(data_path)
+        self._shards.append(sorted(self._entries))
+        self.total_bytes += self._written
+        self._entries, self._written = {}, 0
 
     def finish(self) -> list[str]:
         """Name the shards model-0000i-of-0000N and write the index; returns the file names."""

@@ -21,7 +21,7 @@ from mlxinfer.errors import ConfigError, UnsupportedModelError, WeightMismatchEr
 from tests.conftest import TINY, golden
 
 ARCH = {"mistral": "llama", "llama_rope_llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-        "gemma3": "gemma3", "gemma3_long": "gemma3", "gpt_oss": "gpt-oss"}  # fmt: skip
+        "gemma3": "gemma3", "gemma3_long": "gemma3", "gpt_oss": "gpt-oss", "qwen3_moe": "qwen3moe"}  # fmt: skip
 _ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -71,9 +71,19 @@ def _tensors(fixture: str, arch: str, config: dict) -> dict[str, np.ndarray]:
         if arch == "gpt-oss" and ".experts." in hf:
             out.update(_gpt_oss_experts(hf, value, names))
             continue
+        if arch == "qwen3moe" and ".experts." in hf:
+            continue  # stacked below
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None and arch == "qwen3moe":  # the fixture's dense layer (mlp_only_layers): llama.cpp's names
+            name = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, 4).get_name(hf, try_suffixes=(".weight",))
         assert name is not None, hf
         out[name + (".weight" if name.endswith("attn_sinks") else "")] = value
+    if arch == "qwen3moe":  # Qwen2MoeModel.modify_tensors: experts.{e}.{w}_proj (out, in) -> (experts, out, in)
+        for i in range(config["num_hidden_layers"]):
+            for w in ("gate", "up", "down"):
+                stack = [weights.get(f"model.layers.{i}.mlp.experts.{e}.{w}_proj.weight") for e in range(4)]
+                if stack[0] is not None:
+                    out[f"blk.{i}.ffn_{w}_exps.weight"] = np.stack(stack)
     return out
 
 
@@ -114,6 +124,10 @@ def _metadata(w: gguf.GGUFWriter, arch: str, c: dict) -> None:
         w.add_sliding_window(c.get("sliding_window") or 0)
     if arch == "gemma3":
         w.add_sliding_window(c["sliding_window"])
+    if arch == "qwen3moe":
+        w.add_expert_count(c["num_local_experts"])
+        w.add_expert_used_count(c["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(c["moe_intermediate_size"])
     if arch == "gpt-oss":
         w.add_expert_count(c["num_local_experts"])
         w.add_expert_used_count(c["num_experts_per_tok"])
@@ -163,7 +177,7 @@ def write_family_gguf(
     return path
 
 
-FIXTURES = ["mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma3_long", "gpt_oss", "llama_rope_llama3"]
+FIXTURES = ["mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma3_long", "gpt_oss", "llama_rope_llama3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -272,3 +286,12 @@ def test_k_quant_tensors_load_as_their_dequantized_values(tmp_path, kind):
     else:
         got = layer.weight
     assert np.allclose(np.array(got), expected, rtol=1e-3, atol=1e-6)
+
+
+def test_rope_freqs_that_no_llama3_setting_gives_is_refused(tmp_path):
+    def scramble(kv, tensors):
+        tensors["rope_freqs.weight"] = tensors["rope_freqs.weight"][::-1].copy()  # rising, then falling: no band
+
+    with pytest.raises(UnsupportedModelError, match="rope_freqs.weight is not a llama3 RoPE scaling") as e:
+        mlxinfer.load(write_family_gguf(tmp_path / "r.gguf", "llama_rope_llama3", edit=scramble))
+    _one_line(e)

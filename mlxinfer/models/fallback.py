@@ -11,18 +11,22 @@ which the loader refuses. The model is labelled unverified wherever it is named.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib.util
+import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import UnsupportedModelError
-from ..untrusted import shown
+from ..errors import ConfigError, UnsupportedModelError
+from ..untrusted import first_line, is_finite_number, is_int, shown
 from .mlx_lm_modules import model_module
+from .safetensors_header import MAX_DIM
 
 UNVERIFIED = "unverified (mlx-lm's model code, not checked against transformers)"
 FULL, SLIDING, RECURRENT = "full_attention", "sliding_attention", "linear_attention"
@@ -89,18 +93,39 @@ class Unverified:
 def build_fallback(module_name: str, args: dict[str, Any], source: str) -> nn.Module:
     """mlx-lm's model for `args` (parameters still lazy), taught the engine's interface."""
     module = model_module(module_name)
+    _check_args(module.ModelArgs, args, source)
     try:
         model = module.Model(module.ModelArgs.from_dict(dict(args)))
     except (TypeError, KeyError, ValueError, AttributeError, IndexError) as e:
         raise UnsupportedModelError(
-            f"{source}: mlx-lm's {module_name} module cannot build this config ({type(e).__name__}: {e}); "
-            "the model is not supported"
+            f"{source}: mlx-lm's {module_name} module cannot build this config ({type(e).__name__}: "
+            f"{first_line(e)}); the model is not supported"
         ) from e
     kinds = _cache_kinds(model, source, module_name)
     model.__class__ = type(f"Unverified{type(model).__name__}", (Unverified, type(model)), {})
     object.__setattr__(model, "_mlxinfer_kinds", kinds)  # outside the module tree: not a parameter
     object.__setattr__(model, "vocab_size", int(args["vocab_size"]))
     return model
+
+
+def _check_args(model_args: type, args: dict[str, Any], source: str) -> None:
+    """Refuse, naming the key, a value the module's ModelArgs cannot take: a null or a wrong type where it
+    declares a plain int, float or bool (a bad config would otherwise fail deep inside the module)."""
+    for f in dataclasses.fields(model_args):
+        kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if f.name not in args or kind not in _CHECKS:
+            continue
+        value = args[f.name]
+        if not _CHECKS[kind](value):
+            raise ConfigError(f"{source}: {f.name} must be {_WORDS[kind]}, got {shown(value)}")
+
+
+_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "int": lambda v: is_int(v) and -1 <= v <= MAX_DIM,
+    "float": lambda v: is_finite_number(v) or v in (math.inf, -math.inf),
+    "bool": lambda v: isinstance(v, bool),
+}
+_WORDS = {"int": "an integer from -1 to 2**31 - 1", "float": "a number", "bool": "true or false"}
 
 
 def _cache_kinds(model: nn.Module, source: str, module_name: str) -> tuple[tuple[str, int | None], ...]:

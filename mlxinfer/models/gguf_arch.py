@@ -188,7 +188,7 @@ def _gpt_oss(meta: Meta) -> dict[str, Any]:
 
 
 def _qwen3_moe(meta: Meta) -> dict[str, Any]:
-    experts = meta.int("expert_count")
+    experts, layers = meta.int("expert_count"), meta.int("block_count", high=MAX_LAYERS)
     norm = meta.md.get(f"{meta.arch}.expert_weights_norm", True)  # llama.cpp's qwen3moe graph always normalizes
     return {
         "num_experts": experts,
@@ -196,7 +196,8 @@ def _qwen3_moe(meta: Meta) -> dict[str, Any]:
         "moe_intermediate_size": meta.int("expert_feed_forward_length"),
         "norm_topk_prob": bool(norm),
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        # Layers without a router are dense (Qwen3MoeConfig.mlp_only_layers); their width is feed_forward_length.
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in meta.tensors],
     }
 
 
