@@ -53,7 +53,7 @@ def _verified(model_type: str, spec: ArchSpec) -> Support:
     if model_type in _GGUF_ALIASES:
         gguf.append(f"`{_GGUF_ALIASES[model_type]}` (as llama.cpp writes it)")
     windows = spec.sliding != "none"
-    if spec.recurrent_kinds or spec.sliding in ("alternate", "pattern", "declared"):
+    if spec.recurrent_kinds or spec.sliding in ("alternate", "pattern"):  # always windows or a state
         prefix = "state snapshots"
     else:
         prefix = "cut at any position" + ("; snapshots with a sliding window" if windows else "")
