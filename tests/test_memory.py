@@ -386,3 +386,17 @@ def test_a_config_whose_expert_count_is_not_the_checkpoints_is_refused_before_bu
     (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "num_local_experts": 8}))
     with pytest.raises(WeightMismatchError, match=r"num_local_experts is 8 but model\.layers\.0\.mlp\.router\.weight"):
         mlxinfer.load(tmp_path / "m")
+
+
+@pytest.mark.parametrize("name", ["gemma4", "deepseek_v3", "qwen2", "afmoe"])
+def test_the_kv_per_position_is_what_the_widest_layers_cache_holds(name):
+    # Gemma 4's global layers are wider than its sliding ones, DeepSeek's caches hold the expanded latent
+    # attention, afmoe runs unverified: the config's head sizes would miss each.
+    from mlxinfer.models.footprint import footprint
+
+    model = mlxinfer.load(TINY / name, dtype="float32")
+    decoder = model._loaded.model
+    caches = make_cache(decoder.cache_kinds)
+    mx.eval(decoder.hidden(mx.array([list(range(3, 7))], dtype=mx.uint32), caches))
+    held = [sum(a.nbytes for a in c.state) // c.length for c in caches if not isinstance(c, StateCache)]
+    assert footprint(model._loaded).kv_bytes_per_position == max(held)

@@ -117,11 +117,13 @@ def _attention_shape(loaded: LoadedModel, has_attention: bool) -> dict[str, int]
     args = loaded.config.args
     if not has_attention:
         return {"kv_heads": 0, "head_dim": 0, "heads": 0}
+    width = _probe(loaded.model)[0]  # what the caches will really hold
     if loaded.config.verified:
-        return {k: int(args[key]) for k, key in _ATTENTION_KEYS.items()}
-    # An unverified module may store keys and values of other widths (latent attention): the planner counts
-    # one "head" of the widest layer's K and V widths together.
-    width = _probe(loaded.model)[0]
+        shape = {k: int(args[key]) for k, key in _ATTENTION_KEYS.items()}
+        if 2 * shape["kv_heads"] * shape["head_dim"] == width:
+            return shape
+    # Layers of other widths (Gemma 4's wider global layers, DeepSeek's latent attention) or an unverified
+    # module: the planner counts one "head" holding the widest layer's K and V widths together.
     return {"kv_heads": 1, "head_dim": (width + 1) // 2, "heads": int(args.get("num_attention_heads") or 1)}
 
 
@@ -129,9 +131,9 @@ _ATTENTION_KEYS = {"kv_heads": "num_key_value_heads", "head_dim": "head_dim", "h
 
 
 def _probe(model) -> tuple[int, int]:
-    """(widest K + V elements per position of any attention layer, recurrent state bytes) of a model run
-    whole (models/fallback.py), learned from one lazy token through stand-ins for its caches: nothing is
-    computed, MLX knows the shapes before it evaluates anything."""
+    """(widest K + V elements per position of any attention layer, recurrent state bytes), learned from one
+    lazy token through stand-ins for the model's caches: nothing is computed, MLX knows the shapes before it
+    evaluates anything."""
     probes = [_StateProbe() if kind not in ATTENTION else _KVProbe() for kind, _ in model.cache_kinds]
     model.hidden(mx.zeros((1, 1), dtype=mx.uint32), probes)
     width = max((p.width for p in probes if isinstance(p, _KVProbe)), default=0)
@@ -141,8 +143,12 @@ def _probe(model) -> tuple[int, int]:
 class _KVProbe:
     """What an attention layer sees of cache/kv.py's KVCache, enough to learn the widths it would store."""
 
-    offset = 0
+    offset = length = 0  # what mlx-lm's layers and our decoder read of a cache
+    left_padding = None
     width = 0
+
+    def key_start(self, new: int) -> int:
+        return 0
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.width = max(self.width, keys.shape[1] * keys.shape[-1] + values.shape[1] * values.shape[-1])
@@ -178,6 +184,8 @@ class _StateProbe:
     slots, written when the layer calls `advance`. tests/test_memory.py checks that both hold the same bytes."""
 
     lengths = None  # mlx-lm's per-row lengths: one sequence here
+    length = 0  # what our decoder reads of a model's first cache
+    left_padding = None
 
     def __init__(self) -> None:
         self.slots: dict[int, mx.array] = {}
