@@ -20,6 +20,7 @@ from typing import Any
 
 from mlxinfer.default_model import cache_dir
 from mlxinfer.errors import UnsupportedModelError
+from mlxinfer.models.family_config import GPT_OSS_YARN
 
 TINY = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tiny"
 # The committed tiny checkpoints of the same families (CI and --quick: no torch needed).
@@ -161,15 +162,7 @@ SHAPES: dict[str, Shape] = {
             num_experts_per_tok=4,
             intermediate_size=384,
             attention_bias=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 32.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 4096,
-            },
+            rope_parameters={"rope_theta": 150000.0, **GPT_OSS_YARN},  # gpt-oss's own
             max_position_embeddings=131072,
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,

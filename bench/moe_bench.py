@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxinfer.models.family_config import GPT_OSS_YARN
+
 from .convert_bench import _bits_per_weight, _timed_conversion
 from .hybrid_bench import decode_row
 from .hybrid_models import TINY, Shape, build_checkpoint, mlx_lm_view, shape_summary
@@ -63,15 +65,7 @@ MOE_SHAPES = {
             num_experts_per_tok=4,
             intermediate_size=256,
             attention_bias=True,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 32.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 4096,
-            },
+            rope_parameters={"rope_theta": 150000.0, **GPT_OSS_YARN},  # gpt-oss's own
             max_position_embeddings=131072,
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,

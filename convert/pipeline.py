@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
-from mlxinfer.quantize.affine import bits_per_weight, dequantize_rows, quantize_rows
+from mlxinfer.quantize.affine import bits_per_weight, quantize_rows
 from mlxinfer.quantize.quality import scoring_bytes
 from tqdm.auto import tqdm
 
@@ -47,6 +47,16 @@ log = logging.getLogger(__name__)
 BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
 METHODS = ("rtn", "gptq")
 RUNTIME_BYTES = 200 * 2**20  # Python, MLX, the tokenizer and what the steps before left allocated
+
+
+@dataclass(frozen=True)
+class MXFP4Quant(LayerQuant):
+    """A GGUF MXFP4 layer (gpt-oss's experts) kept as stored: MLX mxfp4, 4-bit E2M1 codes in groups of 32,
+    one power-of-two (E8M0) scale each and no biases. Copied, never rounded: no affine grid holds it exactly."""
+
+    bits: int = 4
+    group_size: int = 32
+    mode: str = "mxfp4"
 
 
 @dataclass
@@ -163,10 +173,12 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         check_tokenizer_files(source.folder)  # not after the weights are written
     model = build_model(config)  # parameters stay lazy: only shapes are used
     names = _source_names(source, config)
-    # The loader's own conversion into the modules' layout, for families whose checkpoints need one.
-    sanitize = model.mlx_sanitize if config.spec.mlx_sanitize else None
+    # The loader's own conversion into the modules' layout, for families whose checkpoints need one
+    # (a GGUF source is read in that layout already).
+    in_layout = getattr(source, "in_runtime_layout", False)
+    sanitize = model.mlx_sanitize if config.spec.mlx_sanitize and not in_layout else None
     shapes = _check_tensors(source, model, output_shapes(source, names, sanitize))
-    block_quantized = any(t.dtype in BLOCK_BITS for t in source.tensors.values())
+    block_quantized = any(t.dtype in BLOCK_BITS or t.dtype == "MXFP4" for t in source.tensors.values())
     if settings.group_size is None:
         settings.group_size = 32 if block_quantized else 64
     recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
@@ -182,6 +194,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     moe = any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight"))
     layers = routers_at_8_bits(layers, shapes, moe)
     layers = _keep_finer_blocks(source, layers)
+    layers = _keep_mxfp4(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(
         _output_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
@@ -341,6 +354,20 @@ def _keep_finer_blocks(source: Source, layers: dict[str, LayerQuant | None]) -> 
     return kept
 
 
+def _keep_mxfp4(source: Source, layers: dict[str, LayerQuant | None]) -> dict[str, LayerQuant | None]:
+    """MXFP4 layers stay mxfp4 where the plan quantizes them to 4 bits or fewer (more bits: rounded afresh
+    from their exact values, as is an unquantized output)."""
+    kept = dict(layers)
+    for path, quant in layers.items():
+        if quant is not None and quant.bits <= 4 and _source_dtype(source, path) == "MXFP4":
+            kept[path] = MXFP4Quant()
+    return kept
+
+
+def _source_dtype(source: Source, path: str) -> str:
+    return getattr(source.tensors.get(f"{path}.weight"), "dtype", "")
+
+
 def _default_dtype(source: Source) -> mx.Dtype:
     # GGUF scales are float16, so a GGUF source stays in float16; safetensors keep their 16-bit type.
     kinds = {t.dtype for t in source.tensors.values()}
@@ -353,6 +380,8 @@ def _output_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dt
     count = math.prod(shape)
     if quant is None:
         return count * dtype.size
+    if isinstance(quant, MXFP4Quant):
+        return count // 2 + count // 32  # packed codes and one byte of exponent per group
     return count * quant.bits // 8 + 2 * (count // quant.group_size) * dtype.size  # packed, scales and biases
 
 
@@ -417,15 +446,21 @@ def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounde
         packed, scales, biases = rounded.pop(path)
         return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
     if isinstance(value, Quantized):
-        if quant is not None and (quant.bits, quant.group_size) == (value.bits, value.group_size):
-            # Same grid as the source (GGUF Q4_1 -> 4-bit group 32): copy, never round twice.
-            return [(name, value.weight), (f"{path}.scales", value.scales), (f"{path}.biases", value.biases)]
-        value = dequantize_rows(value.weight, value.scales, value.biases, value.bits, value.group_size)
+        if quant is not None and _same_format(quant, value):
+            # Same grid as the source (GGUF Q4_1 -> 4-bit group 32, MXFP4 -> mxfp4): copy, never round twice.
+            kept = [(name, value.weight), (f"{path}.scales", value.scales)]
+            return kept if value.biases is None else [*kept, (f"{path}.biases", value.biases)]
+        value = value.dequantized()
     if quant is None:
         cast = mx.issubdtype(value.dtype, mx.floating) and name not in plan.uncast
         return [(name, value.astype(plan.dtype) if cast else value)]
     packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype)
     return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+
+
+def _same_format(quant: LayerQuant, value: Quantized) -> bool:
+    mode = "mxfp4" if isinstance(quant, MXFP4Quant) else "affine"
+    return (quant.bits, quant.group_size, mode) == (value.bits, value.group_size, value.mode)
 
 
 def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: bool) -> QualityReport | None:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType
+from mlxinfer.quantize.affine import dequantize_rows
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
@@ -22,6 +23,7 @@ from mlxinfer.models.gguf import from_llama_cpp, gguf_config, gguf_tensors, hf_n
 from mlxinfer.models.gguf_file import REPACKED, GGUFFile, QuantizedTensor
 from mlxinfer.models.multimodal import text_checkpoint, text_config
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
+from mlxinfer.untrusted import listed
 
 from .writer import TOKENIZER_FILES, copy_file, write_json, write_text
 
@@ -38,13 +40,21 @@ class Tensor:
 
 @dataclass(frozen=True)
 class Quantized:
-    """A tensor that arrives already quantized in MLX's affine format."""
+    """A tensor that arrives already quantized in an MLX format: affine, or mxfp4 (uint8 scales, no biases)."""
 
     weight: mx.array
     scales: mx.array
-    biases: mx.array
+    biases: mx.array | None
     bits: int
     group_size: int
+    mode: str = "affine"
+
+    def dequantized(self) -> mx.array:
+        """The float32 values it stands for (affine scales and biases widened first, as dequantize_rows)."""
+        if self.biases is None:  # mxfp4: uint8 exponents
+            return mx.dequantize(self.weight, self.scales, None, self.group_size, self.bits, mode=self.mode,
+                                 dtype=mx.float32)  # fmt: skip
+        return dequantize_rows(self.weight, self.scales, self.biases, self.bits, self.group_size)
 
 
 class Source(Protocol):
@@ -80,7 +90,10 @@ class FolderSource:
         }
         bad = sorted(f"{n} ({t.dtype})" for n, t in self.tensors.items() if t.dtype not in FLOAT_DTYPES)
         if bad:
-            raise ConversionError(f"{folder}: tensors of unsupported dtype (need F32, F16 or BF16): {', '.join(bad)}")
+            mxfp4 = " (MXFP4 experts: convert a bf16 copy or the GGUF)" if any("_blocks" in b for b in bad) else ""
+            raise ConversionError(
+                f"{folder}: {len(bad)} tensors of unsupported dtype (need F32, F16 or BF16){mxfp4}: {listed(bad, 4)}"
+            )
         self._arrays = load_tensors(checkpoint)  # lazy: bytes are read per tensor
 
     def read(self, name: str) -> mx.array:
@@ -103,7 +116,11 @@ class FolderSource:
 
 
 class GGUFSource:
-    """A GGUF file (the architectures models/gguf_arch.py reads); Q4_0/Q4_1/Q8_0 arrive quantized (group size 32)."""
+    """A GGUF file (the architectures models/gguf_arch.py reads); Q4_0/Q4_1/Q8_0 arrive quantized (group size 32),
+    MXFP4 as MLX mxfp4."""
+
+    # gguf_arch.py names every tensor as the runtime's (mlx-lm's) modules hold it: no layout conversion to run.
+    in_runtime_layout = True
 
     def __init__(self, path: Path):
         self.description = str(path)
@@ -118,9 +135,9 @@ class GGUFSource:
     def read(self, name: str) -> mx.array | Quantized:
         value = from_llama_cpp(name, self._file.read(self._names[name]), self.config)
         if isinstance(value, QuantizedTensor):
-            return Quantized(
-                mx.array(value.weight), mx.array(value.scales), mx.array(value.biases), value.bits, value.group_size
-            )
+            biases = None if value.biases is None else mx.array(value.biases)
+            weight, scales = mx.array(value.weight), mx.array(value.scales)
+            return Quantized(weight, scales, biases, value.bits, value.group_size, value.mode)
         array = mx.array(value)
         return array.view(mx.bfloat16) if value.dtype == np.uint16 else array
 
@@ -130,7 +147,7 @@ class GGUFSource:
         write_json(folder / "tokenizer_config.json", tokenizer_config_from_gguf(metadata))
 
     def load_bytes(self, compute: mx.Dtype) -> tuple[int, int]:
-        """As FolderSource.load_bytes; Q4_0/Q4_1/Q8_0 tensors stay packed, as the loader keeps them."""
+        """As FolderSource.load_bytes; Q4_0/Q4_1/Q8_0/MXFP4 tensors stay packed, as the loader keeps them."""
         loaded = sum(t.loaded_bytes for t in gguf_tensors(self._file, compute.size).values())
         return loaded, _cast_bytes(self.tensors, compute)
 

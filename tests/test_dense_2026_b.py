@@ -215,3 +215,11 @@ def test_olmo2_refuses_per_head_norms_as_weights_that_do_not_fit(tmp_path):
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WeightMismatchError, match="q_norm"):
         mlxinfer.load(folder)
+
+
+def test_olmo2_ignores_mlp_bias_as_transformers_does(tiny_copy):
+    folder = tiny_copy("olmo2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mlp_bias": True}))
+    ids = golden("olmo2")["input_ids"].tolist()
+    assert np.abs(mlxinfer.load(folder).logits(ids) - np.array(golden("olmo2")["logits"])).max() < 1e-3

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlxinfer
-from mlxinfer.errors import UnsupportedModelError, WeightMismatchError
+from mlxinfer.errors import WeightMismatchError
 from mlxinfer.models.config import normalize_config
 from mlxinfer.models.decoder import build_model
 from mlxinfer.models.footprint import KV_GROUP_SIZE
@@ -76,19 +76,6 @@ def test_a_checkpoint_already_in_mlx_lm_layout_loads_as_it_is(tmp_path):
     saved = mx.load(str(folder / "model.safetensors"))
     assert "model.layers.0.mlp.experts.gate_proj.weight" in saved and not any("gate_up" in k for k in saved)
     np.testing.assert_array_equal(mlxinfer.load(folder).logits(ids()), mlxinfer.load(TINY / "gpt_oss").logits(ids()))
-
-
-def test_mxfp4_experts_of_the_hub_checkpoints_are_refused_by_name(tmp_path):
-    def hub_layout(weights):
-        for i in range(4):
-            name = f"model.layers.{i}.mlp.experts.gate_up_proj"
-            del weights[name]
-            weights[f"{name}_blocks"] = mx.zeros((4, 48, 2, 16), mx.uint8)  # (E, 2I, H / 32, 16 bytes)
-            weights[f"{name}_scales"] = mx.zeros((4, 48, 2), mx.uint8)
-        return weights
-
-    with pytest.raises(UnsupportedModelError, match=r"gate_up_proj_blocks.*convert from a bf16 checkpoint"):
-        mlxinfer.load(copy_with(tmp_path, "gpt_oss", edit_weights=hub_layout))
 
 
 def test_experts_stored_the_other_way_round_are_refused_not_cut_wrongly(tmp_path):

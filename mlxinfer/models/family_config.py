@@ -68,6 +68,11 @@ def check_gpt_oss(args: dict[str, Any], source: str) -> None:
         _positive_number(args, key, source)
 
 
+def check_olmo2(args: dict[str, Any], source: str) -> None:
+    """transformers' Olmo2MLP has no biases whatever mlp_bias says; mlx-lm's would build them."""
+    args.pop("mlp_bias", None)
+
+
 def check_granitemoehybrid(args: dict[str, Any], source: str) -> None:
     """Granite 4.0 hybrid: layer names, the Mamba-2 sizes, time_step_limit, NoPE, and the dense variant."""
     n = args["num_hidden_layers"]

@@ -1,7 +1,8 @@
 """Read a GGUF file as a Hugging Face-style config and weights.
 
 gguf_file.py validates the header and turns Q4_0/Q4_1/Q8_0 tensors into MLX
-affine quantized arrays (weight, scales, biases); gguf_arch.py holds each
+affine quantized arrays (weight, scales, biases) and MXFP4 ones into MLX mxfp4
+(weight, scales); gguf_arch.py holds each
 architecture's keys and names. What is left here: applying them, and undoing
 what llama.cpp's converter did to the values (Q/K rows, Gemma's norms).
 See https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
@@ -41,7 +42,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
 def gguf_weights(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, mx.array]:
     """Every tensor of an open GGUF file as MLX arrays under its Hugging Face name."""
     weights: dict[str, mx.array] = {}
-    _note_dequantized(gguf)
+    _note_mxfp4(gguf)
     for hf_name, name in hf_names(gguf).items():
         try:
             weights.update(to_mlx(hf_name, from_llama_cpp(hf_name, gguf.read(name), config)))
@@ -50,16 +51,15 @@ def gguf_weights(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, mx.array]:
     return weights
 
 
-def _note_dequantized(gguf: GGUFFile) -> None:
-    """One info line when MXFP4 tensors (gpt-oss experts) are widened to floats: the loader keeps only
-    affine-quantized layers, and MXFP4's shared power-of-two scales have no exact affine form here."""
+def _note_mxfp4(gguf: GGUFFile) -> None:
+    """One info line for MXFP4 tensors (gpt-oss's experts): kept as MLX mxfp4, exactly as stored."""
     mxfp4 = [n for n, t in gguf.tensors.items() if t.ggml_type == MXFP4]
     if mxfp4:
-        log.info("%s: %d MXFP4 tensors (e.g. %s) are dequantized to floats", gguf.path, len(mxfp4), plain(mxfp4[0]))
+        log.info("%s: %d MXFP4 tensors (e.g. %s) are kept as MLX mxfp4", gguf.path, len(mxfp4), plain(mxfp4[0]))
 
 
 def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
-    """Each tensor's logical shape and its bytes once loaded (Q4/Q8 stay packed, other types become floats)."""
+    """Each tensor's logical shape and its bytes once loaded (Q4/Q8/MXFP4 stay packed, others become floats)."""
 
     def stored(info: TensorInfo) -> StoredTensor:
         floating = info.ggml_type not in REPACKED
@@ -78,7 +78,7 @@ def hf_names(gguf: GGUFFile) -> dict[str, str]:
             continue
         hf_name = hf_tensor_name(name, arch)
         stem = hf_name.removesuffix(".weight")
-        # A Q4/Q8 weight also brings its scales and biases (see to_mlx).
+        # A Q4/Q8 weight also brings its scales and biases, an MXFP4 one its scales (see to_mlx).
         extra = (f"{stem}.scales", f"{stem}.biases") if info.ggml_type in REPACKED else ()
         for key in (hf_name, *extra):
             if key in claimed:
@@ -114,11 +114,14 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
 
 
 def to_mlx(hf_name: str, value: np.ndarray | QuantizedTensor) -> dict[str, mx.array]:
-    """MLX arrays for one tensor read from GGUF: one float array or a quantized triplet."""
+    """MLX arrays for one tensor read from GGUF: one float array, or a quantized weight and its scales
+    (and biases, affine)."""
     if isinstance(value, QuantizedTensor):
         stem = hf_name.removesuffix(".weight")
-        return {hf_name: mx.array(value.weight), f"{stem}.scales": mx.array(value.scales),
-                f"{stem}.biases": mx.array(value.biases)}  # fmt: skip
+        out = {hf_name: mx.array(value.weight), f"{stem}.scales": mx.array(value.scales)}
+        if value.biases is not None:  # mxfp4 has none
+            out[f"{stem}.biases"] = mx.array(value.biases)
+        return out
     if value.dtype == np.uint16:  # bf16 bits
         return {hf_name: mx.array(value).view(mx.bfloat16)}
     return {hf_name: mx.array(value)}
@@ -181,11 +184,9 @@ def unpermute_rows(name: str, array: Any, config: dict[str, Any]) -> Any:
     # a few tokens. Rows are the output features, so packed quantized weights,
     # scales and biases all permute the same way.
     if isinstance(array, QuantizedTensor):
-        return QuantizedTensor(
-            *(unpermute_rows(name, a, config) for a in (array.weight, array.scales, array.biases)),
-            array.bits,
-            array.group_size,
-        )
+        biases = None if array.biases is None else unpermute_rows(name, array.biases, config)
+        weight, scales = (unpermute_rows(name, a, config) for a in (array.weight, array.scales))
+        return QuantizedTensor(weight, scales, biases, array.bits, array.group_size, array.mode)
     if ".self_attn.q_proj." in name:
         heads = config["num_attention_heads"]
     elif ".self_attn.k_proj." in name:

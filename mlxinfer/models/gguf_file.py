@@ -3,8 +3,9 @@
 Every count, length, dimension and offset in the header is checked against the
 file before it is used, so a crafted or truncated file raises CorruptFileError
 instead of reaching native code. Q4_0, Q4_1 and Q8_0 blocks are repacked into
-MLX's affine layout exactly (same grid, no second rounding); other types are
-dequantized with the `gguf` package. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+MLX's affine layout exactly (same grid, no second rounding), MXFP4 blocks into
+MLX's mxfp4 layout (same codes and exponents); other types are dequantized with
+the `gguf` package. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 STRING, ARRAY = 8, 9
 F32, F16, Q4_0, Q4_1, Q8_0, BF16, MXFP4 = 0, 1, 2, 3, 8, 30, 39
 # type -> (elements per block, bytes per block)
-_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34)}
-REPACKED = (Q4_0, Q4_1, Q8_0)  # kept quantized (read() returns a QuantizedTensor); other types become floats
+_BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), MXFP4: (32, 17)}
+REPACKED = (Q4_0, Q4_1, Q8_0, MXFP4)  # kept quantized (read() returns a QuantizedTensor); other types become floats
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,15 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class QuantizedTensor:
-    """MLX affine-quantized triplet, as `mx.quantize` returns it (numpy arrays)."""
+    """An MLX-quantized tensor as `mx.quantize` returns it (numpy arrays): affine (weight, scales,
+    biases) or mxfp4 (weight and E8M0 exponents, no biases)."""
 
     weight: np.ndarray  # uint32, packed along the last axis
-    scales: np.ndarray  # float16
-    biases: np.ndarray  # float16
+    scales: np.ndarray  # float16 (affine) or uint8 (mxfp4: the power of two 2**(s - 127))
+    biases: np.ndarray | None  # float16; None for mxfp4
     bits: int
     group_size: int
+    mode: str = "affine"
 
 
 class GGUFFile:
@@ -91,7 +94,7 @@ class GGUFFile:
         self.close()
 
     def read(self, name: str) -> np.ndarray | QuantizedTensor:
-        """One tensor: a float array, or a QuantizedTensor for Q4_0/Q4_1/Q8_0."""
+        """One tensor: a float array, or a QuantizedTensor for Q4_0/Q4_1/Q8_0/MXFP4."""
         info = self.tensors[name]
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         if info.ggml_type == F32:
@@ -100,6 +103,8 @@ class GGUFFile:
             return raw.view(np.float16).reshape(info.shape)
         if info.ggml_type == BF16:
             return raw.view(np.uint16).reshape(info.shape)  # caller views as bfloat16
+        if info.ggml_type == MXFP4:
+            return _repack_mxfp4(raw, info)
         if info.ggml_type in REPACKED:
             return _repack(raw, info)
         from gguf import GGMLQuantizationType
@@ -249,11 +254,25 @@ def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
     return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 4), scale, bias, 4, 32), info.shape)
 
 
+def _repack_mxfp4(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
+    """GGUF MXFP4 blocks of 32 -> MLX mxfp4, exactly: the same 4-bit codes and E8M0 exponents, reordered.
+
+    llama.cpp's block_mxfp4 is one exponent byte e, then 16 bytes whose low nibble is element j and high
+    nibble element j + 16. Its values kvalues_mxfp4[q] * 2**(e - 127) / 2 are OCP E2M1[q] * 2**(e - 127)
+    (the table is E2M1 doubled), which is how MLX's mxfp4 reads code q with scale byte e."""
+    rows, cols = int(np.prod(info.shape[:-1])), info.shape[-1]
+    blocks = raw.reshape(rows, cols // 32, 17)
+    exponents, nibbles = blocks[..., 0].copy(), blocks[..., 1:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (rows, cols / 32, 32), in element order
+    return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 4), exponents, None, 4, 32, "mxfp4"), info.shape)
+
+
 def _shaped(t: QuantizedTensor, shape: tuple[int, ...]) -> QuantizedTensor:
-    """The triplet with the tensor's leading axes back (stacked experts are (experts, out, in))."""
+    """The tensor with its leading axes back (stacked experts are (experts, out, in))."""
     lead = shape[:-1]
+    biases = None if t.biases is None else t.biases.reshape(*lead, -1)
     return QuantizedTensor(
-        t.weight.reshape(*lead, -1), t.scales.reshape(*lead, -1), t.biases.reshape(*lead, -1), t.bits, t.group_size
+        t.weight.reshape(*lead, -1), t.scales.reshape(*lead, -1), biases, t.bits, t.group_size, t.mode
     )
 
 

@@ -3,8 +3,11 @@
 Bits and group size are read off each tensor's shapes rather than trusted from
 a config block, so mixed files (a GGUF with a Q8_0 embedding and Q4_1 layers, or
 per-layer recipes) load without a table: a packed uint32 row of an (out, in)
-weight holds `in * bits / 32` words, and there is one scale per group. Experts
-(mlx-lm's SwitchLinear, (experts, out, in)) are quantized the same way per expert.
+weight holds `in * bits / 32` words, and there is one scale per group. The mode
+is read off them too, as mlx-lm's `infer_quant_config` does: uint8 scales and no
+biases are mxfp4 (4 bits, groups of 32, a power-of-two scale each: gpt-oss's
+experts), float scales are affine. Experts (mlx-lm's SwitchLinear, (experts,
+out, in)) are quantized the same way per expert.
 """
 
 from __future__ import annotations
@@ -16,26 +19,31 @@ from ..errors import UnsupportedModelError, WeightMismatchError
 from ..untrusted import shown
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+MODES = ("affine", "mxfp4")
 
 
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], mode: str = "affine") -> int:
-    """Quantize every layer that has `<path>.scales` in `weights`; returns how many."""
-    if mode != "affine":
-        raise UnsupportedModelError(f"config.json: quantization mode {shown(mode)} is not supported (only 'affine')")
-    params: dict[str, tuple[int, int]] = {}
+    """Quantize every layer that has `<path>.scales` in `weights`; returns how many.
 
-    def predicate(path: str, module: nn.Module) -> dict[str, int] | bool:
+    `mode`: the config's default; each layer's own mode is read off its tensors (affine and mxfp4 mix)."""
+    if mode not in MODES:
+        raise UnsupportedModelError(
+            f"config.json: quantization mode {shown(mode)} is not supported (only {', '.join(map(repr, MODES))})"
+        )
+    params: dict[str, dict[str, int | str]] = {}
+
+    def predicate(path: str, module: nn.Module) -> dict[str, int | str] | bool:
         if f"{path}.scales" not in weights or not hasattr(module, "to_quantized"):
             return False
-        bits, group = _infer(path, module, weights)
-        params[path] = (bits, group)
-        return {"bits": bits, "group_size": group}
+        params[path] = _infer(path, module, weights)
+        return dict(params[path])  # nn.quantize may consume the dict
 
     nn.quantize(model, class_predicate=predicate)
     return len(params)
 
 
-def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> tuple[int, int]:
+def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict[str, int | str]:
+    """{"bits", "group_size", "mode"} of one layer's stored tensors."""
     packed, scales = weights.get(f"{path}.weight"), weights[f"{path}.scales"]
     # (out, in), or (experts, out, in) for mlx-lm's SwitchLinear: packed and scales keep the leading axes.
     ndim, in_features = module.weight.ndim, module.weight.shape[-1]
@@ -44,6 +52,8 @@ def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> tuple[
         raise WeightMismatchError(f"{path}: has scales but its weight is not a packed uint32 {what}")
     if scales.ndim != ndim or not scales.shape[-1]:
         raise WeightMismatchError(f"{path}.scales: shape {tuple(scales.shape)} is not one scale per group")
+    if scales.dtype == mx.uint8:  # integer scales are exponents (E8M0): mxfp4
+        return _mxfp4(path, packed.shape[-1], scales.shape[-1], in_features, f"{path}.biases" in weights)
     bits, rem = divmod(packed.shape[-1] * 32, in_features)
     if rem or bits not in SUPPORTED_BITS:
         raise WeightMismatchError(
@@ -52,4 +62,16 @@ def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> tuple[
     group, rem = divmod(in_features, scales.shape[-1])
     if rem or group not in (32, 64, 128):
         raise WeightMismatchError(f"{path}.scales: {scales.shape[-1]} groups do not divide {in_features} inputs")
-    return bits, group
+    return {"bits": bits, "group_size": group, "mode": "affine"}
+
+
+def _mxfp4(path: str, words: int, groups: int, in_features: int, has_biases: bool) -> dict[str, int | str]:
+    """mxfp4 allows exactly 4 bits in groups of 32 and has no biases: a row of `in` inputs is in/8 words."""
+    if has_biases:
+        raise WeightMismatchError(f"{path}: uint8 scales mean mxfp4, which has no biases, but {path}.biases is there")
+    if (words * 8, groups * 32) != (in_features, in_features):
+        raise WeightMismatchError(
+            f"{path}: mxfp4 (uint8 scales) rows of {in_features} inputs need {in_features // 8} packed words and "
+            f"{in_features // 32} scales, but the file has {words} and {groups}: damaged, or not this model's"
+        )
+    return {"bits": 4, "group_size": 32, "mode": "mxfp4"}

@@ -21,7 +21,7 @@ from .dense2026_config import (
     check_smollm3,
 )
 from .exaone4_config import EXAONE4_DEFAULTS, check_exaone4
-from .family_config import GPT_OSS_DEFAULTS, GRANITE_DEFAULTS, check_gpt_oss, check_granitemoehybrid
+from .family_config import GPT_OSS_DEFAULTS, GRANITE_DEFAULTS, check_gpt_oss, check_granitemoehybrid, check_olmo2
 from .gemma4_config import GEMMA4_DEFAULTS, check_gemma4
 from .granite_config import GRANITE3_DEFAULTS, check_granite
 from .moe_config import (
@@ -292,7 +292,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
     # ---- dense 2026 families (B) ----
     # OLMo 2/3: post-norms only, q/k RMSNorm over the whole projection (mlx-lm's modules do both).
-    "olmo2": ArchSpec("olmo2", whole_qk_norm=True, defaults={"rms_norm_eps": 1e-5}),
+    "olmo2": ArchSpec("olmo2", whole_qk_norm=True, defaults={"rms_norm_eps": 1e-5}, check_config=check_olmo2),
     "olmo3": ArchSpec(
         "olmo3",
         whole_qk_norm=True,
