@@ -38,8 +38,7 @@ MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists file names and digests: a few 
 MAX_ENTRIES = 100_000  # files in a folder we would delete; a 1 TB model in 1 GiB shards has ~1000
 # Every name a conversion writes; a folder holding anything else is not ours to delete.
 OUR_NAMES = re.compile(
-    r"model-\d{5,}-of-\d{5,}\.safetensors|shard-\d+\.partial\.safetensors|shard-\d+\.data\.partial|"
-    r"model\.safetensors\.index\.json|"
+    r"model-\d{5,}-of-\d{5,}\.safetensors|shard-\d+\.partial\.safetensors|model\.safetensors\.index\.json|"
     + "|".join(re.escape(name) for name in ("config.json", MANIFEST, *TOKENIZER_FILES)),
     re.ASCII,  # \d is 0-9 only, not every Unicode digit
 )

@@ -40,7 +40,15 @@ from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates, routers_at_8
 from .output_config import output_config
 from .output_folder import MANIFEST, AtomicFolder, check_apart, check_output, check_space
 from .sources import Quantized, Source, open_source
-from .writer import DEFAULT_SHARD_BYTES, ShardWriter, check_tokenizer_files, os_error, sha256_files, write_json
+from .writer import (
+    DEFAULT_SHARD_BYTES,
+    ShardWriter,
+    check_tokenizer_files,
+    header_bound,
+    os_error,
+    sha256_files,
+    write_json,
+)
 
 log = logging.getLogger(__name__)
 
@@ -425,8 +433,8 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
 
 
 def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: dict) -> tuple[list[str], int]:
-    writer = ShardWriter(folder, plan.settings.shard_bytes)
     shapes = plan.shapes or {n: plan.source.tensors[n].shape for n in plan.names}
+    writer = ShardWriter(folder, plan.settings.shard_bytes, header_bound(_written_names(plan, shapes)))
     with tqdm(total=plan.params, unit="", unit_scale=True, desc="converting weights", disable=not progress) as bar:
         for name, value in converted_tensors(plan.source, plan.names, plan.sanitize):
             for out_name, array in _encode(plan, name, value, rounded):
@@ -436,6 +444,18 @@ def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: 
             bar.update(math.prod(shapes[name]))
             bar.set_postfix_str(name, refresh=False)
     return writer.finish(), writer.total_bytes
+
+
+def _written_names(plan: ConversionPlan, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """{name: dimensions} of every tensor `_encode` may write: a quantized layer's scales and biases too."""
+    names = {}
+    for name, shape in shapes.items():
+        names[name] = len(shape)
+        path = name.removesuffix(".weight")
+        stored = getattr(plan.source.tensors.get(name), "dtype", "")
+        if name.endswith(".weight") and (plan.layers.get(path) or stored in BLOCK_BITS or stored == "MXFP4"):
+            names |= {f"{path}.scales": len(shape), f"{path}.biases": len(shape)}
+    return names
 
 
 def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounded: dict):

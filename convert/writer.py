@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from mlxinfer.tokenizer.tokenizer import MAX_TOKENIZER_BYTES
 from mlxinfer.untrusted import MAX_SIDE_FILE_BYTES, shown_path
 
 DEFAULT_SHARD_BYTES = 1 << 30
+HEADER_BYTES = 64 << 10  # per shard, when the caller names no bound (header_bound)
 SAFETENSORS_DTYPES = {
     mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32", mx.int32: "I32",
     mx.uint8: "U8", mx.int8: "I8", mx.uint16: "U16", mx.int16: "I16", mx.int64: "I64", mx.uint64: "U64",
@@ -64,16 +64,20 @@ def writing(path: str | Path) -> Iterator[None]:
 
 
 class ShardWriter:
-    """Writes each tensor's bytes to disk as it arrives; a shard is closed once `max_bytes` are written.
+    """Writes each tensor's bytes to its shard file as it arrives; a shard closes at `max_bytes`.
 
-    A safetensors header lists every tensor's offsets before the data, so a shard's data goes to a side
-    file first and is copied behind its header when the shard closes: memory holds one tensor, never a
-    shard (a 1 GiB pending shard was most of a small MoE conversion's peak)."""
+    A safetensors header lists every tensor's offsets before the data, so each shard starts with
+    `header_bytes` reserved for it (the format allows a header padded with spaces), filled in when the
+    shard closes; a shard whose header would outgrow the space closes early. Memory holds one tensor,
+    never a shard (a 1 GiB pending shard was most of a small MoE conversion's peak), and the disk holds
+    nothing twice."""
 
-    def __init__(self, folder: Path, max_bytes: int = DEFAULT_SHARD_BYTES):
+    def __init__(self, folder: Path, max_bytes: int = DEFAULT_SHARD_BYTES, header_bytes: int = HEADER_BYTES):
         self.folder, self.max_bytes = folder, max_bytes
+        self.header_bytes = _aligned(max(header_bytes, len(_header({}))))
         self._entries: dict[str, dict[str, Any]] = {}
-        self._data: BinaryIO | None = None
+        self._file: BinaryIO | None = None
+        self._reserved = 0  # this shard's header space
         self._written = 0
         self._shards: list[list[str]] = []
         self.total_bytes = 0
@@ -81,41 +85,35 @@ class ShardWriter:
     def add(self, name: str, array: mx.array) -> None:
         mx.eval(array)
         data = memoryview(array).tobytes()  # C order, whatever the array's strides
-        if self._data is None:
-            self._data = self._open(self._data_path)
-        with writing(self._data_path):
-            self._data.write(data)
-        dtype = SAFETENSORS_DTYPES[array.dtype]
-        self._entries[name] = {
-            "dtype": dtype,
-            "shape": list(array.shape),
-            "data_offsets": [self._written, self._written + len(data)],
-        }
+        entry = {"dtype": SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [0, 0]}
+        if self._file is not None and len(_header({**self._entries, name: _widest(entry)})) > self._reserved:
+            self.flush()
+        if self._file is None:
+            self._reserved = max(self.header_bytes, _aligned(len(_header({name: _widest(entry)}))))
+            with writing(self._path):
+                self._file = open(self._path, "xb")  # a new file only: nothing is written through a planted link
+                self._file.seek(8 + self._reserved)
+        with writing(self._path):
+            self._file.write(data)
+        entry["data_offsets"] = [self._written, self._written + len(data)]
+        self._entries[name] = entry
         self._written += len(data)
         if self._written >= self.max_bytes:
             self.flush()
 
     @property
-    def _data_path(self) -> Path:
-        return self.folder / f"shard-{len(self._shards)}.data.partial"
-
-    @staticmethod
-    def _open(path: Path) -> BinaryIO:
-        with writing(path):
-            return open(path, "xb")  # a new file only: nothing is written through a planted link
+    def _path(self) -> Path:
+        return self.folder / f"shard-{len(self._shards)}.partial.safetensors"
 
     def flush(self) -> None:
-        if self._data is None:
+        if self._file is None:
             return
-        data_path, self._data = self._data_path, self._data.close()
-        header = json.dumps({"__metadata__": {"format": "mlx"}, **self._entries}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
-        path = self.folder / f"shard-{len(self._shards)}.partial.safetensors"
-        with writing(path), open(path, "xb") as f, open(data_path, "rb") as data:
-            f.write(struct.pack("<Q", len(header)) + header)
-            shutil.copyfileobj(data, f, 1 << 24)
-        with writing(data_path):
-            os.unlink(data_path)
+        header = _header(self._entries)
+        with writing(self._path):
+            self._file.seek(0)
+            self._file.write(struct.pack("<Q", self._reserved) + header + b" " * (self._reserved - len(header)))
+            self._file.close()
+        self._file = None
         self._shards.append(sorted(self._entries))
         self.total_bytes += self._written
         self._entries, self._written = {}, 0
@@ -133,6 +131,27 @@ class ShardWriter:
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         write_json(self.folder / "model.safetensors.index.json", index)
         return names
+
+
+def header_bound(tensors: dict[str, int]) -> int:
+    """Header bytes that hold `tensors` ({name: number of dimensions}) whatever their sizes."""
+    widest = {
+        name: _widest({"dtype": "BF16", "shape": [0] * ndim, "data_offsets": [0, 0]}) for name, ndim in tensors.items()
+    }
+    return _aligned(len(_header(widest)))
+
+
+def _header(entries: dict[str, dict[str, Any]]) -> bytes:
+    return json.dumps({"__metadata__": {"format": "mlx"}, **entries}, separators=(",", ":")).encode()
+
+
+def _widest(entry: dict[str, Any]) -> dict[str, Any]:
+    """`entry` with every number as wide as it can get (offsets up to 2**64, dimensions up to 2**31)."""
+    return {**entry, "shape": [2**31] * len(entry["shape"]), "data_offsets": [2**64, 2**64]}
+
+
+def _aligned(n: int) -> int:
+    return n + (-(n + 8) % 8)  # the data starts 8-byte aligned (after the 8-byte length)
 
 
 def write_json(path: Path, value: Any) -> None:

@@ -23,12 +23,13 @@ def chat_stopped_once(monkeypatch, model: str, method: str, at: int, prefill_chu
     stream = Model.stream
 
     def recorded(self, *args, **options):
+        if not runs:  # counted from the first turn: loading runs the model on probes too
+            interrupt_on_call(monkeypatch, method, at)
         run = stream(self, *args, **{**options, "prefill_chunk_tokens": prefill_chunk_tokens})
         runs.append((self, run))
         return run
 
     monkeypatch.setattr(Model, "stream", recorded)
-    interrupt_on_call(monkeypatch, method, at)
     result = CliRunner().invoke(main, ["chat", model, "--max-tokens", "4"], input="\n".join(QUESTIONS) + "\n")
     assert result.exit_code == 0, result.output
     assert result.stdout.count("[stopped]") == 1

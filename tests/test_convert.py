@@ -313,3 +313,27 @@ def test_eval_command_reports_perplexity(tmp_path):
     result = CliRunner().invoke(main, ["eval", str(TINY / "llama_classic"), "--text", str(text)])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("perplexity ")
+
+
+def test_shards_are_written_tensor_by_tensor_and_close_when_their_header_space_is_full(tmp_path):
+    from mlxinfer.convert.writer import ShardWriter
+    from safetensors import safe_open
+
+    tensors = {
+        "a.weight": mx.arange(12, dtype=mx.float32).reshape(3, 4).T,  # a strided view: written in C order
+        "b.weight": mx.arange(6, dtype=mx.float32).astype(mx.bfloat16),
+        "b.scales": mx.array([7, 8], dtype=mx.uint32),
+    }
+    one_entry = ShardWriter(tmp_path / "small", header_bytes=0)  # room for one tensor's header per shard
+    roomy = ShardWriter(tmp_path / "roomy")
+    for writer in (one_entry, roomy):
+        writer.folder.mkdir()
+        for name, value in tensors.items():
+            writer.add(name, value)
+    for writer, shards in ((one_entry, 3), (roomy, 1)):
+        files = [writer.folder / f for f in writer.finish()]
+        assert len(files) == shards
+        loaded = {k: v for f in files for k, v in mx.load(str(f)).items()}
+        assert all(mx.array_equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+        with safe_open(str(files[0]), "np") as f:  # the reference reader accepts the padded header
+            assert set(f.keys()) <= set(tensors)

@@ -95,7 +95,9 @@ class KVLayout:
         """The layout of cache/layers.py's caches for `kinds` (default: all full attention).
 
         Attention layers keep keys and values, or their (packed, scales, biases) triplets;
-        recurrent layer i keeps arrays shaped like `states[i]` (its slots after any input)."""
+        recurrent layer i keeps arrays shaped like `states[i]` (its slots after any input). An attention
+        layer with `states[i]` (its cache's arrays after one token) keeps arrays of those widths: layers of
+        one model may differ (Gemma 4's global layers, DeepSeek's keys and values)."""
         name = DTYPE_NAMES[dtype]
         if kv_bits is None:
             kv = ((name, (1, kv_heads, 0, head_dim)),) * 2
@@ -108,7 +110,9 @@ class KVLayout:
             if kind in RECURRENT:
                 found.append(LayerLayout(tuple(_spec(a) for a in (states or {})[i]), state=True))
             else:
-                found.append(LayerLayout(kv, window if kind == SLIDING else None))
+                arrays = (states or {}).get(i)
+                held = kv if arrays is None else tuple(_no_positions(_spec(a)) for a in arrays)
+                found.append(LayerLayout(held, window if kind == SLIDING else None))
         return cls(tuple(found), max_tokens)
 
     @property
@@ -138,6 +142,11 @@ class KVLayout:
         if positions is None:
             positions = () if self.cuttable else (tokens,)
         return self.data_bytes(tokens, positions) + 4096 + 128 * len(self.tensors(tokens, positions))
+
+
+def _no_positions(spec: Spec) -> Spec:
+    dtype, shape = spec
+    return dtype, (*shape[:2], 0, *shape[3:])
 
 
 def _spec(array: mx.array | None) -> Spec:

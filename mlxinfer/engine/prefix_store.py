@@ -13,7 +13,7 @@ import logging
 
 import mlx.core as mx
 
-from ..cache import RECURRENT, PrefixStore, StateCache, fingerprint, make_cache
+from ..cache import PrefixStore, StateCache, fingerprint, make_cache
 from ..cache.store import KVLayout
 from ..default_model import cache_dir
 from ..errors import CacheError
@@ -48,16 +48,15 @@ def prefix_store_for(
 
 
 def _state_slots(loaded: LoadedModel, kv_bits: int | None) -> dict[int, tuple[mx.array | None, ...]]:
-    """Each recurrent layer's state after one token: every snapshot of it has these shapes and dtypes."""
+    """Each layer's arrays after one token: a recurrent layer's state (every snapshot of it has these shapes
+    and dtypes), an attention layer's keys and values (their widths; nothing is computed for those)."""
     model = loaded.model
-    if all(kind not in RECURRENT for kind, _ in model.cache_kinds):
-        return {}
     caches = make_cache(model.cache_kinds, kv_bits)
     try:
-        model.hidden(mx.array([[0]], dtype=mx.uint32), caches)  # its size does not grow with the input
-        return {i: c.snapshot() for i, c in enumerate(caches) if isinstance(c, StateCache)}
+        model.hidden(mx.array([[0]], dtype=mx.uint32), caches)  # a state's size does not grow with the input
+        return {i: c.snapshot() if isinstance(c, StateCache) else c.state for i, c in enumerate(caches)}
     except (RuntimeError, ValueError) as e:  # what MLX raises for an op it cannot run here
-        raise CacheError(f"{loaded.path}: cannot run a token to learn its recurrent state's shapes ({e})") from None
+        raise CacheError(f"{loaded.path}: cannot run a token to learn its caches' shapes ({e})") from None
 
 
 def _fingerprint(loaded: LoadedModel, kv_bits: int | None) -> str:
