@@ -16,11 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxinfer.models.family_config import GPT_OSS_YARN
-
 from .convert_bench import _bits_per_weight, _timed_conversion
 from .hybrid_bench import decode_row
-from .hybrid_models import TINY, Shape, build_checkpoint, mlx_lm_view, shape_summary
+from .hybrid_models import SHAPES, TINY, Shape, build_checkpoint, mlx_lm_view, shape_summary
 
 PEAK_GOAL = 0.5  # mlxinfer's converter peak RSS at most this fraction of mlx_lm.convert's
 MOE_SHAPES = {
@@ -48,28 +46,12 @@ MOE_SHAPES = {
             tie_word_embeddings=False,
         ),
     ),
+    # The hybrid bench's gpt-oss (its windows, YaRN and GQA), with the experts holding most of the weights.
     "gpt_oss": Shape(
         "gpt-oss-20b scaled down: head_dim 64, 8:1 GQA, 128-token windows, YaRN; 32 experts (top 4) of width 512; "
         "8 layers, hidden 1024, vocabulary 32768",
-        dict(
-            model_type="gpt_oss",
-            vocab_size=32768,
-            hidden_size=1024,
-            num_hidden_layers=8,
-            layer_types=["sliding_attention", "full_attention"] * 4,
-            sliding_window=128,
-            num_attention_heads=16,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_local_experts=32,
-            num_experts_per_tok=4,
-            intermediate_size=256,
-            attention_bias=True,
-            rope_parameters={"rope_theta": 150000.0, **GPT_OSS_YARN},  # gpt-oss's own
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-        ),
+        SHAPES["gpt_oss"].config
+        | {"vocab_size": 32768, "hidden_size": 1024, "num_local_experts": 32, "intermediate_size": 256},
     ),
 }
 
