@@ -78,6 +78,7 @@ class ShardWriter:
         self._entries: dict[str, dict[str, Any]] = {}
         self._file: BinaryIO | None = None
         self._reserved = 0  # this shard's header space
+        self._header_size = 0  # at most what its header takes so far (entries counted at their widest)
         self._written = 0
         self._shards: list[list[str]] = []
         self.total_bytes = 0
@@ -86,10 +87,12 @@ class ShardWriter:
         mx.eval(array)
         data = memoryview(array).tobytes()  # C order, whatever the array's strides
         entry = {"dtype": SAFETENSORS_DTYPES[array.dtype], "shape": list(array.shape), "data_offsets": [0, 0]}
-        if self._file is not None and len(_header({**self._entries, name: _widest(entry)})) > self._reserved:
+        needed = _entry_bytes(name, entry)
+        if self._file is not None and self._header_size + needed > self._reserved:
             self.flush()
         if self._file is None:
-            self._reserved = max(self.header_bytes, _aligned(len(_header({name: _widest(entry)}))))
+            self._header_size = len(_header({}))
+            self._reserved = max(self.header_bytes, _aligned(self._header_size + needed))
             with writing(self._path):
                 self._file = open(self._path, "xb")  # a new file only: nothing is written through a planted link
                 self._file.seek(8 + self._reserved)
@@ -97,6 +100,7 @@ class ShardWriter:
             self._file.write(data)
         entry["data_offsets"] = [self._written, self._written + len(data)]
         self._entries[name] = entry
+        self._header_size += needed
         self._written += len(data)
         if self._written >= self.max_bytes:
             self.flush()
@@ -135,14 +139,17 @@ class ShardWriter:
 
 def header_bound(tensors: dict[str, int]) -> int:
     """Header bytes that hold `tensors` ({name: number of dimensions}) whatever their sizes."""
-    widest = {
-        name: _widest({"dtype": "BF16", "shape": [0] * ndim, "data_offsets": [0, 0]}) for name, ndim in tensors.items()
-    }
-    return _aligned(len(_header(widest)))
+    entries = ((name, {"dtype": "BF16", "shape": [0] * ndim}) for name, ndim in tensors.items())
+    return _aligned(len(_header({})) + sum(_entry_bytes(name, entry) for name, entry in entries))
 
 
 def _header(entries: dict[str, dict[str, Any]]) -> bytes:
     return json.dumps({"__metadata__": {"format": "mlx"}, **entries}, separators=(",", ":")).encode()
+
+
+def _entry_bytes(name: str, entry: dict[str, Any]) -> int:
+    """The most bytes one tensor's entry adds to a header: its numbers at their widest, its comma included."""
+    return len(json.dumps({name: _widest(entry)}, separators=(",", ":")).encode()) - 1  # - {} + ","
 
 
 def _widest(entry: dict[str, Any]) -> dict[str, Any]:
