@@ -50,6 +50,9 @@ def footprint(loaded: LoadedModel, kv_bits: int | None = None) -> ModelFootprint
     kinds = [kind for kind, _ in loaded.model.cache_kinds]
     has_attention = any(kind in ATTENTION for kind in kinds)
     recurrent = sum(kind not in ATTENTION for kind in kinds)
+    width, state = _probe(loaded.model)  # what the caches will really hold
+    if recurrent and config.verified:  # the larger of a prefill chunk's and a decode step's state
+        state = recurrent_state_bytes(loaded.model)
     moe = moe_layout(config, str(loaded.path))
     experts = resident_experts(loaded.model, moe.experts_per_token if moe else 0)
     intermediate = int(args.get("intermediate_size", 4 * config.hidden_size))
@@ -58,8 +61,7 @@ def footprint(loaded: LoadedModel, kv_bits: int | None = None) -> ModelFootprint
     return ModelFootprint(
         weights_bytes=loaded.weights_bytes,
         full_layers=kinds.count(FULL),
-        # Attention shapes: a model without attention layers stores no KV, whatever its config says.
-        **_attention_shape(loaded, has_attention),
+        **_attention_shape(loaded, width if has_attention else 0),
         hidden=config.hidden_size,
         intermediate=intermediate,
         vocab=config.vocab_size,
@@ -69,9 +71,7 @@ def footprint(loaded: LoadedModel, kv_bits: int | None = None) -> ModelFootprint
         sliding_layers=kinds.count(SLIDING),
         window=config.sliding_window,
         recurrent_layers=recurrent,
-        state_bytes=(recurrent_state_bytes(loaded.model) if loaded.config.verified else _probe(loaded.model)[1])
-        if recurrent
-        else 0,
+        state_bytes=state,
         experts=experts.experts,
         experts_per_token=experts.experts_per_token,
         expert_bytes=experts.nbytes,
@@ -112,12 +112,12 @@ def resident_experts(model: nn.Module, experts_per_token: int) -> ResidentExpert
     return ResidentExperts(experts, experts_per_token if experts else 0, nbytes, active)
 
 
-def _attention_shape(loaded: LoadedModel, has_attention: bool) -> dict[str, int]:
-    """kv_heads, head_dim and heads of the attention layers (0 without any)."""
+def _attention_shape(loaded: LoadedModel, width: int) -> dict[str, int]:
+    """kv_heads, head_dim and heads of the attention layers, whose widest keeps `width` K and V elements per
+    position (0: no attention layers, no KV whatever the config says)."""
     args = loaded.config.args
-    if not has_attention:
+    if not width:
         return {"kv_heads": 0, "head_dim": 0, "heads": 0}
-    width = _probe(loaded.model)[0]  # what the caches will really hold
     if loaded.config.verified:
         shape = {k: int(args[key]) for k, key in _ATTENTION_KEYS.items()}
         if 2 * shape["kv_heads"] * shape["head_dim"] == width:
