@@ -276,17 +276,12 @@ def _refuse_code_and_foreign_quantization(raw: dict[str, Any], source: str) -> N
         log.warning("%s: ignoring 'auto_map' (mlxinfer never imports code from a model folder)", source)
     qcfg = raw.get("quantization_config")
     # gpt-oss's Hub checkpoints store their experts in MXFP4, which MLX runs as it is (models/weights_gpt_oss.py).
-    native = _text_type(raw) == "gpt_oss" and isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4"
+    native = raw.get("model_type") == "gpt_oss" and isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4"
     if isinstance(qcfg, dict) and "quant_method" in qcfg and not native:
         raise UnsupportedModelError(
             f"{source}: quantization_config.quant_method={shown(qcfg['quant_method'])} is not supported; "
             "use an unquantized checkpoint or an MLX-quantized folder (mlxinfer convert)"
         )
-
-
-def _text_type(raw: dict[str, Any]) -> Any:
-    nested = raw.get("text_config")
-    return nested.get("model_type") if isinstance(nested, dict) else raw.get("model_type")
 
 
 def _positive_int(args: dict[str, Any], key: str, source: str, limit: int = MAX_DIM) -> int:

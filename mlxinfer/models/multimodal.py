@@ -50,17 +50,21 @@ class Wrapper:
 _LANGUAGE_MODEL = (("model.language_model.", "model."), ("language_model.model.", "model."),
                    ("language_model.lm_head.", "lm_head."))  # fmt: skip
 
+# Vision tower and projector, under both transformers 5's prefix and the older one (Gemma 3, Mistral 3).
+_TOWER_AND_PROJECTOR = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+_QWEN_VISUAL = ("model.visual.", "visual.", "vision_tower.")
+
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": Wrapper(
         "gemma3_text",
         tied_by_default=True,
         text_prefixes=_LANGUAGE_MODEL,
-        vision_prefixes=(
-            "vision_tower.",
-            "multi_modal_projector.",
-            "model.vision_tower.",
-            "model.multi_modal_projector.",
-        ),
+        vision_prefixes=_TOWER_AND_PROJECTOR,
         text_defaults={
             "vocab_size": 262_208,
             "hidden_size": 2304,
@@ -81,26 +85,21 @@ WRAPPERS: dict[str, Wrapper] = {
         "qwen3_5_text",
         tied_by_default=False,
         text_prefixes=_LANGUAGE_MODEL,
-        vision_prefixes=("model.visual.", "visual.", "vision_tower."),
+        vision_prefixes=_QWEN_VISUAL,
         flat_text=True,
     ),
     "qwen3_5_moe": Wrapper(
         "qwen3_5_moe_text",
         tied_by_default=False,
         text_prefixes=_LANGUAGE_MODEL,
-        vision_prefixes=("model.visual.", "visual.", "vision_tower."),
+        vision_prefixes=_QWEN_VISUAL,
         flat_text=True,
     ),
     "mistral3": Wrapper(
         "mistral",
         tied_by_default=True,  # Mistral3Config's default
         text_prefixes=_LANGUAGE_MODEL,
-        vision_prefixes=(
-            "vision_tower.",
-            "multi_modal_projector.",
-            "model.vision_tower.",
-            "model.multi_modal_projector.",
-        ),
+        vision_prefixes=_TOWER_AND_PROJECTOR,
         other_text_types=("ministral3",),
     ),
     "gemma4": Wrapper(
