@@ -88,3 +88,11 @@ class PortInUseError(BindError):
 
 class TrayError(MlxInferError):
     """There is nowhere to show the tray icon (no display, no system tray), or the icon failed to show."""
+
+
+class GrammarError(SamplingError):
+    """A structured-output constraint (JSON schema, regex, choices, grammar) is invalid or unsupported."""
+
+
+class ToolCallError(MlxInferError, ValueError):
+    """Tools, tool_choice or tool messages are malformed, or the model has no tool-calling syntax mlxinfer knows."""

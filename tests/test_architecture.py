@@ -23,6 +23,7 @@ FORBIDDEN = {
     "memory": {"ui", "server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
     "display": {"models", "tokenizer", "cache", "memory", "engine", "api", "server", "ui", "bench", "cli", "data"},
     "data": {"ui", "server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
+    "grammar": {"ui", "server", "models", "cache", "engine", "memory", "api", "bench", "cli", "convert", "quantize", "chat"},
 }
 # Leaf modules that every room may use: they import nothing of ours but errors.
 LEAVES = ("untrusted", "disk")

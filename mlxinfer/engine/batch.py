@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from ..cache import Cache, PrefixHit, Snapshot
 from ..cache.batch import add_row, drop_rows, row_cache
+from ..grammar import allowed_tokens
 from ..models.decoder import DecoderLM
 from .job import Job
 from .sampling import Sampler
@@ -31,6 +32,7 @@ class Running:
     drawn: list[int] = field(default_factory=list)  # sampled tokens; all but the last are in the cache
     first_token_at: float = 0.0
     snapshots: dict[int, Snapshot] = field(default_factory=dict)  # state snapshots from its prefill
+    failure: Exception | None = None  # why it ends in error rather than normally (its grammar failed)
 
     @property
     def token(self) -> int:
@@ -82,17 +84,27 @@ class DecodeBatch:
         assert self.cache is not None
         return row_cache(self.cache, row, self.model.cache_kinds, self.kv_bits)
 
+    @property
+    def constrained(self) -> bool:
+        """Some row draws under a grammar: its next mask needs this step's token first, so no step is queued."""
+        return any(s.job.constraint is not None for s in self.rows)
+
     def step(self, pipelined: bool = False) -> list[int]:
         """Feed every row its last drawn token; returns the next token of each row."""
         assert self.cache is not None
         picked = self._queued if self._queued is not None else self._launch(mx.array([s.token for s in self.rows]))
-        self._queued = self._launch(picked) if pipelined else None
+        self._queued = self._launch(picked) if pipelined and not self.constrained else None
         return picked.tolist()
 
     def _launch(self, tokens: mx.array) -> mx.array:
         """Start computing the tokens that follow `tokens` (one per row, maybe not evaluated yet)."""
         logits = self.model(tokens.astype(mx.uint32).reshape(-1, 1), self.cache)[:, -1]
-        picked = mx.stack([s.sampler(logits[i]) for i, s in enumerate(self.rows)])
+        allowed = None
+        if self.constrained:
+            mx.async_eval(logits)  # the device runs the step while the grammars compute their masks
+            allowed = allowed_tokens([s.job.constraint for s in self.rows], logits.shape[-1])
+        rows = [s.sampler(logits[i], None if allowed is None else allowed[i]) for i, s in enumerate(self.rows)]
+        picked = mx.stack(rows)
         mx.async_eval(picked)
         return picked
 

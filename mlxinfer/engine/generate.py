@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ..cache import Cache
 from ..errors import SamplingError
+from ..grammar import Constraint
 from ..models.decoder import DecoderLM
 from ..untrusted import shown
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill
@@ -32,6 +33,7 @@ class GenerationRequest:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     kv_bits: int | None = None  # 8 or 4: keys and values stored quantized
     snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
+    constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn
 
 
 def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens: int) -> mx.array:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..grammar import Constraint
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .text import check_stops
@@ -59,6 +60,8 @@ class Job:
     eos_token_ids: frozenset[int] | None = None  # None: the model's
     use_cache: bool = True  # False: neither reuse nor keep prefixes
     warm: bool = False  # prefill only, and keep the prompt's state in the prefix cache and its store (Model.warm)
+    constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn
+    keep_special_tokens: bool = False  # text keeps special tokens (tool-call and reasoning markup to parse)
     submitted_at: float = 0.0
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from ..cache import Cache, PrefixCache, PrefixHit, held_positions, make_cache
-from ..errors import ConfigError, MemoryBudgetError, RequestTimeoutError, SamplingError
+from ..errors import ConfigError, GrammarError, MemoryBudgetError, RequestTimeoutError, SamplingError
+from ..grammar import allowed_tokens
 from ..memory import MachineMemory, ModelFootprint, batch_peak_bytes, machine_memory
 from ..models.decoder import DecoderLM
 from ..tokenizer import Tokenizer
@@ -265,8 +266,7 @@ class BatchLoop:
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
         sampler = Sampler(job.sampling, self._vocab)
         sampler.observe(prompt)
-        decode = runtime.tokenizer.decode if runtime.tokenizer else _no_text
-        sequence = Running(job, sampler, TextStream(decode, job.stop), hit)
+        sequence = Running(job, sampler, TextStream(self._decoder(job), job.stop), hit)
         # Where this prompt leaves a cached one is where the next ones sharing it will want to resume.
         marks = [*message_ends(prompt_ids, runtime.eos_token_ids), shared]
         inherited = hit.snapshots if hit else None
@@ -276,6 +276,14 @@ class BatchLoop:
         run = Prefill.start(runtime.decoder, cache, rest, chunk, every, marks, inherited, before_end=not job.warm)
         sequence.snapshots = run.snapshots  # the same dict: snapshots taken later join it
         return _Prefill(run, sequence)
+
+    def _decoder(self, job: Job) -> Callable[[list[int]], str]:
+        tokenizer = self.runtime.tokenizer
+        if tokenizer is None:
+            return _no_text
+        if job.keep_special_tokens:  # the caller parses markup made of special tokens (tool calls, channels)
+            return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+        return tokenizer.decode
 
     def _shared(self, job: Job, hit: PrefixHit | None) -> int:
         """Tokens the prompt shares with the prefix cache (beyond where a hit could resume, for a snapshot there)."""
@@ -295,7 +303,13 @@ class BatchLoop:
         if p.sequence.job.warm:
             self._keep_warmed(p.sequence, p.run.cache)
             return
-        token = p.sequence.sampler(self.runtime.decoder.head(hidden[:, -1])[0])
+        logits = self.runtime.decoder.head(hidden[:, -1])[0]
+        constraint = p.sequence.job.constraint
+        allowed = None
+        if constraint is not None:
+            mx.async_eval(logits)  # the device finishes the prompt while the grammar computes its first mask
+            allowed = allowed_tokens([constraint], logits.shape[-1])[0]
+        token = p.sequence.sampler(logits, allowed)
         mx.eval(token)
         sequence, stats = p.sequence, p.sequence.job.stats
         sequence.first_token_at = time.perf_counter()
@@ -330,8 +344,14 @@ class BatchLoop:
         if token in (self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids):
             return "stop"
         job.stats.generated_tokens += 1
+        if job.constraint is not None:
+            try:
+                job.constraint.advance(token)
+            except GrammarError as error:  # this request's grammar failed (a limit hit): end it, not the batch
+                sequence.failure = error
+                return "error"
         _emit(job, Delta(sequence.text.add(token), 1, token))  # text may be "" (a character still incomplete)
-        if sequence.text.stopped:
+        if sequence.text.stopped or (job.constraint is not None and job.constraint.finished):
             return "stop"
         return "length" if job.stats.generated_tokens >= job.max_tokens else None
 
@@ -368,6 +388,9 @@ class BatchLoop:
 
     def _finish(self, sequence: Running, reason: str) -> None:
         job, now = sequence.job, time.perf_counter()
+        if sequence.failure is not None:
+            _emit(job, Failed(sequence.failure))
+            return
         tail = sequence.text.finish() if reason != "cancelled" else ""
         if tail:
             _emit(job, Delta(tail, 0))

@@ -75,13 +75,16 @@ class Sampler:
         if self._seen is not None:
             self._seen[tokens.reshape(-1)] = True
 
-    def __call__(self, logits: mx.array) -> mx.array:
-        """Pick one token from logits of shape (vocab,); returns a uint32 scalar array."""
+    def __call__(self, logits: mx.array, allowed: mx.array | None = None) -> mx.array:
+        """Pick one token from logits of shape (vocab,), among the `allowed` ones (a boolean mask) if given;
+        returns a uint32 scalar array."""
         p = self.params
         logits = logits.astype(mx.float32)
         if self._seen is not None:
             penalized = mx.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
             logits = mx.where(self._seen, penalized, logits)
+        if allowed is not None:  # before top-k/top-p: they choose among the tokens the grammar allows
+            logits = mx.where(allowed, logits, mx.array(-math.inf, dtype=logits.dtype))
         if p.is_greedy:
             token = mx.argmax(logits, axis=-1)
         else:

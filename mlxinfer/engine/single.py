@@ -72,6 +72,7 @@ def job_for(request: GenerationRequest, stop: Sequence[str], stats: GenerationSt
         snapshot_every=request.snapshot_every,
         eos_token_ids=frozenset(request.eos_token_ids),
         use_cache=use_cache,
+        constraint=request.constraint,
     )
 
 

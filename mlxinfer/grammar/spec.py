@@ -1,0 +1,99 @@
+"""A constraint as data: which texts a generation may produce, as llguidance grammar text.
+
+Nothing here compiles anything: building the grammar text is cheap and bounded by
+the input's size, so a request is checked and keyed (for the compiled cache)
+before any real work. JSON is compact (no free whitespace), as OpenAI's is: a model
+may not pad its answer with endless spaces, and every output that matches parses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from ..errors import GrammarError
+from ..untrusted import shown
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar; real ones are a few KB
+MAX_CHOICES = 1024
+_COMPACT_JSON = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a generation must match: `kind` for messages, `text` for llguidance (and the compiled cache's key)."""
+
+    kind: str  # "json_schema", "json_object", "regex", "choices" or "lark"
+    text: str
+    where: str = "grammar"  # the request field it came from, named in errors
+
+
+def json_schema(schema: Any, where: str = "schema") -> Grammar:
+    """Output that is a JSON document valid against `schema` (a dict, its JSON text, or a pydantic model class).
+
+    Example:
+        >>> json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    """
+    schema = schema_of(schema, where)
+    return Grammar(
+        "json_schema", _bounded(llguidance.LLMatcher.grammar_from_json_schema(schema, _COMPACT_JSON), where), where
+    )
+
+
+def json_object(where: str = "response_format") -> Grammar:
+    """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
+    return Grammar(
+        "json_object", llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, _COMPACT_JSON), where
+    )
+
+
+def regex(pattern: str, where: str = "regex") -> Grammar:
+    """Output that matches `pattern` whole (Rust regex syntax, no look-around or back-references)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError(f"{where} must be a non-empty regular expression string, got {shown(pattern)}")
+    return Grammar("regex", _bounded(llguidance.LLMatcher.grammar_from_regex(pattern), where), where)
+
+
+def choices(options: Sequence[str], where: str = "choices") -> Grammar:
+    """Output that is exactly one of `options`."""
+    if isinstance(options, str) or not isinstance(options, Sequence) or not options or len(options) > MAX_CHOICES:
+        raise GrammarError(f"{where} must be a list of 1 to {MAX_CHOICES} strings, got {shown(options)}")
+    if not all(isinstance(o, str) and o for o in options):
+        raise GrammarError(f"{where} must hold non-empty strings only, got {shown(options)}")
+    # JSON string escapes are Lark string escapes: any text becomes one literal.
+    return Grammar("choices", _bounded("start: " + " | ".join(json.dumps(o) for o in options), where), where)
+
+
+def lark(text: str, where: str = "grammar") -> Grammar:
+    """Output that matches a Lark grammar in llguidance's dialect (`start` is the whole output)."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError(f"{where} must be non-empty Lark grammar text, got {shown(text)}")
+    return Grammar("lark", _bounded(llguidance.LLMatcher.grammar_from_lark(text), where), where)
+
+
+def schema_of(schema: Any, where: str = "schema") -> dict[str, Any]:
+    """`schema` as a JSON-schema dict: given as one, as JSON text, or as a pydantic model class."""
+    if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # pydantic v2, without importing it
+        schema = schema.model_json_schema()
+    if isinstance(schema, str):
+        if len(schema) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"{where} has {len(schema):,} characters; at most {MAX_GRAMMAR_CHARS:,} are accepted")
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise GrammarError(f"{where} is not valid JSON: {e}") from None
+    if isinstance(schema, bool):  # true/false are valid schemas, but false admits nothing
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, Mapping):
+        raise GrammarError(f"{where} must be a JSON schema object (or a pydantic model class), got {shown(schema)}")
+    return dict(schema)
+
+
+def _bounded(text: str, where: str) -> str:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{where} makes a grammar of {len(text):,} characters; at most {MAX_GRAMMAR_CHARS:,}")
+    return text
