@@ -341,15 +341,18 @@ class BatchLoop:
         """Take a sampled token: emit its text; returns why the sequence ends, or None."""
         sequence.drawn.append(token)
         job = sequence.job
-        if token in (self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids):
-            return "stop"
-        job.stats.generated_tokens += 1
+        is_eos = token in (self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids)
         if job.constraint is not None:
             try:
-                job.constraint.advance(token)
+                job.constraint.check()  # a mask past a grammar limit allows EOS only: that EOS is no answer
+                if not is_eos:
+                    job.constraint.advance(token)
             except GrammarError as error:  # this request's grammar failed (a limit hit): end it, not the batch
                 sequence.failure = error
                 return "error"
+        if is_eos:
+            return "stop"
+        job.stats.generated_tokens += 1
         _emit(job, Delta(sequence.text.add(token), 1, token))  # text may be "" (a character still incomplete)
         if sequence.text.stopped or (job.constraint is not None and job.constraint.finished):
             return "stop"

@@ -54,13 +54,22 @@ class Vocabulary:
                 self._compiled.popitem(last=False)
         return matcher
 
+    def forget(self, grammar: Grammar) -> None:
+        """Drop `grammar`'s compiled matcher: its copies share one lexer, which a failure (a limit hit) leaves
+        spent for every later copy, so the next request compiles it afresh."""
+        with self._lock:
+            self._compiled.pop(grammar.text, None)
+
     def _build(self, grammar: Grammar) -> llguidance.LLMatcher:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar.text, self.tokens)
         if failed:
             raise GrammarError(f"{grammar.where}: {_first_line(messages)}")
         if messages:  # warnings are features the grammar would drop: say so rather than enforce less
             raise GrammarError(f"{grammar.where} uses what the matcher does not support: {_first_line(messages)}")
-        matcher = llguidance.LLMatcher(self.tokens, grammar.text, limits=llguidance.LLParserLimits(**LIMITS))
+        # Silent: a failure is raised as a GrammarError to the request, not printed on the server's stderr.
+        matcher = llguidance.LLMatcher(
+            self.tokens, grammar.text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS)
+        )
         if matcher.is_error():
             raise GrammarError(f"{grammar.where}: {_first_line([matcher.get_error()])}")
         return matcher
@@ -100,7 +109,18 @@ class Constraint:
     def advance(self, token: int) -> None:
         """Take the token drawn; a token the mask forbade is a bug, reported rather than silently accepted."""
         if not self._matcher.consume_token(token):
-            raise GrammarError(f"token {token} does not fit the {self.grammar.where}: {self._matcher.get_error()}")
+            raise GrammarError(f"token {token} does not fit the {self.grammar.where}: {self._failed()}")
+
+    def check(self) -> None:
+        """A GrammarError if the matcher failed, e.g. hit a limit while computing the last mask: llguidance then
+        allows EOS only, which must end the request in error rather than pass for a complete answer."""
+        if self._matcher.is_error():
+            raise GrammarError(f"the {self.grammar.where} could not be followed: {self._failed()}")
+
+    def _failed(self) -> str:
+        """llguidance's error, once the compiled grammar is forgotten (its shared lexer may be what failed)."""
+        self.vocab.forget(self.grammar)
+        return self._matcher.get_error().split("\n<state>")[0]  # the rest is llguidance's multi-line state dump
 
     @property
     def finished(self) -> bool:
