@@ -23,7 +23,21 @@ FORBIDDEN = {
     "memory": {"ui", "server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
     "display": {"models", "tokenizer", "cache", "memory", "engine", "api", "server", "ui", "bench", "cli", "data"},
     "data": {"ui", "server", "models", "cache", "engine", "api", "bench", "cli", "convert", "quantize"},
-    "grammar": {"ui", "server", "models", "cache", "engine", "memory", "api", "bench", "cli", "convert", "quantize", "chat"},
+    "grammar": {
+        "ui",
+        "server",
+        "models",
+        "cache",
+        "engine",
+        "memory",
+        "api",
+        "bench",
+        "cli",
+        "convert",
+        "quantize",
+        "chat",
+    },
+    "chat": {"ui", "server", "engine", "cache", "models", "memory", "api", "bench", "cli", "convert", "quantize"},
 }
 # Leaf modules that every room may use: they import nothing of ours but errors.
 LEAVES = ("untrusted", "disk")

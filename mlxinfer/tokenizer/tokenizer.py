@@ -101,15 +101,21 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The rendered prompt text (for display; use encode_chat to tokenize)."""
-        marker = _new_marker()
-        return self._render(messages, add_generation_prompt, marker).replace(marker, "")
+    def apply_chat_template(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The rendered prompt text (for display; use encode_chat to tokenize).
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat rendered with the model's template."""
+        `tools`: OpenAI-style function definitions the template renders (transformers' `tools=`)."""
         marker = _new_marker()
-        rendered = _valid_text(self._render(messages, add_generation_prompt, marker))
+        return self._render(messages, add_generation_prompt, marker, tools).replace(marker, "")
+
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a chat rendered with the model's template (and `tools`, as apply_chat_template)."""
+        marker = _new_marker()
+        rendered = _valid_text(self._render(messages, add_generation_prompt, marker, tools))
         if marker not in rendered:
             return self._encode_ids(self.backend, rendered, False)
         # Message content held special-token text: split at the template's own
@@ -134,19 +140,24 @@ class Tokenizer:
         encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)  # older tokenizers lack it
         return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def _render(self, messages: Sequence[Message], add_generation_prompt: bool, marker: str) -> str:
+    def _render(
+        self, messages: Sequence[Message], add_generation_prompt: bool, marker: str, tools: list[dict[str, Any]] | None
+    ) -> str:
         if not self.chat_template:
             raise ChatTemplateError(
                 "this model has no chat template (tokenizer_config.json, chat_template.jinja or GGUF metadata); "
                 "use a raw prompt (--raw) instead"
             )
         safe = [_escape_message(m, self._special_re, marker) for m in _validate(messages)]
+        # Like transformers: `tools` is defined for the template only when given.
+        extra = {} if tools is None else {"tools": _escape_value(tools, self._special_re, marker)}
         return render_chat(
             self.chat_template,
             safe,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **extra,
         )
 
 
@@ -166,7 +177,10 @@ def _validate(messages: Sequence[Message]) -> Sequence[Message]:
     if not messages:
         raise ChatTemplateError("a chat needs at least one message")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {shown(m)}")
+        # An assistant message that calls tools may have no content (OpenAI sends null, or leaves it out).
+        if "content" not in m and not (m["role"] == "assistant" and m.get("tool_calls")):
             raise ChatTemplateError(f"message {i} must be a dict with 'role' and 'content', got {shown(m)}")
     return messages
 
@@ -175,7 +189,7 @@ def _escape_message(message: Message, specials: re.Pattern[str] | None, marker: 
     def escape(text: str) -> str:
         return specials.sub(lambda m: marker + m.group(0), text) if specials else text
 
-    content = message["content"]
+    content = message.get("content")  # None (or missing): an assistant's tool calls only; rendered as None
     if isinstance(content, str):
         content = escape(content)
     elif isinstance(content, list):
@@ -185,7 +199,23 @@ def _escape_message(message: Message, specials: re.Pattern[str] | None, marker: 
             else part
             for part in content
         ]
-    return {**message, "content": content}
+    escaped = {**message, "content": content}
+    if "tool_calls" in message:  # names and arguments come from the client too
+        escaped["tool_calls"] = _escape_value(message["tool_calls"], specials, marker)
+    return escaped
+
+
+def _escape_value(value: Any, specials: re.Pattern[str] | None, marker: str) -> Any:
+    """Every string in `value` (keys too) with its special-token text marked, as message content is."""
+    if specials is None:
+        return value
+    if isinstance(value, str):
+        return specials.sub(lambda m: marker + m.group(0), value)
+    if isinstance(value, dict):
+        return {_escape_value(k, specials, marker): _escape_value(v, specials, marker) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_value(v, specials, marker) for v in value]
+    return value
 
 
 def _read_json(path: Path) -> dict[str, Any]:
