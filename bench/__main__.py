@@ -1,5 +1,5 @@
 """python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only | --kv-memory-only |
---hybrid-only | --moe-only]:
+--hybrid-only | --moe-only | --structured-only]:
 mlxinfer vs mlx-lm, side by side, one run."""
 
 from __future__ import annotations
@@ -44,7 +44,15 @@ def main() -> None:
     parser.add_argument(
         "--moe-only", action="store_true", help="only the MoE figures: decode and converter (--quick: tiny fixture)"
     )
+    parser.add_argument(
+        "--structured-only",
+        action="store_true",
+        help="only the structured-output figures: decode and TTFT with a JSON schema (--quick: tiny fixture)",
+    )
     args = parser.parse_args()
+    if args.structured_only:
+        write_structured_outputs(args.out, args.quick, args.model)
+        return
     if args.moe_only:
         write_moe_outputs(args.out, args.quick)
         return
@@ -126,6 +134,16 @@ def write_moe_outputs(out: Path, quick: bool) -> None:
     settings = MoeSettings.quick() if quick else MoeSettings()
     figures = run_moe_bench(prepare_moe_model(family, tiny=quick), family, settings)
     write_figures(figures, moe_markdown(figures), out, quick, "-moe")
+
+
+def write_structured_outputs(out: Path, quick: bool, model: Path | None) -> None:
+    from .structured_bench import StructuredSettings, run_structured_bench, structured_model
+    from .structured_bench import markdown as structured_markdown
+
+    path, source = (model, str(model)) if model else structured_model(quick)
+    settings = StructuredSettings.quick() if quick else StructuredSettings()
+    figures = run_structured_bench(path, source, settings)
+    write_figures(figures, structured_markdown(figures), out, quick, "-structured")
 
 
 def write_figures(figures: dict, table: str, out: Path, quick: bool, suffix: str) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import html
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Union
 
@@ -20,6 +21,7 @@ from .engine.prefill import SNAPSHOT_EVERY
 from .engine.prefix_store import prefix_store_for
 from .engine.sampling import is_int
 from .engine.single import warm_alone
+from .engine.structure import Structure, structure_of
 from .errors import SamplingError, TokenizerError
 from .memory import MemoryPlan, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
@@ -43,10 +45,17 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    structure: Structure | None = field(default=None, repr=False)  # the schema, regex or choices it followed
 
     @property
     def finish_reason(self) -> str:
         return self.stats.finish_reason
+
+    @cached_property
+    def parsed(self) -> Any:
+        """The answer to a `schema=` generation as an object: an instance of the pydantic class given, else the
+        JSON value; None without a schema. GrammarError if the answer was cut short (raise max_tokens)."""
+        return None if self.structure is None else self.structure.parse(self.text, self.finish_reason)
 
     def __str__(self) -> str:
         return self.text
@@ -172,14 +181,34 @@ class Model:
     def compute_dtype(self) -> str:
         return dtype_name(self._loaded.compute_dtype)
 
-    def generate(self, prompt: Prompt, *, chat: bool | None = None, **options: Any) -> GenerationResult:
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        chat: bool | None = None,
+        schema: Any = None,
+        regex: str | None = None,
+        choices: Sequence[str] | None = None,
+        **options: Any,
+    ) -> GenerationResult:
         """Generate a completion. A string is a raw prompt unless `chat=True`; a list of
         messages always uses the chat template. Options: max_tokens, temperature, top_p,
-        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every."""
-        run = self.stream(prompt, chat=chat, **options)
+        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every.
+
+        Structured output (one of): `schema` (a pydantic model class, a JSON-schema dict or its
+        JSON text; `result.parsed` is the answer as an object), `regex` (the whole answer
+        matches it), `choices` (the answer is one of these strings).
+
+        Example:
+            >>> city = model.chat("What is the capital of France?", schema=City).parsed  # a City instance
+            >>> model.chat("Is the sky blue?", choices=["yes", "no"]).text in ("yes", "no")
+            True
+        """
+        structure = structure_of(schema, regex, choices)
+        run = self._stream(prompt, chat, structure, **options)
         for _ in run:
             pass
-        return GenerationResult(text=run.text(), token_ids=list(run.ids), stats=run.stats)
+        return GenerationResult(text=run.text(), token_ids=list(run.ids), stats=run.stats, structure=structure)
 
     def chat(self, messages: str | Sequence[Message], **options: Any) -> GenerationResult:
         """Answer a conversation (or a single user message given as a string)."""
@@ -190,6 +219,28 @@ class Model:
         prompt: Prompt,
         *,
         chat: bool | None = None,
+        schema: Any = None,
+        regex: str | None = None,
+        choices: Sequence[str] | None = None,
+        **options: Any,
+    ) -> TextGeneration:
+        """Iterate over text chunks as they are generated; `.stats` is filled when done.
+        Options as in `generate`.
+
+        With `use_cache` (the default) a prompt that starts like an earlier one
+        (a system prompt, a document, the earlier turns of a chat) reuses its KV.
+        On models with sliding-window or recurrent layers it resumes from the
+        deepest state snapshot within the shared part; `snapshot_every` sets how
+        many prompt tokens lie between snapshots. `schema`, `regex` and `choices`
+        constrain the text as in `generate`; the grammar is compiled before this returns."""
+        return self._stream(prompt, chat, structure_of(schema, regex, choices), **options)
+
+    def _stream(
+        self,
+        prompt: Prompt,
+        chat: bool | None,
+        structure: Structure | None,
+        *,
         max_tokens: int = 256,
         stop: str | Sequence[str] | None = None,
         prefill_chunk_tokens: int = 512,
@@ -197,26 +248,23 @@ class Model:
         snapshot_every: int = SNAPSHOT_EVERY,
         **sampling: Any,
     ) -> TextGeneration:
-        """Iterate over text chunks as they are generated; `.stats` is filled when done.
-
-        With `use_cache` (the default) a prompt that starts like an earlier one
-        (a system prompt, a document, the earlier turns of a chat) reuses its KV.
-        On models with sliding-window or recurrent layers it resumes from the
-        deepest state snapshot within the shared part; `snapshot_every` sets how
-        many prompt tokens lie between snapshots."""
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
             raise SamplingError(f"unknown generation option: {e}") from None
         ids = self.encode_prompt(prompt, chat=chat)
+        eos = self.eos_token_ids
+        # Compiled here, before any prefill: a schema the matcher cannot enforce fails at the call.
+        constraint = structure.constraint(self.tokenizer, self.config.vocab_size, eos) if structure else None
         request = GenerationRequest(
             prompt_ids=ids,
             max_tokens=max_tokens,
             sampling=params,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=eos,
             prefill_chunk_tokens=prefill_chunk_tokens,
             kv_bits=self.kv_bits,
             snapshot_every=snapshot_every,
+            constraint=constraint,
         )
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {type(stop).__name__}")

@@ -22,9 +22,12 @@ from .default_model import cache_dir, default_model_path
 from .display import mib, plural
 from .engine.generate import check_max_tokens
 from .engine.sampling import SamplingParams
+from .engine.structure import structure_of
 from .engine.text import check_stops
-from .errors import DefaultModelError, MlxInferError, SamplingError
+from .errors import DefaultModelError, GrammarError, MlxInferError, SamplingError
+from .grammar import MAX_GRAMMAR_CHARS
 from .models import load_tokenizer
+from .untrusted import read_json_object
 
 
 def _options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -86,6 +89,15 @@ def main(verbose: bool) -> None:
 @click.option("--prompt", "-p", required=True, help="Prompt text, or - to read it from stdin.")
 @click.option("--chat/--raw", default=True, show_default=True, help="Apply the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and the stats.")
+@click.option(
+    "--schema",
+    "schema_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A JSON schema file: the answer is JSON valid against it.",
+)
+@click.option("--regex", default=None, help="The whole answer matches this regular expression.")
+@click.option("--choice", "choice", multiple=True, help="The answer is exactly one of these (repeatable).")
 @_errors_as_one_line
 def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: str | None, **options: Any) -> None:
     """Generate a completion for one prompt.
@@ -97,24 +109,36 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
       mlxinfer generate -p "What is the capital of France?"
       mlxinfer generate ~/models/Qwen3-0.6B -p "Once upon a time" --raw -t 0.8 --seed 1
       echo "Summarize: ..." | mlxinfer generate -p - --json
+      mlxinfer generate -p "Invent a person." --schema person.json     # JSON valid against the schema
+      mlxinfer generate -p "Is water wet?" --choice yes --choice no
     """
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
+    schema_file = options.pop("schema_file")
+    structured = _structure_options(schema_file, options.pop("regex"), options.pop("choice"))
     generation = _generation_options(options)  # before the load: a bad flag should not cost one
     text = sys.stdin.read() if prompt == "-" else prompt
     llm = _load(model, dtype, quiet=as_json, kv_bits=kv_bits)
     messages = _messages(text, system) if chat else text
-    run = llm.stream(messages, chat=chat, **generation)
+    try:  # the grammar compiles here, for this model's tokenizer: an unsupported keyword names the file
+        run = llm.stream(messages, chat=chat, **generation, **structured)
+    except GrammarError as e:
+        raise click.ClickException(f"{schema_file}: {e}" if schema_file else str(e)) from None
+    structure = structure_of(**structured)
     if as_json:
         for _ in run:
             pass
         payload = {"model": str(llm.path), "architecture": llm.architecture, "verified": llm.verified,
                    "text": run.text(), "finish_reason": run.stats.finish_reason}  # fmt: skip
+        if structure and structure.is_json:  # the answer as a JSON value, not a string holding it
+            payload["parsed"] = structure.parse(run.text(), run.stats.finish_reason)
         click.echo(json.dumps({**payload, "stats": run.stats.to_dict()}, ensure_ascii=False))
         return
     for chunk in run:
         click.echo(chunk, nl=False)
     click.echo()
     click.echo(run.stats.summary(), err=True)
+    if structure:  # a cut-off answer is not what the constraint promised: say so and exit non-zero
+        structure.check_complete(run.stats.finish_reason)
 
 
 @main.command()
@@ -602,6 +626,33 @@ def _messages(text: str | None, system: str | None) -> list[dict[str, str]]:
     if text is not None:
         messages.append({"role": "user", "content": text})
     return messages
+
+
+def _structure_options(schema_file: Path | None, regex: str | None, choice: tuple[str, ...]) -> dict[str, Any]:
+    """Model.stream's keyword for --schema, --regex or --choice (at most one), checked before the load."""
+    given = {"schema": schema_file, "regex": regex, "choices": list(choice) or None}
+    given = {name: value for name, value in given.items() if value is not None}
+    if len(given) > 1:
+        flags = " and ".join(f"--{'choice' if name == 'choices' else name}" for name in given)
+        raise click.UsageError(f"{flags} were given together; an answer follows one constraint: keep one")
+    if schema_file is not None:
+        given["schema"] = _read_schema(schema_file)
+    try:
+        structure_of(**given)
+    except GrammarError as e:
+        raise click.ClickException(f"{schema_file}: {e}" if schema_file else str(e)) from None
+    return given
+
+
+def _read_schema(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, read no further than a schema may be long (real ones are a few KB)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0  # missing or unreadable: read_json_object names the problem
+    if size > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{path}: {size:,} bytes; a schema file may have at most {MAX_GRAMMAR_CHARS:,}")
+    return read_json_object(path, GrammarError, limit=MAX_GRAMMAR_CHARS)
 
 
 def _generation_options(options: dict[str, Any]) -> dict[str, Any]:

@@ -155,3 +155,36 @@ def test_chat_streams_an_answer_keeps_history_and_stops(page_server, browser, tm
     assert "stopped" in answers(browser)[2].find_element(By.CLASS_NAME, "stats").text
     assert browser.find_element(By.ID, "send").is_displayed()
     wait_for(lambda: metric(page_server.url, "mlxinfer_running_requests") == 0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def thinking_page_server(tmp_path_factory):
+    from tests.test_structured_server import THINKING_TEMPLATE, tiny_with_template
+
+    models = ModelSet()
+    models.add(tiny_with_template(tmp_path_factory.mktemp("thinking") / "thinking", THINKING_TEMPLATE))
+    with BackgroundServer(models, ServerSettings(port=0)) as running:
+        yield running
+    models.close()
+
+
+def test_reasoning_streams_into_a_folded_thinking_block(thinking_page_server, browser):
+    from selenium.webdriver.common.by import By
+
+    browser.get(thinking_page_server.url + "/")
+    wait_for(lambda: "thinking" in browser.find_element(By.ID, "model").text, timeout=30)
+    send(browser, "Why is the sky blue?")
+    answer = wait_for(lambda: [a for a in answers(browser) if a.get_attribute("data-done")])[0]
+    block = answer.find_element(By.CSS_SELECTOR, "details.thinking")
+    assert block.get_attribute("open") is None  # folded until opened
+    assert block.find_element(By.TAG_NAME, "summary").text == "Thinking"
+    # What the page showed is what the API answers for the same conversation (greedy, the page's temperature 0).
+    question = [{"role": "user", "content": "Why is the sky blue?"}]
+    expected = httpx.post(
+        thinking_page_server.url + "/v1/chat/completions", json={"messages": question, "temperature": 0}, timeout=300
+    ).json()["choices"][0]["message"]
+    assert expected["reasoning_content"]
+    assert block.find_element(By.CLASS_NAME, "reasoning").get_attribute("textContent") == expected["reasoning_content"]
+    assert answer.find_element(By.CLASS_NAME, "text").get_attribute("textContent") == (expected["content"] or "")
+    # The block sits above the answer's text.
+    assert answer.find_elements(By.CSS_SELECTOR, ".thinking + .text")

@@ -55,10 +55,11 @@ class Structure:
                 return self.model_class.model_validate_json(text)
             return json.loads(text)
         except ValueError as e:  # json's JSONDecodeError and pydantic's ValidationError are ValueErrors
-            # Only a stop string can cut a finished answer: the grammar itself admits complete JSON only.
+            # The grammar admits complete, valid JSON only: a stop string cut it, or the class checks more
+            # (its own validators) than its JSON schema says.
             raise GrammarError(
-                f"the answer does not parse as the {self.grammar.where} ({first_line(e)}); a stop string may have "
-                "cut it: drop stop"
+                f"the answer does not parse as the {self.grammar.where} ({first_line(e)}); drop stop strings, "
+                "or check the model class's validators"
             ) from None
 
 

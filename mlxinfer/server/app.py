@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from ..engine import Delta, Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
+from .answer import Answer
 from .errors import APIError, as_api_error
 from .guard import GuardMiddleware
 from .limits import WorkGate
@@ -35,6 +36,7 @@ from .models import ModelSet, ServedModel
 from .replies import Reply, event
 from .schema import GenerationParams, parse_chat, parse_completion, parse_json
 from .settings import ServerSettings
+from .structured import Prepared, prepare_chat, prepare_completion
 
 log = logging.getLogger("mlxinfer.server")
 PAGE = Path(__file__).parent / "page"
@@ -107,30 +109,26 @@ class API:
     async def chat_completions(self, request: Request) -> Response:
         request.state.arrived = time.perf_counter()
         raw = await read_body(request, self.settings)
-        served, ids, params = await self._prepare(
-            raw, parse_chat, lambda m, messages: m.tokenizer.encode_chat(messages)
-        )
-        return await self._generate(request, served, ids, params, Reply(served.id, chat=True))
+        served, prepared, params = await self._prepare(raw, parse_chat, prepare_chat)
+        return await self._generate(request, served, prepared, params, Reply(served.id, chat=True))
 
     async def completions(self, request: Request) -> Response:
         request.state.arrived = time.perf_counter()
         raw = await read_body(request, self.settings)
-        served, ids, params = await self._prepare(
-            raw, parse_completion, lambda m, prompt: prompt if isinstance(prompt, list) else m.tokenizer.encode(prompt)
-        )
-        return await self._generate(request, served, ids, params, Reply(served.id, chat=False))
+        served, prepared, params = await self._prepare(raw, parse_completion, prepare_completion)
+        return await self._generate(request, served, prepared, params, Reply(served.id, chat=False))
 
     async def _prepare(
         self,
         raw: bytes,
         parse: Callable[[Any], tuple[Any, GenerationParams]],
-        encode: Callable[[Any, Any], list[int]],
-    ) -> tuple[ServedModel, list[int], GenerationParams]:
-        """Parse, template and tokenize in one pass through the gate, so a request is refused (429) before it
-        is parsed or never. A model that must be loaded first loads outside the gate (no place held for it);
-        the tokenizing then waits for a place without a 429."""
+        encode: Callable[[Any, Any], Prepared],
+    ) -> tuple[ServedModel, Prepared, GenerationParams]:
+        """Parse, template, tokenize and compile any grammar in one pass through the gate, so a request is
+        refused (429) before it is parsed or never. A model that must be loaded first loads outside the gate
+        (no place held for it); the tokenizing then waits for a place without a 429."""
 
-        def everything() -> tuple[Any, GenerationParams, ServedModel | None, list[int] | None]:
+        def everything() -> tuple[Any, GenerationParams, ServedModel | None, Prepared | None]:
             body, params = parse(parse_json(raw))
             name = params.model if params.model is not None else next(iter(self.models.ids), None)
             if name is None or not self.models.is_loaded(name):
@@ -138,15 +136,16 @@ class API:
             served = self.models.get(name)
             return body, params, served, encode(served.model, body)
 
-        body, params, served, ids = await self.preparing.run(everything)
-        if served is None or ids is None:
+        body, params, served, prepared = await self.preparing.run(everything)
+        if served is None or prepared is None:
             served = await run_in_threadpool(self.models.get, params.model)  # loads an unloaded model
-            ids = await self.preparing.run(encode, served.model, body, admitted=True)
-        return served, ids, params
+            prepared = await self.preparing.run(encode, served.model, body, admitted=True)
+        return served, prepared, params
 
     async def _generate(
-        self, request: Request, served: ServedModel, ids: list[int], params: GenerationParams, reply: Reply
+        self, request: Request, served: ServedModel, prepared: Prepared, params: GenerationParams, reply: Reply
     ) -> Response:
+        ids = prepared.ids
         room = served.model.context_tokens - len(ids)
         if room < 1:
             raise APIError(
@@ -165,28 +164,47 @@ class API:
                 "context_length_exceeded",
             )
         events = JobEvents(self._ended)
-        job = Job(ids, events.put, max_tokens, params.sampling, params.stop, self.settings.request_timeout_s)
+        job = Job(
+            ids,
+            events.put,
+            max_tokens,
+            params.sampling,
+            params.stop,
+            self.settings.request_timeout_s,
+            constraint=prepared.constraint,
+            keep_special_tokens=prepared.keep_special_tokens,
+        )
         served.scheduler.submit(job)
         clock = _TokenClock(self.metrics, request.state.arrived)
+        answer = Answer(prepared.parser)
         if params.stream:
-            body = self._stream(served, job, events, reply, params.include_usage, clock)
+            body = self._stream(served, job, events, reply, answer, params.include_usage, clock)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        return await self._whole(request, served, job, events, reply, clock)
+        return await self._whole(request, served, job, events, reply, answer, clock)
 
     async def _stream(
-        self, served: ServedModel, job: Job, events: JobEvents, reply: Reply, include_usage: bool, clock: _TokenClock
+        self,
+        served: ServedModel,
+        job: Job,
+        events: JobEvents,
+        reply: Reply,
+        answer: Answer,
+        include_usage: bool,
+        clock: _TokenClock,
     ) -> AsyncIterator[str]:
         try:
             if reply.chat:
-                yield event(reply.chunk(role=True, text=""))
+                yield event(reply.chunk({"content": ""}, role=True))
             async for item in events:
                 if isinstance(item, Delta):
                     clock.tick(item.tokens)
-                    if item.text:
-                        yield event(reply.chunk(item.text))
+                    for delta in answer.feed(item.text):
+                        yield event(reply.chunk(delta))
                 elif isinstance(item, Finished):
-                    yield event(reply.chunk(finish_reason=item.stats.finish_reason))
+                    for delta in answer.finish():
+                        yield event(reply.chunk(delta))
+                    yield event(reply.chunk(finish_reason=answer.finish_reason(item.stats.finish_reason)))
                     if include_usage:
                         yield event(reply.usage_chunk(item.stats))
                 else:
@@ -196,29 +214,36 @@ class API:
             served.scheduler.cancel(job)  # a no-op once it finished; frees the slot if the client left
 
     async def _whole(
-        self, request: Request, served: ServedModel, job: Job, events: JobEvents, reply: Reply, clock: _TokenClock
+        self,
+        request: Request,
+        served: ServedModel,
+        job: Job,
+        events: JobEvents,
+        reply: Reply,
+        answer: Answer,
+        clock: _TokenClock,
     ) -> Response:
 
         async def gather() -> Response:
-            texts = []
             async for item in events:
                 if isinstance(item, Delta):
                     clock.tick(item.tokens)
-                    texts.append(item.text)
+                    answer.feed(item.text)
                 elif isinstance(item, Finished):
-                    return JSONResponse(reply.whole("".join(texts), item.stats))
+                    answer.finish()
+                    return JSONResponse(reply.whole(answer, item.stats))
                 else:
                     return as_api_error(item.error).response()
             raise AssertionError("the event stream ended without a final event")
 
-        answer, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        body, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
         gone.cancel()
-        if not answer.done():
+        if not body.done():
             served.scheduler.cancel(job)
-            answer.cancel()
+            body.cancel()
             return Response(status_code=499)  # never sent: the client is gone
-        return answer.result()
+        return body.result()
 
     def _ended(self, event: Event) -> None:
         if not isinstance(event, Finished):

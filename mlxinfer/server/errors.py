@@ -8,14 +8,18 @@ from starlette.responses import JSONResponse
 from ..errors import (
     BusyError,
     ChatTemplateError,
+    GrammarError,
     MemoryBudgetError,
     RequestTimeoutError,
     SamplingError,
     ShutdownError,
     TokenizerError,
+    ToolCallError,
 )
 
 PARAMS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens", "stop"})
+# A grammar's errors begin with the request field it came from (Grammar.where): these are named as the param.
+GRAMMAR_FIELDS = ("response_format", "tools", "tool_choice")
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -65,6 +69,11 @@ def as_api_error(error: Exception) -> APIError:
         return error
     if isinstance(error, ClientDisconnect):  # the client's doing, not a server error; the answer is never sent
         return APIError(499, "the client closed the connection before sending its whole request", code="client_closed")
+    if isinstance(error, ToolCallError):
+        return APIError(400, str(error), param=getattr(error, "param", None))
+    if isinstance(error, GrammarError):
+        name = getattr(error, "param", None) or str(error).split(" ", 1)[0].rstrip(":")
+        return APIError(400, str(error), param=name if name.startswith(GRAMMAR_FIELDS) else None)
     if isinstance(error, SamplingError):
         name = str(error).split(" ", 1)[0]
         return APIError(400, str(error), param=name if name in PARAMS else None)

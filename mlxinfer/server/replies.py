@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import GenerationStats
+from .answer import Answer
 
 
 def usage(stats: GenerationStats) -> dict[str, Any]:
@@ -44,23 +45,25 @@ class Reply:
             "model": self.model,
         }
 
-    def whole(self, text: str, stats: GenerationStats) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": stats.finish_reason, "logprobs": None}
+    def whole(self, answer: Answer, stats: GenerationStats) -> dict[str, Any]:
+        reason = answer.finish_reason(stats.finish_reason) if self.chat else stats.finish_reason
+        choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = answer.message()
         else:
-            choice["text"] = text
+            choice["text"] = answer.text
         return {**self._head(chunk=False), "choices": [choice], "usage": usage(stats)}
 
-    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, delta: dict[str, Any] | None = None, finish_reason: str | None = None, role: bool = False
+    ) -> dict[str, Any]:
+        """One streamed chunk; `delta` holds content, reasoning_content or tool_calls (text completions: content)."""
+        delta = delta or {}
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice["delta"] = delta
+            choice["delta"] = {"role": "assistant", **delta} if role else delta
         else:
-            choice["text"] = text or ""
+            choice["text"] = delta.get("content", "")
         return {**self._head(chunk=True), "choices": [choice]}
 
     def usage_chunk(self, stats: GenerationStats) -> dict[str, Any]:

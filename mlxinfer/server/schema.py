@@ -1,9 +1,11 @@
 """Request bodies in, validated parameters out; every refusal is a 400 naming the field.
 
 Follows OpenAI's chat and completions APIs with n=1. Fields the engine cannot
-honour (logprobs, tools, non-zero presence/frequency penalties) are refused
-rather than ignored, so a client never gets an answer it did not ask for.
-Unknown fields are ignored, as OpenAI-compatible servers do.
+honour (logprobs, legacy functions, non-zero presence/frequency penalties) are
+refused rather than ignored, so a client never gets an answer it did not ask for.
+Unknown fields are ignored, as OpenAI-compatible servers do. Tools and
+response_format are checked here (cheap, bounded by the body); compiling them
+is structured.py's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
+from ..chat import Tool, ToolChoice, check_messages, check_tool_choice, check_tools
 from ..engine import SamplingParams
 from ..engine.sampling import is_finite_number, is_int
 from ..engine.text import check_stops
@@ -22,18 +25,16 @@ from ..errors import SamplingError
 from ..untrusted import shown
 from .errors import APIError, as_api_error
 
-ROLES = frozenset({"system", "developer", "user", "assistant"})
 UNSUPPORTED = (  # refused when set to anything but their default
     "echo",
     "logprobs",
     "top_logprobs",
-    "tools",
-    "tool_choice",
-    "functions",
+    "functions",  # the legacy form of tools
+    "function_call",
     "logit_bias",
-    "response_format",
     "suffix",
 )
+FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for response_format.json_schema.name
 MAX_DEPTH = 64  # a chat request nests about 5 levels; json.loads recurses once per level
 MAX_INT_DIGITS = 20  # seeds reach 2**63 (19 digits); no field takes a longer integer
 _STRING = re.compile(rb'"[^"]*"')  # once escaped quotes are gone, a string runs to the next quote
@@ -51,6 +52,32 @@ class GenerationParams:
     stop: list[str]
     stream: bool
     include_usage: bool
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """`response_format` checked: `kind` "json_object" or "json_schema" (with its schema); "text" is None."""
+
+    kind: str
+    schema: dict[str, Any]  # {"type": "object"} for json_object
+    where: str  # the field named in errors about the schema
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat request's conversation, tools and output format (GenerationParams hold the rest)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Tool]
+    tool_choice: ToolChoice
+    parallel_tool_calls: bool
+    response_format: ResponseFormat | None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | list[int]
+    response_format: ResponseFormat | None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -96,40 +123,78 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a valid JSON number")
 
 
-def parse_chat(body: dict[str, Any]) -> tuple[list[dict[str, str]], GenerationParams]:
-    return _messages(body.get("messages")), _params(body)
+def parse_chat(body: dict[str, Any]) -> tuple[ChatRequest, GenerationParams]:
+    messages, params = check_messages(body.get("messages")), _params(body)
+    tools = check_tools(body.get("tools"))
+    request = ChatRequest(
+        messages=messages,
+        tools=tools,
+        tool_choice=check_tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=_flag(body, "parallel_tool_calls", default=True),
+        response_format=response_format(body.get("response_format")),
+    )
+    if request.response_format is not None and request.tool_choice.mode in ("required", "named"):
+        raise APIError(
+            400,
+            "response_format cannot be combined with a forced tool_choice: the answer is a tool call; "
+            "leave one of them out",
+            "response_format",
+        )
+    return request, params
 
 
-def parse_completion(body: dict[str, Any]) -> tuple[str | list[int], GenerationParams]:
+def parse_completion(body: dict[str, Any]) -> tuple[CompletionRequest, GenerationParams]:
+    for name in ("tools", "tool_choice"):
+        if body.get(name) not in (None, [], {}):
+            raise APIError(400, f"{name} is for /v1/chat/completions; a text completion cannot call tools", name)
+    params, formats = _params(body), response_format(body.get("response_format"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     if isinstance(prompt, str) and prompt:
-        return prompt, _params(body)
+        return CompletionRequest(prompt, formats), params
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        return [int(t) for t in prompt], _params(body)
+        return CompletionRequest([int(t) for t in prompt], formats), params
     raise APIError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt")
 
 
-def _messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if not isinstance(role, str) or role not in ROLES:  # a list or object role is not hashable: check first
-            raise APIError(400, f"messages[{i}] needs a role among {sorted(ROLES)}", f"messages[{i}].role")
-        out.append({"role": role, "content": _content(message.get("content"), i)})
-    return out
+def response_format(value: Any) -> ResponseFormat | None:
+    """OpenAI's `response_format`: text (None), json_object, or json_schema {name, schema, strict?, description?}.
+
+    A strict false schema is enforced all the same: an answer that may not match helps nobody."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat(kind, {"type": "object"}, "response_format")
+    if kind != "json_schema":
+        where = "response_format.type" if isinstance(value, dict) else "response_format"
+        raise APIError(400, f"{where} must be text, json_object or json_schema, got {shown(kind or value)}", where)
+    return _json_schema_format(value.get("json_schema"))
 
 
-def _content(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: only text can be read by a text model
-        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
-    raise APIError(400, f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+def _json_schema_format(spec: Any) -> ResponseFormat:
+    if not isinstance(spec, dict):
+        raise APIError(
+            400, "response_format.json_schema must be an object {name, schema}", "response_format.json_schema"
+        )
+    name = spec.get("name")
+    if not isinstance(name, str) or not FORMAT_NAME.fullmatch(name):
+        raise APIError(
+            400,
+            f"response_format.json_schema.name must be 1 to 64 letters, digits, _ or -, got {shown(name)}",
+            "response_format.json_schema.name",
+        )
+    for field, expected, what in (("strict", bool, "true or false"), ("description", str, "a string")):
+        if spec.get(field) is not None and not isinstance(spec[field], expected):
+            where = f"response_format.json_schema.{field}"
+            raise APIError(400, f"{where} must be {what}, got {shown(spec[field])}", where)
+    schema, where = spec.get("schema"), "response_format.json_schema.schema"
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, f"{where} must be a JSON schema object, got {shown(schema)}", where)
+    if schema is False:  # a valid schema that admits nothing: no answer could ever be given
+        raise APIError(400, f"{where} is false: it admits no answer at all", where)
+    return ResponseFormat("json_schema", {} if schema is True else schema, where)
 
 
 def _params(body: dict[str, Any]) -> GenerationParams:
@@ -192,10 +257,10 @@ def _stop(stop: Any) -> list[str]:
         raise as_api_error(e) from None
 
 
-def _flag(body: dict[str, Any], name: str) -> bool:
-    value = body.get(name, False)
+def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise APIError(400, f"{name} must be true or false, got {shown(value)}", name)
     return value

@@ -46,6 +46,22 @@ function bubble(role, text) {
   return div;
 }
 
+// The model's reasoning (reasoning_content), folded above the answer; made when the first of it arrives.
+function thinkingOf(div) {
+  let block = div.querySelector(".thinking");
+  if (!block) {
+    block = document.createElement("details");
+    block.className = "thinking";
+    const summary = document.createElement("summary");
+    summary.textContent = "Thinking";
+    const reasoning = document.createElement("div");
+    reasoning.className = "reasoning";
+    block.append(summary, reasoning);
+    div.insertBefore(block, div.querySelector(".text"));
+  }
+  return block.querySelector(".reasoning");
+}
+
 function showStats(div, usage, times, stopped) {
   const stats = document.createElement("span");
   stats.className = "stats";
@@ -119,10 +135,11 @@ async function ask(text) {
       if (chunk.error) throw new Error(chunk.error.message);
       if (chunk.usage) usage = chunk.usage;
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-      if (delta && delta.content) {
+      if (delta && (delta.content || delta.reasoning_content)) {
         times.last = performance.now();
         times.first = times.first || times.last;
-        body.textContent += delta.content;
+        if (delta.reasoning_content) thinkingOf(div).textContent += delta.reasoning_content;
+        if (delta.content) body.textContent += delta.content;
         div.scrollIntoView({ block: "end" });
       }
     }
