@@ -76,9 +76,13 @@ def lark(text: str, where: str = "grammar") -> Grammar:
 
 
 def schema_of(schema: Any, where: str = "schema") -> dict[str, Any]:
-    """`schema` as a JSON-schema dict: given as one, as JSON text, or as a pydantic model class."""
+    """`schema` as a JSON-schema dict: given as one, as JSON text, or as a pydantic model class.
+
+    A pydantic class's objects are closed (no properties beyond its fields), as OpenAI's client makes them:
+    JSON Schema allows extra keys by default, pydantic ignores them when parsing, and a model left free to
+    add keys spends its tokens on fields nobody reads."""
     if isinstance(schema, type) and hasattr(schema, "model_json_schema"):  # pydantic v2, without importing it
-        schema = schema.model_json_schema()
+        return closed_objects(schema.model_json_schema())
     if isinstance(schema, str):
         if len(schema) > MAX_GRAMMAR_CHARS:
             raise GrammarError(f"{where} has {len(schema):,} characters; at most {MAX_GRAMMAR_CHARS:,} are accepted")
@@ -91,6 +95,18 @@ def schema_of(schema: Any, where: str = "schema") -> dict[str, Any]:
     if not isinstance(schema, Mapping):
         raise GrammarError(f"{where} must be a JSON schema object (or a pydantic model class), got {shown(schema)}")
     return dict(schema)
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not say otherwise."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    if closed.get("type") == "object" and "properties" in closed:
+        closed.setdefault("additionalProperties", False)
+    return closed
 
 
 def _bounded(text: str, where: str) -> str:
