@@ -244,6 +244,16 @@ BAD_CHATS = [  # (case, body, path, param, words in the message)
      "/v1/chat/completions", "tools", "128"),
     ("response_format with a forced call", {"tools": TOOLS, "tool_choice": "required",
      "response_format": {"type": "json_object"}}, "/v1/chat/completions", "response_format", "tool_choice"),
+    # x-guidance would set the matcher's own options (lenient: drop unsupported keywords silently).
+    ("a schema setting the matcher's options", {"response_format": schema_format(
+        {"type": "object", "x-guidance": {"lenient": True}})}, "/v1/chat/completions",
+     "response_format.json_schema.schema", "x-guidance"),
+    ("the matcher's options as not a mapping, with tools", {"tools": TOOLS, "response_format": schema_format(
+        {"type": "object", "x-guidance": 5})}, "/v1/chat/completions", "response_format.json_schema.schema",
+     "x-guidance"),
+    ("tool parameters setting the matcher's options", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "x-guidance": {"whitespace_flexible": True}}}}]},
+     "/v1/chat/completions", "tools[0].function.parameters", "x-guidance"),
 ]  # fmt: skip
 
 
@@ -367,6 +377,20 @@ def test_a_response_format_with_tools_the_model_may_call(tiny_server, family):
     else:
         assert choice["finish_reason"] == "stop"
         jsonschema.validate(json.loads(message["content"]), WEATHER)
+
+
+@pytest.mark.parametrize("family", ["harmony", "hermes"])
+def test_a_response_format_alone_is_the_content_whatever_the_family(tiny_server, family):
+    # The JSON comes from the first token: read as harmony markup or reasoning, it would be lost or held back.
+    body = {"model": family, "messages": QUESTION, "max_tokens": 300, "temperature": 0,
+            "response_format": schema_format(WEATHER)}  # fmt: skip
+    whole = post(tiny_server, body).json()["choices"][0]
+    jsonschema.validate(json.loads(whole["message"]["content"]), WEATHER)
+    assert "reasoning_content" not in whole["message"] and whole["finish_reason"] == "stop"
+    chunks = streamed(tiny_server, {**body, "stream": True})
+    texts = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert sum(1 for t in texts if t) > 1  # streamed as it comes, not held to the end
+    assert reassembled(chunks)["message"]["content"] == whole["message"]["content"]
 
 
 def test_tools_with_a_template_without_tool_syntax_are_refused(tiny_server):

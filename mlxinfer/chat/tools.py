@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GrammarError, ToolCallError
+from ..grammar import check_no_options
 from ..untrusted import shown
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -91,6 +92,10 @@ def _parameters(schema: Any, where: str) -> dict[str, Any]:
         return {"type": "object"}
     if not isinstance(schema, dict):
         raise refuse(f"{where} must be a JSON schema object, got {shown(schema)}", where)
+    try:
+        check_no_options(schema, where)
+    except GrammarError as e:
+        raise refuse(str(e), where) from None
     kind = schema.get("type", "object")
     if kind != "object":
         raise refuse(f'{where} must describe an object ("type": "object"), got type {shown(kind)}', f"{where}.type")

@@ -8,7 +8,17 @@ mask the sampler applies on the device.
 
 from .compiled import Constraint, Vocabulary, constraint_for, vocabulary
 from .mask import allowed_tokens
-from .spec import MAX_GRAMMAR_CHARS, Grammar, choices, json_object, json_schema, lark, regex, schema_of
+from .spec import (
+    MAX_GRAMMAR_CHARS,
+    Grammar,
+    check_no_options,
+    choices,
+    json_object,
+    json_schema,
+    lark,
+    regex,
+    schema_of,
+)
 
 __all__ = [
     "MAX_GRAMMAR_CHARS",
@@ -16,6 +26,7 @@ __all__ = [
     "Grammar",
     "Vocabulary",
     "allowed_tokens",
+    "check_no_options",
     "choices",
     "constraint_for",
     "json_object",

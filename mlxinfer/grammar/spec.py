@@ -21,6 +21,9 @@ from ..untrusted import shown
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar; real ones are a few KB
 MAX_CHOICES = 1024
 _COMPACT_JSON = {"whitespace_flexible": False}
+# llguidance reads its compile options (free whitespace, leniency that drops unsupported keywords) from this
+# key of a schema: they are mlxinfer's to set, never a request's.
+OPTIONS_KEY = "x-guidance"
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,16 @@ def schema_of(schema: Any, where: str = "schema") -> dict[str, Any]:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, Mapping):
         raise GrammarError(f"{where} must be a JSON schema object (or a pydantic model class), got {shown(schema)}")
+    check_no_options(schema, where)
     return dict(schema)
+
+
+def check_no_options(schema: Mapping[str, Any], where: str) -> None:
+    """A GrammarError if `schema` sets llguidance's own options (OPTIONS_KEY) rather than only constraining output."""
+    if OPTIONS_KEY in schema:
+        raise GrammarError(
+            f'{where} sets "{OPTIONS_KEY}", the matcher\'s own options (whitespace, leniency); leave it out'
+        )
 
 
 def closed_objects(schema: Any) -> Any:

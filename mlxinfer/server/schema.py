@@ -21,7 +21,8 @@ from ..chat import Tool, ToolChoice, check_messages, check_tool_choice, check_to
 from ..engine import SamplingParams
 from ..engine.sampling import is_finite_number, is_int
 from ..engine.text import check_stops
-from ..errors import SamplingError
+from ..errors import GrammarError, SamplingError
+from ..grammar import check_no_options
 from ..untrusted import shown
 from .errors import APIError, as_api_error
 
@@ -194,6 +195,11 @@ def _json_schema_format(spec: Any) -> ResponseFormat:
         raise APIError(400, f"{where} must be a JSON schema object, got {shown(schema)}", where)
     if schema is False:  # a valid schema that admits nothing: no answer could ever be given
         raise APIError(400, f"{where} is false: it admits no answer at all", where)
+    if isinstance(schema, dict):
+        try:
+            check_no_options(schema, where)
+        except GrammarError as e:
+            raise APIError(400, str(e), where) from None
     return ResponseFormat("json_schema", {} if schema is True else schema, where)
 
 

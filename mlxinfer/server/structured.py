@@ -70,8 +70,8 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
         grammar, parser = lark(text, where="tools"), OutputParser(fmt, tools, tail)
     elif answer is not None and tools:  # a call, or the format's JSON
         grammar, parser = _call_or_format(answer, fmt, tools, request, model.tokenizer), OutputParser(fmt, tools)
-    elif answer is not None:  # the format's JSON from the first token: no reasoning, no calls to parse
-        grammar, parser = json_schema(answer.schema, where=answer.where), OutputParser(replace(fmt, reasoning=None), [])
+    elif answer is not None:  # the format's JSON from the first token: the text is the answer, nothing to parse
+        grammar, parser = json_schema(answer.schema, where=answer.where), None
     else:
         grammar, parser = None, OutputParser(fmt, tools, tail)
     markup = bool(tools) or (fmt.reasoning is not None and answer is None)
@@ -91,7 +91,7 @@ def _call_or_format(
 def either(calls: str, answer: ResponseFormat) -> str:
     """A Lark grammar for one of two outputs: `calls` (a Lark grammar whose whole output is `start`) or
     a JSON document matching the response format (compact, as every JSON output here is)."""
-    schema = {**answer.schema, "x-guidance": {**answer.schema.get("x-guidance", {}), "whitespace_flexible": False}}
+    schema = {**answer.schema, "x-guidance": {"whitespace_flexible": False}}  # requests may not set it (schema.py)
     renamed = _START_RULE.sub("tool_calls", calls)
     return f"start: tool_calls | format_answer\nformat_answer: %json {json.dumps(schema)}\n{renamed}\n"
 
