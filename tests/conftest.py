@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 
 import mlxinfer
+from mlxinfer.engine import Scheduler, SchedulerConfig
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 ARCHITECTURES = [
@@ -104,6 +105,20 @@ def held_port():
         held.bind(("127.0.0.1", 0))
         held.listen()
         yield held.getsockname()[1]
+
+
+@pytest.fixture
+def scheduler_for():
+    """make(model, **SchedulerConfig fields) -> a running Scheduler, stopped when the test ends."""
+    made: list[Scheduler] = []
+
+    def make(model: mlxinfer.Model, **config) -> Scheduler:
+        made.append(Scheduler(model.runtime, SchedulerConfig(**config)))
+        return made[-1]
+
+    yield make
+    for scheduler in made:
+        scheduler.stop()
 
 
 @pytest.fixture(scope="session")

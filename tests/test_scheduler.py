@@ -73,19 +73,6 @@ def no_pins(model) -> bool:
     return all(entry.pins == 0 for entry in model.prefix_cache._entries.values())
 
 
-@pytest.fixture
-def scheduler_for():
-    made = []
-
-    def make(model: mlxinfer.Model, **config) -> Scheduler:
-        made.append(Scheduler(model.runtime, SchedulerConfig(**config)))
-        return made[-1]
-
-    yield make
-    for scheduler in made:
-        scheduler.stop()
-
-
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_batched_greedy_equals_each_request_alone(name, scheduler_for):
     model = mlxinfer.load(TINY / name, dtype="float32", prefix_cache_bytes=0)

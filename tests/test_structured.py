@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.engine import Failed, Finished, GenerationRequest, Job, SamplingParams, Scheduler, SchedulerConfig
+from mlxinfer.engine import Failed, Finished, GenerationRequest, Job, SamplingParams, Scheduler
 from mlxinfer.engine.single import TextGeneration
 from mlxinfer.errors import GrammarError
 from mlxinfer.grammar import Constraint, Grammar, allowed_tokens, choices, compiled, constraint_for, json_schema, regex
@@ -152,19 +152,6 @@ CASES["choices"] = Case(lambda: choices(WORDS), choice_check)
 def model() -> mlxinfer.Model:
     """The tiny llama in float32 without a prefix cache: batched rows compute what each computes alone."""
     return mlxinfer.load(TINY / "llama_classic", dtype="float32", prefix_cache_bytes=0)
-
-
-@pytest.fixture
-def scheduler_for():
-    made: list[Scheduler] = []
-
-    def make(model: mlxinfer.Model, **config) -> Scheduler:
-        made.append(Scheduler(model.runtime, SchedulerConfig(**config)))
-        return made[-1]
-
-    yield make
-    for scheduler in made:
-        scheduler.stop()
 
 
 def batch_rows(scheduler: Scheduler) -> list[list[Constraint | None]]:
