@@ -14,7 +14,8 @@ cannot be enforced) with a `param` attribute naming the request field at fault, 
 The server's order: check_tools, check_tool_choice, check_messages; fmt = output_format(template,
 tokenizer); require_tool_syntax(fmt) when tools are used; render template_messages(messages, fmt)
 with tools=template_tools(tools); decode with special tokens kept when fmt.keep_special_tokens;
-feed the text to an OutputParser; for "required" or a named choice, constrain with call_grammar.
+feed the text to an OutputParser (parallel=request.parallel_tool_calls); for "required" or a
+named choice, constrain with call_grammar.
 """
 
 from .forced import call_grammar

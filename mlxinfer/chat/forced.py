@@ -2,7 +2,8 @@
 
 The output is llguidance Lark text: the family's markup (a special token as `<[ID]>`,
 other markup as literal text) around each function's parameters schema, so the
-arguments always parse. JSON arguments are written with the separators the
+arguments always parse. What the client wrote (enum and const values, property keys)
+is always literal text, never a special token. JSON arguments are written with the separators the
 model's template writes (no free whitespace); Gemma's values get a grammar of their own.
 A reasoning block comes first only when the template's generation prompt opened it.
 """
@@ -16,7 +17,7 @@ from typing import Any
 import llguidance
 
 from ..errors import GrammarError
-from .formats import MARKERS, REASONING_MARKERS, OutputFormat, require_tool_syntax
+from .formats import CALLS, REASONING, OutputFormat, call_markup, markup, require_tool_syntax
 from .gemma_grammar import GemmaValues
 from .tools import Tool, ToolChoice, refuse
 
@@ -26,24 +27,23 @@ MAX_REASONING_CHARS = 8000
 _TEMPLATE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}  # tojson's
 _COMPACT_JSON = {"whitespace_flexible": False}  # harmony's arguments: {"city":"Paris"}
 _CALL_ID = r"/[A-Za-z0-9]{9}/"
-_CLOSE_HERMES = "}\n</tool_call>"
 _QUOTE = '"'
 _ID_KEY = ', "id": "'
 
 
 class _Lark:
-    """Lark text for one grammar: literals that become special tokens where the tokenizer has them."""
+    """Lark text for one grammar: the family's markup as special tokens where the tokenizer has them."""
 
-    def __init__(self, tokenizer: Any, markup: set[str]):
-        # Only the family's markup becomes special tokens: a tool's name or enum value that happens to
-        # hold special-token text stays text, as it does in the rendered prompt.
+    def __init__(self, tokenizer: Any, markup: frozenset[str]):
         specials = getattr(tokenizer, "special_ids", {}) if tokenizer is not None else {}
         self.ids = {text: i for i, text in specials.items() if text in markup}
         self._split = re.compile("|".join(re.escape(t) for t in sorted(self.ids, key=len, reverse=True)))
         self.rules: list[str] = []
 
     def lit(self, text: str) -> str:
-        """`text` as a sequence: special-token texts as `<[ID]>`, the rest as string literals."""
+        """Markup (or text around it) as a sequence: special-token texts as `<[ID]>`, the rest as string literals.
+
+        Only for text this module writes: a string the client wrote goes through `text`."""
         parts, at = [], 0
         for match in self._split.finditer(text) if self.ids else ():
             if match.start() > at:
@@ -53,6 +53,12 @@ class _Lark:
         if at < len(text):
             parts.append(json.dumps(text[at:]))
         return " ".join(parts)
+
+    @staticmethod
+    def text(text: str) -> str:
+        """A string the client wrote (an enum value, a property key): literal text, even where it spells
+        markup, as it is in the rendered prompt. As a special token it could end the call mid-value."""
+        return json.dumps(text)
 
     def until(self, name: str, close: str, max_chars: int | None = None) -> str:
         """Any text (up to `max_chars`), then `close`: a regex then the token when `close` is one special
@@ -95,8 +101,7 @@ def call_grammar(
     chosen = [(i, t) for i, t in enumerate(tools) if choice.mode == "required" or t.name == choice.name]
     if not chosen:
         raise refuse(f"tool_choice names {choice.name!r}, which is not in tools", "tool_choice")
-    markup = {*MARKERS.get(fmt.tools or "", ()), *MARKERS.get(fmt.dialect or "", ())}
-    lark = _Lark(tokenizer, markup | set(REASONING_MARKERS.get(fmt.reasoning or "", ())))
+    lark = _Lark(tokenizer, markup(fmt))
     head, sep, tail = _BUILDERS[fmt.tools or ""](lark, fmt, chosen)
     calls = " | ".join(f"call_{i}" for i, _ in chosen)
     body = f"{head} call ({sep} call)* {tail}" if parallel and fmt.tools != "harmony" else f"{head} call {tail}"
@@ -119,10 +124,11 @@ def _check_schema(lark: _Lark, name: str, schema: dict[str, Any], index: int, op
 
 
 def _hermes(lark: _Lark, fmt: OutputFormat, chosen: list[tuple[int, Tool]]) -> tuple[str, str, str]:
+    close = lark.lit("}\n" + (CALLS["hermes"].closer or ""))
     for i, tool in chosen:  # <tool_call>\n{"name": "NAME", "arguments": {...}}\n</tool_call>
         args = _check_schema(lark, f"args_{i}", tool.parameters, i, _TEMPLATE_JSON)
-        head = lark.lit('<tool_call>\n{"name": "' + tool.name + '", "arguments": ')
-        lark.rules.append(f"call_{i}: {head} {args} {lark.lit(_CLOSE_HERMES)}")
+        head = lark.lit(CALLS["hermes"].opener + '\n{"name": "' + tool.name + '", "arguments": ')
+        lark.rules.append(f"call_{i}: {head} {args} {close}")
     return "", lark.lit("\n"), ""
 
 
@@ -159,11 +165,9 @@ def _harmony(lark: _Lark, fmt: OutputFormat, chosen: list[tuple[int, Tool]]) -> 
 
 
 def _gemma(lark: _Lark, fmt: OutputFormat, chosen: list[tuple[int, Tool]]) -> tuple[str, str, str]:
-    opener, closer, quote = {
-        "gemma4": ("<|tool_call>", "<tool_call|>", '<|"|>'),
-        "function_gemma": ("<start_function_call>", "<end_function_call>", "<escape>"),
-    }[fmt.dialect or "gemma4"]
-    values = GemmaValues(lark, quote)
+    syntax = call_markup(fmt) or CALLS["gemma4"]
+    opener, closer = syntax.opener, syntax.closer or ""
+    values = GemmaValues(lark, syntax.quote)
     for i, tool in chosen:  # <|tool_call>call:NAME{key:value,...}<tool_call|>, keys sorted as the template sorts
         where = f"tools[{i}].function.parameters"
         try:
@@ -180,16 +184,14 @@ _BUILDERS = {"hermes": _hermes, "llama3_json": _llama3, "mistral": _mistral, "ha
 def _reasoning(lark: _Lark, fmt: OutputFormat, prompt_text: str) -> str:
     """What comes before the call: the rest of a reasoning block the template opened, bounded so that
     the call always comes; none when the prompt did not open one (the call is forced from the start)."""
-    blocks = {
-        "think": ("<think>", "</think>", "/\\n{0,2}/"),
-        "gemma": ("<|channel>thought", "<channel|>", ""),
-        "harmony": ("<|channel|>analysis<|message|>", "<|end|>", lark.lit("<|start|>assistant")),
-    }
-    if fmt.reasoning not in blocks:
+    if fmt.reasoning not in REASONING:
         return ""
-    opener, closer, after = blocks[fmt.reasoning]
-    if fmt.reasoning == "harmony":
+    block = REASONING[fmt.reasoning]
+    closer = block.closer or ""
+    if fmt.reasoning == "harmony":  # the next message's header follows the analysis message
         opened = prompt_text.rstrip().endswith("<|message|>") and "analysis" in prompt_text[-40:]
+        after = lark.lit("<|start|>assistant")
     else:
-        opened = prompt_text.rfind(opener) > prompt_text.rfind(closer)
+        opened = prompt_text.rfind(block.opener) > prompt_text.rfind(closer)
+        after = "/\\n{0,2}/" if fmt.reasoning == "think" else ""  # Qwen3 writes </think>\n\n
     return f"{lark.until('reason_text', closer, MAX_REASONING_CHARS)} {after}".strip() if opened else ""

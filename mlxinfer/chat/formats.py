@@ -13,23 +13,44 @@ from .tools import refuse
 
 TOOL_FAMILIES = ("hermes", "llama3_json", "mistral", "harmony", "gemma")
 
-# The markup each family writes; the engine keeps these when they are special tokens.
-MARKERS = {
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "llama3_json": ("<|python_tag|>",),
-    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
-    "harmony": ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>"),
+
+@dataclass(frozen=True)
+class Markup:
+    """Markup around a call or a reasoning block: what opens it, what closes it, and the rest of its kind."""
+
+    opener: str
+    closer: str | None = None  # None: the call's JSON ends it
+    quote: str = ""  # Gemma: what stands on both sides of a string value
+    others: tuple[str, ...] = ()
+
+    @property
+    def markers(self) -> frozenset[str]:
+        return frozenset(m for m in (self.opener, self.closer, self.quote, *self.others) if m)
+
+
+HARMONY = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>", "<|return|>")
+# The one table of markup: formats (which special tokens to keep), parse (what to split at) and forced (the
+# grammars) all read it. Keyed by family, or by dialect where a family's dialects differ (gemma).
+CALLS = {
+    "hermes": Markup("<tool_call>", "</tool_call>"),
+    "llama3_json": Markup("<|python_tag|>"),
+    "mistral": Markup("[TOOL_CALLS]", others=("[ARGS]", "[CALL_ID]")),
+    # History writes <|start|>assistant to=functions.NAME<|channel|>...<|message|>{...}<|call|>.
+    "harmony": Markup("<|start|>", "<|call|>", others=HARMONY),
     # The response markers follow a call where the model stops for the result: never content.
-    "gemma4": ("<|tool_call>", "<tool_call|>", '<|"|>', "<|tool_response>", "<tool_response|>"),
-    "function_gemma": (
+    "gemma4": Markup("<|tool_call>", "<tool_call|>", '<|"|>', ("<|tool_response>", "<tool_response|>")),
+    "function_gemma": Markup(
         "<start_function_call>",
         "<end_function_call>",
         "<escape>",
-        "<start_function_response>",
-        "<end_function_response>",
+        ("<start_function_response>", "<end_function_response>"),
     ),
 }
-REASONING_MARKERS = {"think": ("<think>", "</think>"), "gemma": ("<|channel>", "<channel|>")}
+REASONING = {
+    "think": Markup("<think>", "</think>"),
+    "gemma": Markup("<|channel>thought", "<channel|>", others=("<|channel>",)),
+    "harmony": Markup("<|channel|>analysis<|message|>", "<|end|>", others=HARMONY),
+}
 
 
 # Templates that wrap XML, not JSON, in <tool_call> (Qwen3-Coder, GLM-4.5): a syntax not parsed here.
@@ -68,16 +89,28 @@ def output_format(template: str | None, tokenizer: Any = None) -> OutputFormat:
     tools, dialect = _tool_family(text)
     reasoning = _reasoning(text, tools)
     specials = tuple(sorted(set(getattr(tokenizer, "special_ids", {}).values()))) if tokenizer is not None else ()
-    markers = {
-        *MARKERS.get(tools or "", ()),
-        *MARKERS.get(dialect or "", ()),
-        *REASONING_MARKERS.get(reasoning or "", ()),
-    }
+    markers = _markup(tools, dialect, reasoning)
     if tokenizer is not None:
         keep = bool(markers & set(specials))
     else:  # these families' markers are special tokens in their real tokenizers
         keep = tools in ("mistral", "harmony", "gemma") or reasoning in ("harmony", "gemma")
     return OutputFormat(tools, reasoning, keep, dialect, specials if keep else ())
+
+
+def call_markup(fmt: OutputFormat) -> Markup | None:
+    """The markup of this format's tool calls; None where it has no tool syntax."""
+    return CALLS.get((fmt.dialect if fmt.tools == "gemma" else fmt.tools) or "")
+
+
+def markup(fmt: OutputFormat) -> frozenset[str]:
+    """Every marker this format writes, for calls and for reasoning."""
+    return _markup(fmt.tools, fmt.dialect, fmt.reasoning)
+
+
+def _markup(tools: str | None, dialect: str | None, reasoning: str | None) -> frozenset[str]:
+    calls = CALLS.get((dialect if tools == "gemma" else tools) or "")
+    thinking = REASONING.get(reasoning or "")
+    return (calls.markers if calls else frozenset()) | (thinking.markers if thinking else frozenset())
 
 
 def _tool_family(text: str) -> tuple[str | None, str | None]:

@@ -20,6 +20,8 @@ class _Lark(Protocol):
 
     def lit(self, text: str) -> str: ...
 
+    def text(self, text: str) -> str: ...
+
     def until(self, name: str, close: str) -> str: ...
 
 
@@ -101,7 +103,7 @@ class GemmaValues:
         required = set(schema.get("required") or ())
         keys = sorted(properties, key=str.lower)  # dictsort's order
         values = [self._rule(self._name(name), properties[k], depth + 1) for k in keys]
-        pairs = [f"{self.lark.lit(k + ':')} {v}" for k, v in zip(keys, values, strict=True)]
+        pairs = [f"{self.lark.text(k + ':')} {v}" for k, v in zip(keys, values, strict=True)]
         # first_i: the properties from i on, none written yet; rest_i: some written (a comma before each).
         base = self._name(name)
         for i in range(len(keys), -1, -1):
@@ -117,14 +119,14 @@ class GemmaValues:
         return f'"{{" {base}_first_0 "}}"'
 
     def _literal(self, value: Any) -> str:
-        if isinstance(value, str):
-            return self.lark.lit(self.quote + value + self.quote)
+        if isinstance(value, str):  # the client's text between the quote markers: never markup itself
+            return f"{self.lark.lit(self.quote)} {self.lark.text(value)} {self.lark.lit(self.quote)}"
         if isinstance(value, bool):
             return '"true"' if value else '"false"'
         if value is None:
             return '"None"'
         if isinstance(value, (int, float)):
-            return self.lark.lit(str(value))
+            return self.lark.text(str(value))
         raise ValueError(
             f"enum and const values must be strings, numbers, booleans or null, got {type(value).__name__}"
         )

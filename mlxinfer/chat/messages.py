@@ -54,7 +54,9 @@ def _message(message: Any, where: str) -> dict[str, Any]:
 
 
 def _extras(message: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
-    """Optional fields some templates read: a tool's (or speaker's) name, an earlier turn's reasoning."""
+    """Optional fields some templates read: a tool's (or speaker's) name, an earlier turn's reasoning.
+
+    Client text like the rest: the tokenizer escapes its special-token text when it renders the chat."""
     for key in ("name", "reasoning_content"):
         if isinstance(message.get(key), str) and message[key]:
             out[key] = message[key]

@@ -5,29 +5,38 @@ marker at the end of what arrived is held back until the next piece decides it.
 Whitespace that only separates markup (before a tool call, after </think>) is
 dropped; output without markup comes back exactly. A tool call that never closes or
 does not parse comes back as content, never lost.
+
+The parser runs on the server's event loop, so a feed costs the length of its text
+plus a bounded look-back (a held marker start), never a rescan of what came before:
+a long argument is kept as a list of pieces and searched only where it grew. Every
+decision depends on the text alone, never on how it was cut into pieces.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import groupby
 
-from .formats import MARKERS, REASONING_MARKERS, OutputFormat
-from .syntax import Call, JsonScanner, call_from_arguments, call_from_object, gemma_call, json_value
+from .formats import CALLS, HARMONY, REASONING, Markup, OutputFormat, markup
+from .syntax import Call, JsonScanner, call_from_arguments, call_from_object, gemma_call, json_value, mistral_head
 from .tools import Tool
 
 
 @dataclass(frozen=True)
-class Content:
+class _Text:
     text: str
 
 
-@dataclass(frozen=True)
-class Reasoning:
-    text: str
+class Content(_Text):
+    """Text of the answer (`content`)."""
+
+
+class Reasoning(_Text):
+    """Text of the reasoning before the answer (`reasoning_content`)."""
 
 
 @dataclass(frozen=True)
@@ -39,17 +48,10 @@ class ToolCall:
 
 
 Piece = Content | Reasoning | ToolCall
+TextKind = type[Content] | type[Reasoning]
 
-_REASONING_MARKERS = {"think": ("<think>", "</think>"), "gemma": ("<|channel>thought", "<channel|>")}
-_CALL_MARKERS = {  # opener, closer (None: the call's JSON ends it)
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "gemma4": ("<|tool_call>", "<tool_call|>"),
-    "function_gemma": ("<start_function_call>", "<end_function_call>"),
-    "mistral": ("[TOOL_CALLS]", None),
-    "llama3_json": ("<|python_tag|>", None),
-}
-_GEMMA_QUOTES = {"gemma4": '<|"|>', "function_gemma": "<escape>"}
 _HEADER_LIMIT = 256  # a harmony header (role, channel, recipient) is far shorter
+_CALL_STARTS = {"hermes": ("{",), "gemma4": ("call:",), "function_gemma": ("call:",)}  # a tagged call's body
 
 
 class _Markers:
@@ -85,63 +87,80 @@ def new_call_id() -> str:
 
 
 class _Output:
-    """Pieces for one feed, with the whitespace rules of the module docstring."""
+    """The pieces of one feed, with the whitespace rules of the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool) -> None:
         self.pieces: list[Piece] = []
         self.lstrip = False  # drop whitespace that starts the next text (it follows markup)
-        self.pending = ""  # whitespace that ends the text so far: kept only if more text follows
+        # Whitespace that ends the text so far, kept only if more text follows. A list: a long run of
+        # whitespace arriving a few characters at a time is joined once, not once per piece.
+        self.pending: list[str] = []
+        self.pending_kind: TextKind = Content
         self.dropped = ""  # the whitespace the last markup dropped: a call that turns out not to be one gets it back
         self.calls = 0
+        self.parallel = parallel
 
-    def text(self, kind: type[Content] | type[Reasoning], text: str) -> None:
+    def text(self, kind: TextKind, text: str) -> None:
         if self.lstrip:
             text = text.lstrip()
             self.lstrip = not text
-        if not text:
-            return
-        text = self.pending + text
         body = text.rstrip()
-        self.pending = text[len(body) :]
         if body:
-            self.add(kind(body))
-
-    def add(self, piece: Piece) -> None:
-        last = self.pieces[-1] if self.pieces else None
-        if isinstance(piece, (Content, Reasoning)) and type(last) is type(piece):
-            self.pieces[-1] = type(piece)(last.text + piece.text)  # type: ignore[union-attr]
-        else:
-            self.pieces.append(piece)
+            self.pieces.append(kind("".join(self.pending) + body))
+            self.pending = []
+        if len(body) < len(text):
+            self.pending.append(text[len(body) :])
+            self.pending_kind = kind
 
     def call(self, call: Call) -> None:
-        self.add(ToolCall(self.calls, new_call_id(), *call))
+        # parallel_tool_calls false: OpenAI returns at most one call, so the calls the model wrote after the
+        # first are dropped, markup and all (they are not content either).
+        if self.parallel or not self.calls:
+            self.pieces.append(ToolCall(self.calls, new_call_id(), *call))
         self.calls += 1
 
     def raw(self, text: str) -> None:
-        """A call that did not parse: shown as content, as written (with the whitespace before it)."""
+        """Markup that turned out not to be a call: content, as written (with the whitespace before it)."""
         self.lstrip = False
         self.text(Content, self.dropped + text)
+        self.dropped = ""
 
     def boundary(self) -> None:
         """Markup: the whitespace around it is not content."""
-        self.dropped, self.pending, self.lstrip = self.pending, "", True
+        self.dropped, self.pending, self.lstrip = "".join(self.pending), [], True
+
+    def end(self) -> None:
+        """The output ended: whitespace that ended the content is content after all (reasoning's is trimmed)."""
+        if self.pending and self.pending_kind is Content:
+            self.pieces.append(Content("".join(self.pending)))
+        self.pending = []
 
     def take(self) -> list[Piece]:
+        """The pieces so far, adjacent text of one kind joined (here, once: joining as they come is quadratic)."""
         pieces, self.pieces = self.pieces, []
-        return pieces
+        joined: list[Piece] = []
+        for kind, group in groupby(pieces, key=type):
+            if kind is ToolCall:
+                joined += group
+            else:
+                joined.append(kind("".join(p.text for p in group)))  # type: ignore[union-attr]
+        return joined
 
 
 class OutputParser:
     """Splits streamed output into Content, Reasoning and ToolCall pieces.
+
+    `parallel` is the request's parallel_tool_calls: when False, only the model's first call is returned.
 
     Example:
         >>> parser = OutputParser(fmt, tools, prompt_text=prompt)
         >>> pieces = [p for chunk in chunks for p in parser.feed(chunk)] + parser.finish()
     """
 
-    def __init__(self, fmt: OutputFormat, tools: list[Tool], prompt_text: str = ""):
+    def __init__(self, fmt: OutputFormat, tools: list[Tool], prompt_text: str = "", parallel: bool = True):
         harmony = fmt.tools == "harmony" or fmt.reasoning == "harmony"
-        self._impl = _HarmonyParser(fmt, tools, prompt_text) if harmony else _TaggedParser(fmt, tools, prompt_text)
+        kind = _HarmonyParser if harmony else _TaggedParser
+        self._impl: _Stream = kind(fmt, tools, prompt_text, parallel)
 
     def feed(self, text: str) -> list[Piece]:
         return self._impl.feed(text)
@@ -150,52 +169,15 @@ class OutputParser:
         return self._impl.finish()
 
 
-def _special_drops(fmt: OutputFormat, markup: Iterable[str]) -> set[str]:
-    """Special tokens that are not this family's markup: end-of-turn tokens and the like, never content."""
-    return set(fmt.special_tokens) - set(markup) if fmt.keep_special_tokens else set()
+class _Stream:
+    """What the parsers share: text collects in `buf`, and `_step` moves on, mode by mode, until it must wait."""
 
-
-class _TaggedParser:
-    """Families whose calls and reasoning sit between markers: hermes, llama3_json, mistral, gemma, <think>."""
-
-    def __init__(self, fmt: OutputFormat, tools: list[Tool], prompt_text: str):
-        self.names = {t.name for t in tools}
-        self.family = (fmt.dialect if fmt.tools == "gemma" else fmt.tools) if fmt.tools and tools else None
-        self.opener, self.closer = _CALL_MARKERS.get(self.family or "", (None, None))
-        self.quote = _GEMMA_QUOTES.get(self.family or "", "")
-        think_open, think_close = _REASONING_MARKERS.get(fmt.reasoning or "", (None, None))
-        family_markup = set(MARKERS.get(self.family or "", ()))
-        reasoning_markup = {m for m in (think_open, think_close) if m} | set(
-            REASONING_MARKERS.get(fmt.reasoning or "", ())
-        )
-        all_markup = {*MARKERS.get(fmt.tools or "", ()), *MARKERS.get(fmt.dialect or "", ())}
-        drops = _special_drops(fmt, family_markup | reasoning_markup | all_markup)
-        # What each marker does, by mode. "drop": removed; "cut": removed, and no text joins across it.
-        self.actions = {
-            "text": {
-                **dict.fromkeys(drops, "drop"),
-                **dict.fromkeys(family_markup | reasoning_markup, "cut"),
-                **({think_open: "reasoning"} if think_open else {}),
-                **({self.opener: "call"} if self.opener else {}),
-            },
-            "reasoning": {
-                **dict.fromkeys(drops, "drop"),
-                **dict.fromkeys(reasoning_markup, "cut"),
-                **({think_close: "text"} if think_close else {}),
-            },
-        }
-        self.markers = {mode: _markers(frozenset(actions)) for mode, actions in self.actions.items()}
-        self.closer_markers = _markers(frozenset({self.closer} if self.closer else ()))
-        self.out = _Output()
-        self.buf, self.opener_seen, self.final = "", "", False
-        self.mode = "reasoning" if _opened(prompt_text, think_open, think_close) else "text"
-        self.at_start = True  # llama3_json: a call is output that starts with "{"
-        self.scanner: JsonScanner | None = None
-        if self.mode == "reasoning":
-            self.out.lstrip = True
+    def __init__(self, parallel: bool) -> None:
+        self.out = _Output(parallel)
+        self.buf, self.final = "", False
 
     def feed(self, text: str) -> list[Piece]:
-        self.buf += text
+        self.buf += text  # short: each step leaves at most a possible marker start (or a bounded header)
         while self._step():
             pass
         return self.out.take()
@@ -204,235 +186,316 @@ class _TaggedParser:
         self.final = True  # nothing more comes: a marker that could have grown into a longer one is that marker
         while self._step():
             pass
-        if self.mode == "call":
-            self.out.raw(self.opener_seen + self.buf)
-        else:
-            kind = Reasoning if self.mode == "reasoning" else Content
-            self.out.text(kind, self.buf)
-            if self.out.pending and kind is Content:
-                self.out.add(Content(self.out.pending))
-        self.buf, self.out.pending = "", ""
+        self._close()
+        self.buf = ""
+        self.out.end()
         return self.out.take()
 
     def _step(self) -> bool:
         """Move on as far as the buffer allows; True when the mode changed (step again)."""
-        if self.mode == "call":
-            return self._call()
-        if self.mode == "after_call":  # llama3_json: "; " joins parallel calls
-            head = self.buf.lstrip()
-            if not head:
-                return False
-            self.mode, self.buf = "text", head
-            if head.startswith(";"):
-                self._enter_call(";", head[1:])
-            return True
-        if self.family == "llama3_json" and self.at_start and self.mode == "text":
-            head = self.buf.lstrip()
-            if not head:
-                return False
-            self.at_start = False
-            if head.startswith("{"):
-                self._enter_call("", head)
-                return True
-        return self._region(Reasoning if self.mode == "reasoning" else Content)
+        raise NotImplementedError
 
-    def _region(self, kind: type[Content] | type[Reasoning]) -> bool:
-        markers, actions = self.markers[self.mode], self.actions[self.mode]
+    def _close(self) -> None:
+        """The output ended: release what the mode still holds."""
+        raise NotImplementedError
+
+    def _scan(self, markers: _Markers, sink: Callable[[str], None]) -> str | None:
+        """The first marker in the buffer, taken off it with the text before it, which goes to `sink`.
+
+        None while there is none yet: then all but a possible start of one goes to `sink`, so that the
+        next feed searches only its own text and that start.
+        """
         match = markers.find(self.buf, self.final)
         if match is None:
-            keep = markers.held(self.buf)
-            self.out.text(kind, self.buf[: len(self.buf) - keep])
-            self.buf = self.buf[len(self.buf) - keep :]
+            cut = len(self.buf) - (0 if self.final else markers.held(self.buf))
+            sink(self.buf[:cut])
+            self.buf = self.buf[cut:]
+            return None
+        sink(self.buf[: match.start()])
+        self.buf = self.buf[match.end() :]
+        return match.group()
+
+
+def _special_drops(fmt: OutputFormat, markup: Iterable[str]) -> set[str]:
+    """Special tokens that are not this family's markup: end-of-turn tokens and the like, never content."""
+    return set(fmt.special_tokens) - set(markup) if fmt.keep_special_tokens else set()
+
+
+def _actions(fmt: OutputFormat, calls: Markup | None, thinking: Markup | None) -> dict[str, dict[str, str]]:
+    """What each marker does, by mode: "drop", removed; "cut", removed, and no text joins across it;
+    "call", "reasoning" or "text", removed, and the mode changes to that."""
+    family = calls.markers if calls else frozenset()
+    reasoning = thinking.markers if thinking else frozenset()
+    drops = dict.fromkeys(_special_drops(fmt, family | reasoning | markup(fmt)), "drop")
+    in_text = {**drops, **dict.fromkeys(family | reasoning, "cut")}
+    in_reasoning = {**drops, **dict.fromkeys(reasoning, "cut")}
+    if thinking and thinking.closer:
+        in_text[thinking.opener] = "reasoning"
+        in_reasoning[thinking.closer] = "text"
+    if calls:
+        in_text[calls.opener] = "call"
+    return {"text": in_text, "reasoning": in_reasoning}
+
+
+class _TaggedParser(_Stream):
+    """Families whose calls and reasoning sit between markers: hermes, llama3_json, mistral, gemma, <think>.
+
+    Modes: "text" and "reasoning"; "start" (llama3_json: a call may open the output without a marker);
+    "call" (up to the closer: hermes, gemma); "head" (mistral v11's NAME[ARGS]); "json" (a call its
+    JSON ends: mistral, llama3_json); "after_call" (llama3_json's "; " between calls).
+    """
+
+    def __init__(self, fmt: OutputFormat, tools: list[Tool], prompt_text: str, parallel: bool):
+        super().__init__(parallel)
+        self.names = {t.name for t in tools}
+        self.family = (fmt.dialect if fmt.tools == "gemma" else fmt.tools) if fmt.tools and tools else None
+        self.syntax = CALLS.get(self.family or "")
+        self.dialect = fmt.dialect
+        thinking = REASONING.get(fmt.reasoning or "")
+        self.actions = _actions(fmt, self.syntax, thinking)
+        self.markers = {mode: _markers(frozenset(actions)) for mode, actions in self.actions.items()}
+        closer = self.syntax.closer if self.syntax else None
+        self.closer = _markers(frozenset({closer} if closer else ()))
+        # The open call: its opener, mistral v11's NAME[ARGS] and name, and the text after them, kept as
+        # pieces (it may grow long); `started`, once its first characters showed it can be a call.
+        self.opener, self.head, self.name, self.started = "", "", "", False
+        self.call: list[str] = []
+        self.scanner = JsonScanner()
+        self.mode = "start" if self.family == "llama3_json" else "text"
+        if thinking and _opened(prompt_text, thinking):
+            self.mode, self.out.lstrip = "reasoning", True
+
+    def _step(self) -> bool:
+        return getattr(self, "_in_" + self.mode)()
+
+    def _close(self) -> None:
+        if self.mode in ("call", "head", "json"):  # a call cut short
+            self.out.raw(self.opener + self.head + "".join(self.call) + self.buf)
+
+    def _in_text(self) -> bool:
+        kind = Reasoning if self.mode == "reasoning" else Content
+        marker = self._scan(self.markers[self.mode], lambda text: self.out.text(kind, text))
+        if marker is None:
             return False
-        self.out.text(kind, self.buf[: match.start()])
-        rest, action = self.buf[match.end() :], actions[match.group()]
-        self.at_start = False
-        if action == "drop":
-            self.buf = rest
-            return True
-        self.out.boundary()
-        if action == "call":
-            self._enter_call(match.group(), rest)
-        else:
-            self.buf = rest
-            self.mode = action if action != "cut" else self.mode
+        action = self.actions[self.mode][marker]
+        if action != "drop":
+            self.out.boundary()
+            if action == "call":
+                self._enter_call(marker)
+            elif action != "cut":
+                self.mode = action
         return True
 
-    def _enter_call(self, opener: str, rest: str) -> None:
-        self.mode, self.buf, self.opener_seen, self.scanner = "call", rest, opener, None
+    _in_reasoning = _in_text
 
-    def _call(self) -> bool:
-        """The call region: returns True once it ended (a call, or raw text), False while it is open."""
-        if self.closer:
-            match = self.closer_markers.find(self.buf)
-            if match is None:
-                return False
-            body, self.buf = self.buf[: match.start()], self.buf[match.end() :]
-            self._emit_call(self._tagged_call(body), self.opener_seen + body + match.group())
+    def _in_start(self) -> bool:
+        """llama3_json: output that starts with "{" is a call (the template writes no marker before it)."""
+        head = self.buf.lstrip()
+        self.out.text(Content, self.buf[: len(self.buf) - len(head)])  # whitespace: held until text follows
+        self.buf = head
+        if not head:
+            return False
+        self.mode = "text"
+        if head.startswith("{"):
+            self.out.boundary()
+            self._enter_call("")
+        return True
+
+    def _enter_call(self, opener: str) -> None:
+        self.opener, self.head, self.name, self.call, self.started = opener, "", "", [], False
+        self.scanner = JsonScanner()
+        if self.syntax and self.syntax.closer:
+            self.mode = "call"
+        else:  # the `[` (JSON list) form is Mistral v3's; v11 writes NAME[ARGS]{...}
+            self.mode = "head" if self.family == "mistral" and self.dialect != "v3" else "json"
+
+    def _begins(self, starts: tuple[str, ...]) -> bool | None:
+        """Whether the call's text, after whitespace, starts with one of `starts`; None while undecided."""
+        head = self.buf.lstrip()
+        self.call.append(self.buf[: len(self.buf) - len(head)])
+        self.buf = head
+        if head.startswith(starts):
             return True
-        return self._json_call()
+        return None if not self.final and any(s.startswith(head) for s in starts) else False
 
-    def _tagged_call(self, body: str) -> list[Call] | None:
+    def _in_call(self) -> bool:
+        """hermes and gemma: the call's text up to its closer."""
+        if not self.started:
+            begins = self._begins(_CALL_STARTS[self.family or ""])
+            if not begins:
+                return False if begins is None else self._not_a_call()
+            self.started = True
+        closer = self._scan(self.closer, self.call.append)
+        if closer is None:
+            return False
+        body = "".join(self.call)
+        self._emit(self._tagged_calls(body), self.opener + body + closer)
+        return True
+
+    def _tagged_calls(self, body: str) -> list[Call] | None:
         if self.family == "hermes":
             call = call_from_object(json_value(body.strip()), self.names)
         else:
-            call = gemma_call(body, self.quote, self.names)
+            call = gemma_call(body, self.syntax.quote if self.syntax else "", self.names)
         return [call] if call else None
 
-    def _json_call(self) -> bool:
-        """mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}) and llama3_json ({...}; {...})."""
-        head = self.buf.lstrip()
-        if not head:
-            return False
-        name = ""
-        if self.family == "mistral" and not head.startswith("["):
-            args_at = head.find("[ARGS]")
-            if args_at < 0:
-                if len(head) > 128 or "\n" in head:  # far past any name and call id: not a call
-                    return self._not_a_call()
-                return False
-            name = head[:args_at].split("[CALL_ID]")[0].strip()
-            head = head[args_at + len("[ARGS]") :].lstrip()
-            if not head:
-                return False
-        if not head.startswith(("{", "[")):
-            return self._not_a_call()
-        start = len(self.buf) - len(head)
-        self.scanner = self.scanner or JsonScanner()
-        end = self.scanner.end(head)
-        if end is None:
-            return False
-        written, self.buf = self.buf[: start + end], self.buf[start + end :]
-        self._emit_call(self._json_calls(name, head[:end]), self.opener_seen + written)
+    def _in_head(self) -> bool:
+        """Mistral v11: NAME[ARGS] (or NAME[CALL_ID]ID[ARGS]) right after the opener, then the arguments."""
+        head = mistral_head(self.buf)  # the buffer stays short: a name and an id are at most 64 characters
+        if not isinstance(head, tuple):
+            return False if head and not self.final else self._not_a_call()
+        self.name, at = head
+        self.head, self.buf, self.mode = self.buf[:at], self.buf[at:], "json"
         return True
 
-    def _json_calls(self, name: str, body: str) -> list[Call] | None:
-        if name:
-            call = call_from_arguments(name, body, self.names)
+    def _in_json(self) -> bool:
+        """A call its JSON ends: mistral ([TOOL_CALLS][{...}] or NAME[ARGS]{...}), llama3_json ({...}; {...})."""
+        if not self.started:
+            begins = self._begins(("{",) if self.name else ("[", "{"))
+            if not begins:
+                return False if begins is None else self._not_a_call()
+            self.started = True
+        end = self.scanner.end(self.buf)
+        if end is None:
+            self.call.append(self.buf)
+            self.buf = ""
+            return False
+        self.call.append(self.buf[:end])
+        self.buf = self.buf[end:]
+        body = "".join(self.call)
+        self._emit(self._json_calls(body), self.opener + self.head + body)
+        return True
+
+    def _json_calls(self, body: str) -> list[Call] | None:
+        if self.name:
+            call = call_from_arguments(self.name, body.strip(), self.names)
             return [call] if call else None
         value = json_value(body)
         items = value if isinstance(value, list) and value else [value]
         calls = [call_from_object(item, self.names) for item in items]
         return calls if all(calls) else None  # type: ignore[return-value]
 
-    def _emit_call(self, calls: list[Call] | None, written: str) -> None:
+    def _in_after_call(self) -> bool:
+        """llama3_json: "; " joins parallel calls. The whitespace after a call is dropped either way."""
+        self.buf = self.buf.lstrip()
+        if not self.buf:
+            return False
+        self.mode = "text"
+        if self.buf.startswith(";"):
+            self.buf = self.buf[1:]
+            self._enter_call(";")
+        return True
+
+    def _emit(self, calls: list[Call] | None, written: str) -> None:
+        """The call region ended: its calls, or (they did not parse) what was written, as content."""
         if calls is None:
             self.out.raw(written)
-        else:
-            self.out.boundary()
-            for call in calls:
-                self.out.call(call)
-        self.mode, self.scanner = "after_call" if self.family == "llama3_json" else "text", None
+            self.mode = "text"
+            return
+        self.out.boundary()
+        for call in calls:
+            self.out.call(call)
+        self.mode = "after_call" if self.family == "llama3_json" else "text"
 
     def _not_a_call(self) -> bool:
-        self.out.raw(self.opener_seen + self.buf)
-        self.mode, self.buf, self.scanner = "text", "", None
+        """What follows the opener cannot start a call: the opener is content, and the text after it is read
+        again as text (it may hold a real call). Only a call's first characters are ever read again."""
+        self.out.raw(self.opener)
+        self.buf = self.head + "".join(self.call) + self.buf
+        self.mode, self.head, self.call = "text", "", []
         return True
 
 
-def _opened(prompt_text: str, opener: str | None, closer: str | None) -> bool:
+def _opened(prompt_text: str, thinking: Markup) -> bool:
     """Whether the prompt ends inside an open reasoning block (the template opened it)."""
-    if not opener or not closer or not prompt_text:
+    if not prompt_text or not thinking.closer:
         return False
-    return prompt_text.rfind(opener) > prompt_text.rfind(closer)
+    return prompt_text.rfind(thinking.opener) > prompt_text.rfind(thinking.closer)
 
 
-class _HarmonyParser:
+class _HarmonyParser(_Stream):
     """gpt-oss: messages of a header (role, channel, recipient) and a body, joined by special tokens.
 
     `<|channel|>analysis<|message|>...<|end|>` is reasoning, `<|channel|>final<|message|>...` content,
     and `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>` a call
     (the recipient may also stand before the channel, as the template writes history).
+    Modes: "header" (up to <|message|>), "body" (a message's text) and "call" (a call's arguments).
     """
 
     ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>", "<|channel|>")
 
-    def __init__(self, fmt: OutputFormat, tools: list[Tool], prompt_text: str):
+    def __init__(self, fmt: OutputFormat, tools: list[Tool], prompt_text: str, parallel: bool):
+        super().__init__(parallel)
         self.names = {t.name for t in tools} if fmt.tools == "harmony" else set()
-        markup = MARKERS["harmony"]
-        self.drops = _special_drops(fmt, markup) | {"<|message|>", "<|constrain|>"}
-        self.body_markers = _markers(frozenset({*self.ENDS, *self.drops}))
-        self.out = _Output()
-        self.buf, self.mode, self.header_seen, self.final = "", "header", False, False
-        self.mode_kind: type[Content] | type[Reasoning] = Content
-        self.call_name: str | None = None
+        self.drops = _special_drops(fmt, HARMONY) | {"<|message|>", "<|constrain|>"}
+        self.markers = _markers(frozenset({*self.ENDS, *self.drops}))
+        self.mode, self.kind = "header", Content
+        self.after_start = False  # the header follows <|start|>: its first word is a role, not content
+        self.call_name = ""
+        self.args: list[str] = []  # the open call's arguments, kept as pieces (they may grow long)
         tail = prompt_text[prompt_text.rfind("<|start|>") :] if "<|start|>" in prompt_text else ""
         if "<|message|>" in tail and not any(end in tail.split("<|message|>")[-1] for end in self.ENDS):
             self._open(tail[: tail.rfind("<|message|>")])
 
-    def feed(self, text: str) -> list[Piece]:
-        self.buf += text
-        while self._step():
-            pass
-        return self.out.take()
-
-    def finish(self) -> list[Piece]:
-        self.final = True
-        while self._step():
-            pass
-        if self.mode == "header":
-            if self.buf.strip() and not self.header_seen and "<|" not in self.buf:
-                self.out.add(Content(self.buf))  # plain text, never in harmony form
-        elif self.mode == "call":
-            self._close_call(self.buf)  # <|call|> is an end-of-sequence token: output may stop before it
-        else:
-            self.out.text(self.mode_kind, self.buf)
-            if self.out.pending and self.mode_kind is Content:
-                self.out.add(Content(self.out.pending))
-        self.buf, self.out.pending = "", ""
-        return self.out.take()
-
     def _step(self) -> bool:
-        if self.mode == "header":
-            at = self.buf.find("<|message|>")
-            if at < 0:
-                if len(self.buf) > _HEADER_LIMIT and not self.header_seen and "<|" not in self.buf:
-                    self.mode, self.mode_kind = "body", Content  # not harmony at all: plain text
-                    return True
-                return False
+        return getattr(self, "_in_" + self.mode)()
+
+    def _close(self) -> None:
+        if self.mode == "call":  # <|call|> is an end-of-sequence token: the output may stop before it
+            self._close_call("".join(self.args))
+        elif self.mode == "header" and not self.after_start and not any(m in self.buf for m in HARMONY):
+            self.out.text(Content, self.buf)  # not a header: text after a message's end, or no harmony at all
+
+    def _in_header(self) -> bool:
+        at = self.buf.find("<|message|>", 0, _HEADER_LIMIT + len("<|message|>"))
+        if at >= 0:
             self._open(self.buf[:at])
             self.buf = self.buf[at + len("<|message|>") :]
             return True
-        match = self.body_markers.find(self.buf, self.final)
-        if match is None:
-            if self.mode == "body":
-                keep = self.body_markers.held(self.buf)
-                self.out.text(self.mode_kind, self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep :]
+        if len(self.buf) < _HEADER_LIMIT + len("<|message|>"):
             return False
-        body, marker = self.buf[: match.start()], match.group()
-        self.buf = self.buf[match.end() :]
-        if marker in self.drops:
-            if self.mode == "body":
-                self.out.text(self.mode_kind, body)
-            elif self.mode == "call":
-                self.buf = body + self.buf  # a stray token inside the arguments: keep reading them
-            return True
-        if self.mode == "call":
-            self._close_call(body)
-        elif self.mode == "body":
-            self.out.text(self.mode_kind, body)
-        self.out.boundary()
-        self.mode, self.header_seen = "header", True
-        if marker == "<|channel|>":
-            self.buf = marker + self.buf
+        # Far longer than any header: content, cut at a fixed length so that the pieces do not depend on
+        # how the output arrived. What follows is read as a message's text.
+        self.out.text(Content, self.buf[:_HEADER_LIMIT])
+        self.buf, self.mode, self.kind = self.buf[_HEADER_LIMIT:], "body", Content
+        return True
+
+    def _in_body(self) -> bool:
+        marker = self._scan(self.markers, lambda text: self.out.text(self.kind, text))
+        if marker is None:
+            return False
+        if marker not in self.drops:
+            self._end_message(marker)
+        return True
+
+    def _in_call(self) -> bool:
+        marker = self._scan(self.markers, self.args.append)  # a stray token inside the arguments is skipped
+        if marker is None:
+            return False
+        if marker not in self.drops:
+            self._close_call("".join(self.args))
+            self._end_message(marker)
         return True
 
     def _open(self, header: str) -> None:
         """Start the body that `header` announces."""
-        self.header_seen = True
         self.out.boundary()
         channel = re.search(r"<\|channel\|>\s*([A-Za-z_]+)", header)
         recipient = re.search(r"\bto=([^\s<]+)", header)
         if recipient and recipient.group(1).startswith("functions.") and self.names:
-            self.mode, self.call_name = "call", recipient.group(1)[len("functions.") :]
-        elif channel and channel.group(1) == "analysis" and not recipient:
-            self.mode, self.mode_kind = "body", Reasoning
+            self.mode, self.call_name, self.args = "call", recipient.group(1)[len("functions.") :], []
         else:
-            self.mode, self.mode_kind = "body", Content
+            analysis = channel and channel.group(1) == "analysis" and not recipient
+            self.mode, self.kind = "body", Reasoning if analysis else Content
+
+    def _end_message(self, marker: str) -> None:
+        self.out.boundary()
+        self.mode, self.after_start = "header", marker == "<|start|>"
+        if marker == "<|channel|>":
+            self.buf = marker + self.buf  # it begins the next header
 
     def _close_call(self, body: str) -> None:
-        call = call_from_arguments(self.call_name or "", body.strip(), self.names)
+        call = call_from_arguments(self.call_name, body.strip(), self.names)
         if call:
             self.out.boundary()
             self.out.call(call)

@@ -44,18 +44,16 @@ class JsonScanner:
     """Finds where one JSON object or array ends in text that arrives piece by piece.
 
     It tracks depth, strings and escapes only; the value found is parsed (and may still fail) afterwards.
+    Each piece is read once, so a long value costs its length, not its length squared.
     """
 
     def __init__(self) -> None:
         self.depth = 0
         self.in_string = self.escaped = False
-        self.pos = 0  # how far into the text the scan has gone
 
-    def end(self, text: str) -> int | None:
-        """The index just past the value, once it has closed; None while it is open."""
-        while self.pos < len(text):
-            char = text[self.pos]
-            self.pos += 1
+    def end(self, piece: str) -> int | None:
+        """The index in `piece` (the next part of the text) just past the value, once it closed; None while open."""
+        for at, char in enumerate(piece):
             if self.in_string:
                 if self.escaped:
                     self.escaped = False
@@ -70,8 +68,41 @@ class JsonScanner:
             elif char in "]}":
                 self.depth -= 1
                 if self.depth <= 0:
-                    return self.pos
+                    return at + 1
         return None
+
+
+# -- Mistral v11: [TOOL_CALLS]NAME[ARGS]{...}, or NAME[CALL_ID]ID[ARGS]{...} ---------------
+
+_NAME_CHARS = re.compile(r"[A-Za-z0-9_.-]{0,64}")  # as tools.py allows a function's name
+_ID_CHARS = re.compile(r"[A-Za-z0-9]{0,64}")
+
+
+def mistral_head(text: str) -> tuple[str, int] | bool:
+    """`NAME[ARGS]` or `NAME[CALL_ID]ID[ARGS]` at the start of `text`: (NAME, where the arguments start);
+    True while `text` may still grow into one, False once it cannot.
+
+    Decided by `text` alone, so the answer does not depend on how the output was cut into pieces.
+    """
+    name = _NAME_CHARS.match(text).group()  # type: ignore[union-attr]  # {0,...} always matches
+    rest, at = text[len(name) :], len(name)
+    if not rest:
+        return True
+    if not name:
+        return False
+    if rest.startswith("[CALL_ID]"):
+        call_id = _ID_CHARS.match(rest, len("[CALL_ID]")).group()  # type: ignore[union-attr]
+        at += len("[CALL_ID]") + len(call_id)
+        rest = text[at:]
+        if not rest:
+            return True
+        if not call_id:
+            return False
+    elif "[CALL_ID]".startswith(rest):
+        return True
+    if rest.startswith("[ARGS]"):
+        return name, at + len("[ARGS]")
+    return "[ARGS]".startswith(rest)
 
 
 # -- Gemma: call:NAME{key:value,...} with strings between quote markers ------------------

@@ -65,15 +65,16 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
     answer = request.response_format
     # The output may start inside a reasoning block the generation prompt opened (then the parser starts there).
     tail = _prompt_tail(model.tokenizer, ids) if fmt.reasoning and answer is None else ""
+    parallel = request.parallel_tool_calls
+    parser: OutputParser | None = OutputParser(fmt, tools, tail, parallel=parallel)
     if request.tool_choice.mode in ("required", "named"):  # a call, maybe after reasoning
-        text = call_grammar(fmt, tools, request.tool_choice, request.parallel_tool_calls, model.tokenizer, tail)
-        grammar, parser = lark(text, where="tools"), OutputParser(fmt, tools, tail)
+        grammar = lark(call_grammar(fmt, tools, request.tool_choice, parallel, model.tokenizer, tail), where="tools")
     elif answer is not None and tools:  # a call, or the format's JSON
-        grammar, parser = _call_or_format(answer, fmt, tools, request, model.tokenizer), OutputParser(fmt, tools)
+        grammar = _call_or_format(answer, fmt, tools, request, model.tokenizer)
     elif answer is not None:  # the format's JSON from the first token: the text is the answer, nothing to parse
         grammar, parser = json_schema(answer.schema, where=answer.where), None
     else:
-        grammar, parser = None, OutputParser(fmt, tools, tail)
+        grammar = None
     markup = bool(tools) or (fmt.reasoning is not None and answer is None)
     return Prepared(ids, _compile(model, grammar), fmt.keep_special_tokens and markup, parser)
 

@@ -186,23 +186,11 @@ def _validate(messages: Sequence[Message]) -> Sequence[Message]:
 
 
 def _escape_message(message: Message, specials: re.Pattern[str] | None, marker: str) -> Message:
-    def escape(text: str) -> str:
-        return specials.sub(lambda m: marker + m.group(0), text) if specials else text
-
-    content = message.get("content")  # None (or missing): an assistant's tool calls only; rendered as None
-    if isinstance(content, str):
-        content = escape(content)
-    elif isinstance(content, list):
-        content = [
-            {**part, "text": escape(part["text"])}
-            if isinstance(part, dict) and isinstance(part.get("text"), str)
-            else part
-            for part in content
-        ]
-    escaped = {**message, "content": content}
-    if "tool_calls" in message:  # names and arguments come from the client too
-        escaped["tool_calls"] = _escape_value(message["tool_calls"], specials, marker)
-    return escaped
+    """Every field the client wrote, escaped: content, reasoning_content, name, tool_call_id and tool calls
+    (templates render them all, and clients echo back reasoning that came from tool results and web pages).
+    Only `role` is read as is: templates compare it. A missing content renders as None (tool calls only)."""
+    escaped = {k: v if k == "role" else _escape_value(v, specials, marker) for k, v in message.items()}
+    return {"content": None, **escaped}
 
 
 def _escape_value(value: Any, specials: re.Pattern[str] | None, marker: str) -> Any:
