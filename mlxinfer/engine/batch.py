@@ -49,22 +49,27 @@ class DecodeBatch:
     of this one reach the caller (the device works on step n+1 while the caller
     handles step n); the loop asks for it only while the rows stay as they are
     (one sequence, nobody waiting), and the queued step is taken first by the
-    next `step`. Rows join and leave only when nothing is queued."""
+    next `step`. Rows join and leave only when nothing is queued.
+
+    Under a grammar the next mask needs this step's token, so what is queued is
+    the next forward pass alone: it runs while the caller handles this token and
+    the grammars compute their masks, and is sampled once they are known."""
 
     def __init__(self, model: DecoderLM, kv_bits: int | None):
         self.model, self.kv_bits = model, kv_bits
         self.rows: list[Running] = []
         self.cache: list[Cache] | None = None
         self._queued: mx.array | None = None  # the next step's tokens, already computing
+        self._queued_logits: mx.array | None = None  # under a grammar: the next step's logits, still to be masked
 
     @property
     def pending(self) -> bool:
         """A step is queued: its tokens must be taken (by `step`) before rows join."""
-        return self._queued is not None
+        return self._queued is not None or self._queued_logits is not None
 
     def join(self, sequence: Running, cache: list[Cache]) -> None:
         """Add a prefilled sequence whose single-sequence cache is `cache`."""
-        assert self._queued is None, "take the queued step before a row joins"
+        assert not self.pending, "take the queued step before a row joins"
         self.cache = add_row(self.cache, cache)
         self.rows.append(sequence)
 
@@ -73,7 +78,7 @@ class DecodeBatch:
             self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
             gone = set(rows)
             self.rows = [s for i, s in enumerate(self.rows) if i not in gone]
-            self._queued = None  # computed for rows that changed (only ever one row, now gone)
+            self._queued = self._queued_logits = None  # computed for rows that changed (only ever one, now gone)
 
     @property
     def nbytes(self) -> int:
@@ -86,27 +91,40 @@ class DecodeBatch:
 
     @property
     def constrained(self) -> bool:
-        """Some row draws under a grammar: its next mask needs this step's token first, so no step is queued."""
+        """Some row draws under a grammar: its next mask needs this step's token first."""
         return any(s.job.constraint is not None for s in self.rows)
 
     def step(self, pipelined: bool = False) -> list[int]:
         """Feed every row its last drawn token; returns the next token of each row."""
         assert self.cache is not None
+        if self.constrained:
+            return self._masked_step(pipelined)
         picked = self._queued if self._queued is not None else self._launch(mx.array([s.token for s in self.rows]))
-        self._queued = self._launch(picked) if pipelined and not self.constrained else None
+        self._queued = self._launch(picked) if pipelined else None
         return picked.tolist()
+
+    def _masked_step(self, pipelined: bool) -> list[int]:
+        logits = self._queued_logits
+        if logits is None:
+            logits = self._forward(mx.array([s.token for s in self.rows]))
+        # Host work while the device runs the forward pass: each grammar's mask for this step.
+        allowed = allowed_tokens([s.job.constraint for s in self.rows], logits.shape[-1])
+        picked = mx.stack([s.sampler(logits[i], allowed[i]) for i, s in enumerate(self.rows)])
+        self._queued_logits = self._forward(picked) if pipelined else None
+        return picked.tolist()
+
+    def _forward(self, tokens: mx.array) -> mx.array:
+        """Start computing the logits that follow `tokens` (one per row, maybe not evaluated yet)."""
+        logits = self.model(tokens.astype(mx.uint32).reshape(-1, 1), self.cache)[:, -1]
+        mx.async_eval(logits)
+        return logits
 
     def _launch(self, tokens: mx.array) -> mx.array:
         """Start computing the tokens that follow `tokens` (one per row, maybe not evaluated yet)."""
         logits = self.model(tokens.astype(mx.uint32).reshape(-1, 1), self.cache)[:, -1]
-        allowed = None
-        if self.constrained:
-            mx.async_eval(logits)  # the device runs the step while the grammars compute their masks
-            allowed = allowed_tokens([s.job.constraint for s in self.rows], logits.shape[-1])
-        rows = [s.sampler(logits[i], None if allowed is None else allowed[i]) for i, s in enumerate(self.rows)]
-        picked = mx.stack(rows)
+        picked = mx.stack([s.sampler(logits[i]) for i, s in enumerate(self.rows)])
         mx.async_eval(picked)
         return picked
 
     def clear(self) -> None:
-        self.rows, self.cache, self._queued = [], None, None
+        self.rows, self.cache, self._queued, self._queued_logits = [], None, None, None
