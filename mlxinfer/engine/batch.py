@@ -14,10 +14,13 @@ import mlx.core as mx
 
 from ..cache import Cache, PrefixHit, Snapshot
 from ..cache.batch import add_row, drop_rows, row_cache
+from ..cache.rewind import mark, rewind
 from ..grammar import allowed_tokens
 from ..models.decoder import DecoderLM
+from .drafting import Draft
 from .job import Job
 from .sampling import Sampler
+from .speculation import Speculation
 from .text import TextStream
 
 
@@ -33,6 +36,7 @@ class Running:
     first_token_at: float = 0.0
     snapshots: dict[int, Snapshot] = field(default_factory=dict)  # state snapshots from its prefill
     failure: Exception | None = None  # why it ends in error rather than normally (its grammar failed)
+    speculation: Speculation | None = None  # its drafter and policy, when it decodes speculatively
 
     @property
     def token(self) -> int:
@@ -125,6 +129,31 @@ class DecodeBatch:
         picked = mx.stack([s.sampler(logits[i]) for i, s in enumerate(self.rows)])
         mx.async_eval(picked)
         return picked
+
+    def verify(self, drafts: list[Draft], masks: list[mx.array | None]) -> list[list[int]]:
+        """Speculative decoding's step: feed every row its last token and its drafts (all rows drafted as many)
+        in one forward pass; returns each row's tokens to emit (at least one, all rows as many).
+
+        Each row keeps the drafts its sampler accepts; rows keep the same number (the
+        fewest any row accepted, plus one: a row that accepted more takes its next
+        accepted draft as that one), so they stay aligned in the cache, whose rejected
+        positions are then taken back (cache/rewind.py). `masks[i]`: row i's grammar
+        masks, one per position."""
+        assert self.cache is not None and not self.pending
+        at = mark(self.cache)
+        fed = mx.array([[s.token, *d.tokens] for s, d in zip(self.rows, drafts)], dtype=mx.uint32)
+        logits = self.model(fed, self.cache)
+        rows = enumerate(zip(self.rows, drafts, masks))
+        out = [s.sampler.verify(logits[i], d.tokens, d.probs, m) for i, (s, d, m) in rows]
+        kept = min(len(tokens) for tokens in out)
+        out = [tokens[:kept] for tokens in out]
+        held = rewind(self.cache, at, at.length + kept)
+        if held < at.length + kept:  # recurrent layers went back to their state before the pass: feed them again
+            self.model.hidden(fed[:, : at.length + kept - held], self.cache)
+            mx.eval([c.arrays for c in self.cache])
+        for sequence, tokens in zip(self.rows, out):
+            sequence.sampler.observe(mx.array(tokens))
+        return out
 
     def clear(self) -> None:
         self.rows, self.cache, self._queued, self._queued_logits = [], None, None, None

@@ -34,6 +34,7 @@ class GenerationRequest:
     kv_bits: int | None = None  # 8 or 4: keys and values stored quantized
     snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
     constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn
+    speculate: str = "off"  # speculative decoding: "auto", "off", "lookup" or "draft" (engine/speculation.py)
 
 
 def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens: int) -> mx.array:

@@ -62,6 +62,7 @@ class Job:
     warm: bool = False  # prefill only, and keep the prompt's state in the prefix cache and its store (Model.warm)
     constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn
     keep_special_tokens: bool = False  # text keeps special tokens (tool-call and reasoning markup to parse)
+    speculate: str = "off"  # speculative decoding: "auto", "off", "lookup" or "draft" (engine/speculation.py)
     submitted_at: float = 0.0
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -26,16 +26,18 @@ import mlx.core as mx
 
 from ..cache import Cache, PrefixCache, PrefixHit, held_positions, make_cache
 from ..errors import ConfigError, GrammarError, MemoryBudgetError, RequestTimeoutError, SamplingError
-from ..grammar import allowed_tokens
+from ..grammar import allowed_tokens, draft_masks
 from ..memory import MachineMemory, ModelFootprint, batch_peak_bytes, machine_memory
 from ..models.decoder import DecoderLM
 from ..tokenizer import Tokenizer
 from ..untrusted import shown
 from .batch import DecodeBatch, Running
+from .drafting import Draft
 from .generate import check_request
 from .job import Delta, Event, Failed, Finished, Job
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill, message_ends
 from .sampling import Sampler
+from .speculation import check_mode, speculation_for
 from .text import TextStream
 
 log = logging.getLogger("mlxinfer.scheduler")
@@ -52,6 +54,7 @@ class ModelRuntime:
     kv_bits: int | None
     eos_token_ids: frozenset[int]
     context_tokens: int  # the longest sequence the model was trained for
+    draft: DecoderLM | None = None  # a small model with the same tokenizer, for speculative decoding
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,13 @@ class BatchLoop:
         self._batch = DecodeBatch(runtime.decoder, runtime.kv_bits)
         self._vocab = getattr(runtime.decoder, "vocab_size", None) or runtime.decoder.model.embed_tokens.weight.shape[0]
         self.service_s = 5.0  # running mean of a request's time in the batch, for Retry-After
+        self.plain_batch_steps: Counter[str] = Counter()  # batch steps not speculated while a row could, by reason
 
     def check(self, job: Job, within_context: bool = True) -> None:
         """A SamplingError now, before queueing, for a request that can never run (or, with
         `within_context`, that could run past the model's context)."""
         check_request(job.prompt_ids, job.max_tokens, self._vocab)
+        check_mode(job.speculate, self.runtime.draft)
         context = self.runtime.context_tokens
         if within_context and job.reserved_tokens > context:
             raise SamplingError(
@@ -267,6 +272,9 @@ class BatchLoop:
         sampler = Sampler(job.sampling, self._vocab)
         sampler.observe(prompt)
         sequence = Running(job, sampler, TextStream(self._decoder(job), job.stop), hit)
+        sequence.speculation = speculation_for(
+            job.speculate, runtime.decoder, runtime.draft, prompt_ids, job.sampling, self._vocab, job.stats
+        )
         # Where this prompt leaves a cached one is where the next ones sharing it will want to resume.
         marks = [*message_ends(prompt_ids, runtime.eos_token_ids), shared]
         inherited = hit.snapshots if hit else None
@@ -325,20 +333,81 @@ class BatchLoop:
     def _decode_step(self) -> None:
         if not self._batch.rows:
             return
-        # A lone sequence with nobody waiting keeps the device busy while its tokens are handled.
-        lone = len(self._batch.rows) == 1 and not self._waiting and self._prefill is None
-        tokens = self._batch.step(pipelined=lone)
+        started = time.perf_counter()
+        drafted = None if self._batch.pending else self._drafts()
+        if drafted is None:
+            # A lone sequence with nobody waiting keeps the device busy while its tokens are handled
+            # (unless it may speculate next: a draft needs this step's token).
+            lone = len(self._batch.rows) == 1 and not self._waiting and self._prefill is None
+            lone = lone and not any(s.speculation and s.speculation.active for s in self._batch.rows)
+            emitted = [[token] for token in self._batch.step(pipelined=lone)]
+        else:
+            emitted = self._batch.verify(*drafted)
+        seconds = time.perf_counter() - started
+        checked = len(drafted[0][0].tokens) if drafted else None
         ended = []
-        for row, (sequence, token) in enumerate(zip(self._batch.rows, tokens)):
-            reason = self._accept(sequence, token)
+        for row, (sequence, tokens) in enumerate(zip(self._batch.rows, emitted)):
+            if sequence.speculation is not None:
+                sequence.speculation.stepped(seconds, len(tokens), checked)
+            reason = self._accept_all(sequence, tokens)
             if reason is not None:
                 ended.append(row)
                 self._keep_prefix(sequence, self._batch.row_cache(row))
                 self._finish(sequence, reason)
         self._batch.leave(ended)
 
+    def _drafts(self) -> tuple[list[Draft], list[mx.array | None]] | None:
+        """Every row's drafts, cut to the same length, and its grammar's masks for them; None to step plainly."""
+        rows = self._batch.rows
+        if not any(s.speculation and s.speculation.active for s in rows):
+            return None
+        drafts, masks = [], []
+        for sequence in rows:
+            draft, mask = self._draft(sequence)
+            drafts.append(draft)
+            masks.append(mask)
+        if any(d is None for d in drafts):
+            if any(d is not None for d in drafts):  # some row drafted, but the batch steps plainly: say why
+                off = any(s.speculation is None or not s.speculation.active for s in rows)
+                self.plain_batch_steps["row_not_speculating" if off else "row_without_draft"] += 1
+            return None
+        k = min(len(d.tokens) for d in drafts)
+        drafts = [Draft(d.tokens[:k], None if d.probs is None else d.probs[:k]) for d in drafts]
+        return drafts, [None if m is None else m[: k + 1] for m in masks]
+
+    def _draft(self, sequence: Running) -> tuple[Draft | None, mx.array | None]:
+        """One row's drafts (cut at an end of sequence and where its grammar forbids them), and their masks."""
+        job, speculation = sequence.job, sequence.speculation
+        if speculation is None or not speculation.active:
+            return None, None
+        draft = speculation.draft(sequence.drawn, job.max_tokens - job.stats.generated_tokens - 1)
+        if draft is None:
+            return None, None
+        eos = self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids
+        cut = next((i for i, t in enumerate(draft.tokens) if t in eos or t >= self._vocab), len(draft.tokens))
+        mask = None
+        if job.constraint is not None:
+            try:
+                cut, mask = draft_masks(job.constraint, draft.tokens[:cut], self._vocab)
+            except GrammarError as error:  # this row's grammar failed: it ends at its next token, alone
+                sequence.failure = error
+                return None, None
+        if not cut:
+            return None, None
+        return Draft(draft.tokens[:cut], None if draft.probs is None else draft.probs[:cut]), mask
+
+    def _accept_all(self, sequence: Running, tokens: list[int]) -> str | None:
+        """Take a step's tokens in order until one ends the sequence (the rest are dropped)."""
+        for token in tokens:
+            reason = self._accept(sequence, token)
+            if reason is not None:
+                return reason
+        return None
+
     def _accept(self, sequence: Running, token: int) -> str | None:
         """Take a sampled token: emit its text; returns why the sequence ends, or None."""
+        if sequence.failure is not None:
+            return "error"
         sequence.drawn.append(token)
         job = sequence.job
         is_eos = token in (self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids)

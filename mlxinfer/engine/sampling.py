@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import SamplingError
 from ..untrusted import is_finite_number, is_int, shown
@@ -95,12 +97,80 @@ class Sampler:
         self.observe(token)
         return token
 
+    def verify(
+        self,
+        logits: mx.array,
+        drafts: Sequence[int],
+        draft_probs: mx.array | None = None,
+        allowed: mx.array | None = None,
+    ) -> list[int]:
+        """Speculative decoding's check of `drafts` against the target's `logits` for them.
+
+        `logits` has one row per draft plus one: row i is what the target predicts after
+        drafts[:i] (`allowed` the grammar's mask there). Returns the tokens to emit: the
+        drafts accepted, then one token of the target's own. Greedy: a draft is accepted
+        while it is the argmax, so the output is plain greedy decoding's. Sampled:
+        rejection sampling (Leviathan et al. 2023; Chen et al. 2023) against
+        `draft_probs`, the distribution each draft was drawn from (None: each draft was
+        certain, as prompt lookup's are), so every token follows the target's own
+        distribution. Nothing is observed: the caller observes the tokens it keeps."""
+        n = len(drafts)
+        logits = self._penalized(logits.astype(mx.float32), drafts)
+        if allowed is not None:
+            logits = mx.where(allowed, logits, mx.array(-math.inf, dtype=logits.dtype))
+        if self.params.is_greedy:
+            best = mx.argmax(logits, axis=-1).tolist()
+            accepted = next((i for i in range(n) if best[i] != drafts[i]), n)
+            return [*drafts[:accepted], best[accepted]]
+        p = self.params
+        probs = mx.softmax(filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p), axis=-1)
+        rows, picked = mx.arange(n), mx.array(drafts, dtype=mx.int32)
+        q = draft_probs if draft_probs is not None else _one_hot(picked, probs.shape[-1])
+        self._key, uniform_key, residual_key, last_key = mx.random.split(self._key, 4)
+        # Accept draft i with probability min(1, p(d_i) / q(d_i)).
+        accept = mx.random.uniform(shape=(n,), key=uniform_key) * q[rows, picked] < probs[rows, picked]
+        # Where draft i is rejected, the token comes from p - q where positive, renormalized.
+        residual = mx.maximum(probs[:n] - q, 0.0)
+        residual = mx.where(mx.sum(residual, axis=-1, keepdims=True) > 0, residual, probs[:n])  # rounding guard
+        instead = mx.random.categorical(mx.log(residual), key=residual_key)
+        last = mx.random.categorical(mx.log(probs[n]), key=last_key)
+        accept, instead, last = accept.tolist(), instead.tolist(), last.item()
+        accepted = next((i for i in range(n) if not accept[i]), n)
+        return [*drafts[:accepted], instead[accepted] if accepted < n else last]
+
+    def _penalized(self, logits: mx.array, drafts: Sequence[int]) -> mx.array:
+        """`logits` (one row per position) with the repetition penalty, row i also counting drafts[:i] as seen."""
+        if self._seen is None:
+            return logits
+        p = self.params
+        later = np.zeros((len(drafts) + 1, self._seen.size), dtype=np.bool_)
+        for i, token in enumerate(drafts):
+            later[i + 1 :, token] = True
+        seen = self._seen[None] | mx.array(later)
+        penalized = mx.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        return mx.where(seen, penalized, logits)
+
+    def draw(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        """A draft model's token from `logits` (vocab,) and the distribution it was drawn from, both lazy (greedy:
+        the argmax, and None: greedy checking needs no distribution). No penalty, nothing observed: a drafter's."""
+        p = self.params
+        logits = logits.astype(mx.float32)
+        if p.is_greedy:
+            return mx.argmax(logits, axis=-1), None
+        probs = mx.softmax(filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p), axis=-1)
+        self._key, key = mx.random.split(self._key)
+        return mx.random.categorical(mx.log(probs), key=key), probs
+
+
+def _one_hot(tokens: mx.array, size: int) -> mx.array:
+    return (mx.arange(size)[None] == tokens[:, None]).astype(mx.float32)
+
 
 def filter_logits(logits: mx.array, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> mx.array:
     """Set the logits of tokens outside top-k / top-p / min-p to -inf."""
     neg_inf = mx.array(-math.inf, dtype=logits.dtype)
     if 0 < top_k < logits.shape[-1]:
-        kth = mx.sort(logits, axis=-1)[..., -top_k]
+        kth = mx.sort(logits, axis=-1)[..., -top_k, None]  # one per row: logits may be (rows, vocab)
         logits = mx.where(logits < kth, neg_inf, logits)
     if top_p < 1.0:
         probs = mx.softmax(logits, axis=-1)

@@ -73,6 +73,7 @@ def job_for(request: GenerationRequest, stop: Sequence[str], stats: GenerationSt
         eos_token_ids=frozenset(request.eos_token_ids),
         use_cache=use_cache,
         constraint=request.constraint,
+        speculate=request.speculate,
     )
 
 

@@ -26,6 +26,22 @@ class GenerationStats:
     total_s: float = 0.0
     peak_memory_bytes: int = 0
     finish_reason: str = ""  # "stop" (EOS or stop string), "length" (max_tokens or time limit) or "cancelled"
+    speculation: str = ""  # the drafter it decoded with: "lookup", "draft", or "" (plain decoding)
+    drafted_tokens: int = 0  # drafts the target verified
+    accepted_tokens: int = 0  # of those, the ones it kept
+    target_steps: int = 0  # the target's decode forward passes while speculating (verifications and plain steps)
+    speculation_off: str = ""  # why speculation stopped or never started (auto), "" if it did not
+    speculation_switched_off: int = 0  # times auto stopped speculating because it was slower
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Share of verified drafts the target kept (None: nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens each forward pass of the target gave while speculating (plain decoding: 1)."""
+        return self.accepted_tokens / self.target_steps + 1 if self.target_steps else None
 
     def first_token(self, ttft_s: float, prefill_s: float) -> None:
         """The first token came `ttft_s` after the request, its prefill having taken `prefill_s`."""
@@ -38,7 +54,7 @@ class GenerationStats:
             self.decode_tps = tokens_after_first / max(seconds, 1e-9)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step}
 
     def _repr_html_(self) -> str:
         rows = [
@@ -49,6 +65,8 @@ class GenerationStats:
             ("decode", f"{self.decode_tps:.1f} tokens/s"),
             ("peak memory", mib(self.peak_memory_bytes)),
         ]
+        if self.speculation or self.speculation_off:
+            rows.append(("speculation", self.speculation_summary()))
         return html_table("Generation", rows)
 
     def summary(self) -> str:
@@ -57,4 +75,16 @@ class GenerationStats:
             f"{self.prompt_tokens} prompt tokens{cached}, {self.generated_tokens} generated; "
             f"TTFT {self.ttft_s:.2f} s, prefill {self.prefill_tps:.1f} tok/s, "
             f"decode {self.decode_tps:.1f} tok/s, peak {mib(self.peak_memory_bytes, 0)}"
+            + (f"; speculation: {self.speculation_summary()}" if self.speculation or self.speculation_off else "")
         )
+
+    def speculation_summary(self) -> str:
+        """What speculation did: the drafter, the share of drafts kept, tokens per target step, and why it stopped."""
+        parts = []
+        if self.speculation:
+            rate = f"{self.acceptance_rate:.0%} of {self.drafted_tokens} drafts kept" if self.drafted_tokens else ""
+            per_step = f"{self.tokens_per_step:.2f} tokens per step" if self.target_steps else ""
+            parts.append(f"{self.speculation} ({', '.join(p for p in (rate, per_step) if p) or 'no drafts'})")
+        if self.speculation_off:
+            parts.append(f"off: {self.speculation_off}")
+        return "; ".join(parts)

@@ -7,7 +7,7 @@ mask the sampler applies on the device.
 """
 
 from .compiled import Constraint, Vocabulary, constraint_for, vocabulary
-from .mask import allowed_tokens
+from .mask import allowed_tokens, draft_masks
 from .spec import (
     MAX_GRAMMAR_CHARS,
     Grammar,
@@ -26,6 +26,7 @@ __all__ = [
     "Grammar",
     "Vocabulary",
     "allowed_tokens",
+    "draft_masks",
     "check_no_options",
     "choices",
     "constraint_for",

@@ -31,6 +31,23 @@ def allowed_tokens(constraints: Sequence[Constraint | None], size: int) -> mx.ar
     return mx.array(bits.astype(np.bool_))
 
 
+def draft_masks(constraint: Constraint, drafts: Sequence[int], size: int) -> tuple[int, mx.array]:
+    """How many of `drafts` the grammar allows one after another, and its masks before each of those and after the
+    last: shape (allowed + 1, size), for verifying them in one pass. The matcher ends where it began."""
+    bitmask = llg_numpy.allocate_token_bitmask(len(drafts) + 1, size)
+    allowed = 0
+    for i, token in enumerate([*drafts, None]):
+        constraint.fill_mask(bitmask[i])
+        if token is None or not (bitmask[i, token >> 5] >> (token & 31)) & 1:
+            break
+        constraint.advance(token)
+        allowed += 1
+    if allowed:
+        constraint.rollback(allowed)
+    bits = np.unpackbits(bitmask[: allowed + 1].view(np.uint8), axis=1, bitorder="little")[:, :size]
+    return allowed, mx.array(bits.astype(np.bool_))
+
+
 def _executor() -> llguidance.LLExecutor:
     global _EXECUTOR
     if _EXECUTOR is None:

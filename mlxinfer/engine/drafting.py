@@ -1,0 +1,119 @@
+"""Where speculative decoding's drafts come from: the text so far (prompt lookup) or a small draft model.
+
+A drafter proposes up to k tokens to follow a sequence; the target model checks
+them all in one forward pass (engine/batch.py) and says how many it kept
+(`accepted`). Both drafters see the sequence as its prompt plus the tokens drawn
+so far, which only ever grows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..cache import make_cache
+from ..cache.rewind import Mark, mark, rewind
+from ..models.decoder import DecoderLM
+from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, Prefill
+from .sampling import Sampler, SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]
+    probs: mx.array | None = None  # (len(tokens), vocab): what each token was drawn from; None: certain
+    setup_s: float = 0.0  # time spent catching up on the prompt (a one-off, not a cost of drafting)
+
+
+class PromptLookup:
+    """Proposes what followed the latest earlier occurrence of the sequence's last n tokens (n = 4, 3, then 2).
+
+    Each position is indexed once, as the sequence grows, so a proposal costs a few
+    dictionary lookups however long the context: a 1,000-token document being
+    summarised or edited repeats itself in the answer, and those repeats are drafted."""
+
+    NGRAMS = (4, 3, 2)
+
+    def __init__(self, prompt: Sequence[int]):
+        self.context = list(prompt)
+        self._prompt = len(self.context)
+        self._follows: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+        self._indexed = 0
+
+    def propose(self, drawn: Sequence[int], k: int) -> Draft:
+        context = self.context
+        context.extend(drawn[len(context) - self._prompt :])
+        for end in range(self._indexed, len(context)):  # n-grams followed by at least one token
+            for n in self.NGRAMS:
+                if end >= n:
+                    self._follows[tuple(context[end - n : end])] = end
+        self._indexed = len(context)
+        for n in self.NGRAMS:
+            at = self._follows.get(tuple(context[-n:])) if len(context) > n else None
+            if at is not None:
+                return Draft(context[at : at + k])
+        return Draft([])
+
+    def accepted(self, n: int) -> None:
+        """The target kept `n` of the proposed tokens (lookup has nothing to take back)."""
+
+
+class DraftModel:
+    """A small model sharing the target's tokenizer, drafting one token after another from its own cache.
+
+    Its cache holds the sequence up to `fed`; a proposal first feeds what the target
+    drew since, then k tokens, and `accepted` cuts the cache back to the drafts kept
+    (a recurrent draft model restores its state and feeds them again next time)."""
+
+    def __init__(self, model: DecoderLM, prompt: Sequence[int], params: SamplingParams, vocab: int):
+        self.model, self.vocab = model, vocab
+        self.cache = make_cache(model.cache_kinds)
+        self.context = list(prompt)
+        self._prompt = len(self.context)
+        self.fed = 0
+        # The drafter's own random stream (no repetition penalty: q only has to be what drafts were drawn from).
+        seed = None if params.seed is None else (params.seed + 1) % 2**63
+        drafting = SamplingParams(params.temperature, params.top_p, params.top_k, params.min_p, seed=seed)
+        self.sampler = Sampler(drafting, vocab)
+        self._mark: Mark | None = None
+        self._proposed = 0
+
+    def propose(self, drawn: Sequence[int], k: int) -> Draft:
+        self.context.extend(drawn[len(self.context) - self._prompt :])
+        started = time.perf_counter()
+        logits = self._catch_up()
+        setup = time.perf_counter() - started if len(self.context) - self.fed > 8 else 0.0
+        self.fed = len(self.context)
+        self._mark, self._proposed = mark(self.cache), k
+        tokens, probs = [], []
+        for i in range(k):
+            token, q = self.sampler.draw(logits[: self.vocab])
+            tokens.append(token)
+            probs.append(q)
+            if i + 1 < k:  # lazy: the k steps run as one graph
+                logits = self.model(token.reshape(1, 1).astype(mx.uint32), self.cache)[0, -1]
+        qs = None if probs[0] is None else _widened(mx.stack(probs), self.vocab)
+        mx.eval(tokens, *([] if qs is None else [qs]))
+        return Draft([int(t.item()) for t in tokens], qs, setup)
+
+    def _catch_up(self) -> mx.array:
+        """Feed the tokens drawn since the last proposal; the logits that follow them."""
+        new = mx.array(self.context[self.fed :], dtype=mx.uint32)
+        return Prefill.start(self.model, self.cache, new, DEFAULT_PREFILL_CHUNK_TOKENS).run()
+
+    def accepted(self, n: int) -> None:
+        """The target kept `n` drafts: the cache keeps those it was fed (all but the last drafted)."""
+        if self._mark is not None:
+            self.fed = rewind(self.cache, self._mark, self._mark.length + min(n, self._proposed - 1))
+            self._mark = None
+
+
+def _widened(probs: mx.array, vocab: int) -> mx.array:
+    """Draft distributions over the target's vocabulary (a draft's embedding table may be padded differently)."""
+    width = probs.shape[-1]
+    if width >= vocab:
+        return probs[:, :vocab]
+    return mx.concatenate([probs, mx.zeros((probs.shape[0], vocab - width), probs.dtype)], axis=1)
