@@ -21,13 +21,14 @@ from .engine.prefill import SNAPSHOT_EVERY
 from .engine.prefix_store import prefix_store_for
 from .engine.sampling import is_int
 from .engine.single import warm_alone
+from .engine.speculation import StepCosts, check_mode
 from .engine.structure import Structure, structure_of
 from .errors import SamplingError, TokenizerError
 from .memory import MemoryPlan, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import check_kv_bits, footprint
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_same_vocabulary
 from .untrusted import shown
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,19 @@ class Model:
         ...     print(chunk, end="")
     """
 
-    def __init__(self, loaded: LoadedModel, prefix_cache_bytes: int | None = None, kv_bits: int | None = None):
-        self._loaded = loaded
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        prefix_cache_bytes: int | None = None,
+        kv_bits: int | None = None,
+        draft: LoadedModel | None = None,
+        speculate: str = "auto",
+    ):
+        self._loaded, self.draft = loaded, draft
+        if draft is not None:
+            check_same_vocabulary(self.tokenizer, draft.tokenizer, str(loaded.path), str(draft.path))
+        self.speculate = check_mode(speculate, draft.model if draft else None)
+        self._step_costs = StepCosts()  # what speculation's auto learns of this model's forward passes
         self.kv_bits = check_kv_bits(kv_bits, loaded.config)
         self.footprint = footprint(loaded, kv_bits)
         budget = prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes()
@@ -145,6 +157,8 @@ class Model:
             kv_bits=self.kv_bits,
             eos_token_ids=frozenset(self.eos_token_ids),
             context_tokens=self.context_tokens,
+            draft=self.draft.model if self.draft else None,
+            step_costs=self._step_costs,
         )
 
     @property
@@ -193,7 +207,8 @@ class Model:
     ) -> GenerationResult:
         """Generate a completion. A string is a raw prompt unless `chat=True`; a list of
         messages always uses the chat template. Options: max_tokens, temperature, top_p,
-        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every.
+        top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every,
+        speculate ("auto", "off", "lookup" or "draft"; default: the model's, see `load`).
 
         Structured output (one of): `schema` (a pydantic model class, a JSON-schema dict or its
         JSON text; `result.parsed` is the answer as an object), `regex` (the whole answer
@@ -246,6 +261,7 @@ class Model:
         prefill_chunk_tokens: int = 512,
         use_cache: bool = True,
         snapshot_every: int = SNAPSHOT_EVERY,
+        speculate: str | None = None,
         **sampling: Any,
     ) -> TextGeneration:
         try:
@@ -265,6 +281,7 @@ class Model:
             kv_bits=self.kv_bits,
             snapshot_every=snapshot_every,
             constraint=constraint,
+            speculate=check_mode(self.speculate if speculate is None else speculate, self.runtime.draft),
         )
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
@@ -365,14 +382,21 @@ def load(
     dtype: str | None = None,
     prefix_cache_bytes: int | None = None,
     kv_bits: int | None = None,
+    draft_model: str | Path | None = None,
+    speculate: str = "auto",
 ) -> Model:
     """Load a model folder or .gguf file; with no path, the default model (fetched once).
 
     `prefix_cache_bytes` caps the prompt-prefix cache (default: from the memory planner; 0 turns it off).
     `kv_bits` 8 or 4 stores the KV cache quantized (about 2x / 3.5x less memory per token than 16 bits).
+    `draft_model`: a small model with the same tokenizer, for speculative decoding. `speculate` (the default
+    of every call): "auto" speculates while it measures it faster (with the draft model if given, else prompt
+    lookup), "lookup" or "draft" always do, "off" never; output is the same either way (greedy: token for
+    token; sampled: the same distribution).
 
     Example:
         >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
     """
     loaded = load_model(path if path is not None else default_model_path(), dtype=dtype)
-    return Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits)
+    draft = load_model(draft_model, dtype=dtype) if draft_model is not None else None
+    return Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits, draft=draft, speculate=speculate)

@@ -90,6 +90,10 @@ class TrayError(MlxInferError):
     """There is nowhere to show the tray icon (no display, no system tray), or the icon failed to show."""
 
 
+class DraftModelError(MlxInferError):
+    """A draft model that cannot draft for this target (another tokenizer), or that could not be loaded."""
+
+
 class GrammarError(SamplingError):
     """A structured-output constraint (JSON schema, regex, choices, grammar) is invalid or unsupported."""
 

@@ -25,7 +25,7 @@ from .sampling import Sampler, SamplingParams
 class Draft:
     tokens: list[int]
     probs: mx.array | None = None  # (len(tokens), vocab): what each token was drawn from; None: certain
-    setup_s: float = 0.0  # time spent catching up on the prompt (a one-off, not a cost of drafting)
+    seconds: float = 0.0  # time spent drafting these tokens
 
 
 class PromptLookup:
@@ -83,9 +83,12 @@ class DraftModel:
 
     def propose(self, drawn: Sequence[int], k: int) -> Draft:
         self.context.extend(drawn[len(self.context) - self._prompt :])
+        catching_up = len(self.context) - self.fed > 1  # the prompt, or a recurrent state's feed-again: not drafting
         started = time.perf_counter()
         logits = self._catch_up()
-        setup = time.perf_counter() - started if len(self.context) - self.fed > 8 else 0.0
+        if catching_up:
+            mx.eval(logits)
+            started = time.perf_counter()
         self.fed = len(self.context)
         self._mark, self._proposed = mark(self.cache), k
         tokens, probs = [], []
@@ -97,7 +100,7 @@ class DraftModel:
                 logits = self.model(token.reshape(1, 1).astype(mx.uint32), self.cache)[0, -1]
         qs = None if probs[0] is None else _widened(mx.stack(probs), self.vocab)
         mx.eval(tokens, *([] if qs is None else [qs]))
-        return Draft([int(t.item()) for t in tokens], qs, setup)
+        return Draft([int(t.item()) for t in tokens], qs, time.perf_counter() - started)
 
     def _catch_up(self) -> mx.array:
         """Feed the tokens drawn since the last proposal; the logits that follow them."""

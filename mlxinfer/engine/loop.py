@@ -37,7 +37,7 @@ from .generate import check_request
 from .job import Delta, Event, Failed, Finished, Job
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill, message_ends
 from .sampling import Sampler
-from .speculation import check_mode, speculation_for
+from .speculation import StepCosts, check_mode, speculation_for
 from .text import TextStream
 
 log = logging.getLogger("mlxinfer.scheduler")
@@ -55,6 +55,7 @@ class ModelRuntime:
     eos_token_ids: frozenset[int]
     context_tokens: int  # the longest sequence the model was trained for
     draft: DecoderLM | None = None  # a small model with the same tokenizer, for speculative decoding
+    step_costs: StepCosts | None = None  # what the model's forward passes cost here, learned (speculation's auto)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class BatchLoop:
         self._vocab = getattr(runtime.decoder, "vocab_size", None) or runtime.decoder.model.embed_tokens.weight.shape[0]
         self.service_s = 5.0  # running mean of a request's time in the batch, for Retry-After
         self.plain_batch_steps: Counter[str] = Counter()  # batch steps not speculated while a row could, by reason
+        self._costs = runtime.step_costs or StepCosts()  # the model's, shared with later loops where it has one
 
     def check(self, job: Job, within_context: bool = True) -> None:
         """A SamplingError now, before queueing, for a request that can never run (or, with
@@ -273,8 +275,9 @@ class BatchLoop:
         sampler.observe(prompt)
         sequence = Running(job, sampler, TextStream(self._decoder(job), job.stop), hit)
         sequence.speculation = speculation_for(
-            job.speculate, runtime.decoder, runtime.draft, prompt_ids, job.sampling, self._vocab, job.stats
-        )
+            job.speculate, runtime.decoder, runtime.draft, prompt_ids, job.sampling, self._vocab, job.stats,
+            self._costs,
+        )  # fmt: skip
         # Where this prompt leaves a cached one is where the next ones sharing it will want to resume.
         marks = [*message_ends(prompt_ids, runtime.eos_token_ids), shared]
         inherited = hit.snapshots if hit else None
@@ -333,8 +336,9 @@ class BatchLoop:
     def _decode_step(self) -> None:
         if not self._batch.rows:
             return
-        started = time.perf_counter()
+        rows = len(self._batch.rows)
         drafted = None if self._batch.pending else self._drafts()
+        started = time.perf_counter()
         if drafted is None:
             # A lone sequence with nobody waiting keeps the device busy while its tokens are handled
             # (unless it may speculate next: a draft needs this step's token).
@@ -343,12 +347,12 @@ class BatchLoop:
             emitted = [[token] for token in self._batch.step(pipelined=lone)]
         else:
             emitted = self._batch.verify(*drafted)
-        seconds = time.perf_counter() - started
         checked = len(drafted[0][0].tokens) if drafted else None
+        self._costs.add(rows * (1 + (checked or 0)), time.perf_counter() - started, verified=bool(checked))
         ended = []
         for row, (sequence, tokens) in enumerate(zip(self._batch.rows, emitted)):
             if sequence.speculation is not None:
-                sequence.speculation.stepped(seconds, len(tokens), checked)
+                sequence.speculation.stepped(len(tokens), checked)
             reason = self._accept_all(sequence, tokens)
             if reason is not None:
                 ended.append(row)
@@ -380,7 +384,8 @@ class BatchLoop:
         job, speculation = sequence.job, sequence.speculation
         if speculation is None or not speculation.active:
             return None, None
-        draft = speculation.draft(sequence.drawn, job.max_tokens - job.stats.generated_tokens - 1)
+        room = job.max_tokens - job.stats.generated_tokens - 1
+        draft = speculation.draft(sequence.drawn, room, len(self._batch.rows))
         if draft is None:
             return None, None
         eos = self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids

@@ -1,35 +1,41 @@
-"""One request's speculative decoding: its drafter, how many tokens to draft, and whether it still pays.
+"""One request's speculative decoding: its drafter, how many tokens to draft, and whether it pays.
 
-`lookup` and `draft` always speculate; `auto` times the request's own steps and
-stops speculating when they come out slower than plain decoding. It first times
-a few plain steps (pipelined, as plain decoding runs), then speculates for a
-few steps (drafting, verification and rollback all counted, and plain steps
-taken meanwhile for want of a draft, which cannot be pipelined). If tokens came
-slower, it decodes plainly and tries again later, after twice as many tokens
-each time. The number of drafted tokens adapts to what the target kept: two more
-after a step that kept them all, one fewer after a rejection.
+`lookup` and `draft` always speculate; the number of drafts adapts to what the
+target keeps (two more after a step that kept them all, one fewer otherwise).
+
+`auto` decides from measurements, per step. What a forward pass of the target
+costs for the positions it feeds is learned as the model runs (`StepCosts`,
+shared by its requests): on a GPU, verifying five tokens costs little more than
+decoding one (the weights are read once), while on a CPU backend whose matmul is
+compute-bound it costs about five. With the share of drafts this request's target
+kept so far (`acceptance`) and what a draft costs to make, it predicts tokens per
+second for each number of drafts, and speculates only with the best of them and
+only when that beats plain decoding. When it does not, it decodes plainly
+(pipelined, as plain decoding runs) and probes again with two drafts after 64
+tokens, then 128, ... (at most 1,024), so the estimate follows the text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from ..untrusted import shown
 from .drafting import Draft, DraftModel, PromptLookup
+from .sampling import SamplingParams
 from .stats import GenerationStats
 
 MODES = ("auto", "off", "lookup", "draft")
-START_K, MAX_K = 4, 12  # drafted tokens per step: the first, and the most
-PROBE_STEPS = 4  # plain steps auto times before speculating
-TRIAL_STEPS = 4  # speculative steps auto times before judging
-WINDOW_STEPS = 16  # auto judges the latest steps, so it follows the text (a quote ends, a list starts)
-RETRY_TOKENS, MAX_RETRY_TOKENS = 64, 1024  # plain tokens before auto tries again (doubled each time)
+START_K, MAX_K, PROBE_K = 4, 12, 2  # drafted tokens per step: at first, at most, and when auto probes again
+MARGIN = 1.05  # auto speculates only when it predicts at least 5% more tokens per second
+RETRY_TOKENS, MAX_RETRY_TOKENS = 64, 1024  # plain tokens before auto probes again (doubled each time)
+MEMORY = 0.9  # weight kept by older acceptance evidence at each verification
 
-OFF_SLOWER = "slower than plain decoding"
+OFF_SLOWER = "slower than plain decoding on this device"
 OFF_SEEDED = "a seeded sampled request stays reproducible (ask for lookup or draft explicitly)"
 OFF_UNVERIFIED = "an unverified model runs plain decoding only"
+REASONS = {OFF_SLOWER: "slower", OFF_SEEDED: "seeded", OFF_UNVERIFIED: "unverified"}  # short labels, for /metrics
 
 
 def check_mode(mode: object, draft_model: DecoderLM | None) -> str:
@@ -42,85 +48,121 @@ def check_mode(mode: object, draft_model: DecoderLM | None) -> str:
 
 
 @dataclass
-class _Timing:
-    """Seconds and tokens over recent steps of one kind."""
+class _Mean:
+    """A running mean of (positions, seconds) points, recent ones weighing more."""
 
+    positions: float = 0.0
     seconds: float = 0.0
-    tokens: int = 0
-    steps: int = 0
+    count: int = 0
 
-    def add(self, seconds: float, tokens: int) -> None:
-        if self.steps >= WINDOW_STEPS:  # keep roughly the latest window
-            self.seconds, self.tokens, self.steps = self.seconds / 2, self.tokens // 2, self.steps // 2
-        self.seconds, self.tokens, self.steps = self.seconds + seconds, self.tokens + tokens, self.steps + 1
+    def add(self, positions: int, seconds: float) -> None:
+        weight = max(0.2, 1 / (self.count + 1))
+        self.positions += weight * (positions - self.positions)
+        self.seconds += weight * (seconds - self.seconds)
+        self.count += 1
 
-    @property
-    def per_token(self) -> float:
-        return self.seconds / max(self.tokens, 1)
+
+@dataclass
+class StepCosts:
+    """Seconds a decode forward pass of the target takes by the positions it feeds (rows x tokens per row):
+    a line through the mean plain step and the mean verification, learned as the model runs."""
+
+    plain: _Mean = field(default_factory=_Mean)
+    verify: _Mean = field(default_factory=_Mean)
+
+    def add(self, positions: int, seconds: float, verified: bool) -> None:
+        (self.verify if verified else self.plain).add(positions, seconds)
+
+    def predict(self, positions: int) -> float | None:
+        """Seconds for a pass feeding `positions`; None until both kinds of pass were timed."""
+        p, v = self.plain, self.verify
+        if not p.count or not v.count or v.positions <= p.positions:
+            return None
+        slope = max(0.0, (v.seconds - p.seconds) / (v.positions - p.positions))
+        fixed = max(0.0, p.seconds - slope * p.positions)
+        return max(fixed + slope * positions, 1e-6)
 
 
 class Speculation:
     """Drafting for one running sequence; the loop reports every step it takes back here."""
 
-    def __init__(self, drafter: PromptLookup | DraftModel, auto: bool, stats: GenerationStats):
-        self.drafter, self.auto, self.stats = drafter, auto, stats
+    def __init__(self, drafter: PromptLookup | DraftModel, auto: bool, stats: GenerationStats, costs: StepCosts):
+        self.drafter, self.auto, self.stats, self.costs = drafter, auto, stats, costs
         self.k = START_K
-        self._plain, self._trial = _Timing(), _Timing()
-        self._resume_at = 0  # generated tokens after which auto tries again (0: not switched off)
-        self._retry = RETRY_TOKENS
+        self._kept, self._missed = 1.0, 1.0  # acceptance evidence, from a prior of one of each
+        self._draft_s = 0.0  # seconds to draft one token (a draft model's; prompt lookup's are near 0)
+        self._off = False  # auto found speculation slower
+        self._probe_at, self._retry = 0, RETRY_TOKENS
         self._proposed: Draft | None = None
+
+    @property
+    def acceptance(self) -> float:
+        """The chance the target keeps a draft, given it kept the one before (from recent verifications)."""
+        return self._kept / (self._kept + self._missed)
 
     @property
     def active(self) -> bool:
         """The next step may speculate (so it cannot be pipelined)."""
-        if not self.auto:
-            return True
-        if self._resume_at:
-            if self.stats.generated_tokens < self._resume_at:
-                return False
-            self._resume_at, self._plain, self._trial = 0, _Timing(), _Timing()  # time both afresh
-        return self._plain.steps >= PROBE_STEPS
+        return not self._off or self.stats.generated_tokens >= self._probe_at
 
-    def draft(self, drawn: list[int], room: int) -> Draft | None:
-        """Up to `room` tokens to check after `drawn`, or None to step plainly."""
-        k = min(self.k, room)
-        if k < 1 or not self.active:
+    def draft(self, drawn: list[int], room: int, rows: int = 1) -> Draft | None:
+        """Up to `room` tokens to check after `drawn` in a batch of `rows`, or None to step plainly."""
+        k = min(self._plan(rows) if self.auto else self.k, room)
+        if k < 1:
             return None
         draft = self.drafter.propose(drawn, k)
         self._proposed = draft
+        if draft.tokens:
+            self._draft_s = draft.seconds / len(draft.tokens)
         return draft if draft.tokens else None
 
-    def stepped(self, seconds: float, tokens: int, checked: int | None = None) -> None:
-        """A step of this sequence took `seconds` and emitted `tokens`; `checked` drafts were verified in it
-        (None: a plain step)."""
+    def _plan(self, rows: int) -> int:
+        """How many tokens auto drafts now (0: none)."""
+        plain = self.costs.predict(rows)
+        if plain is None:
+            return self.k  # no verification timed yet on this model: this one teaches the cost
+        a = self.acceptance
+        rate, k = max(((1 - a ** (k + 1)) / (1 - a) / self._step_s(rows, k), k) for k in range(1, MAX_K + 1))
+        if rate * plain >= MARGIN:
+            self._off = False
+            self.stats.speculation_off = ""
+            return k
+        if not self._off:
+            self._off = True
+            self.stats.speculation_off = OFF_SLOWER
+            self.stats.speculation_switched_off += 1
+        if self.stats.generated_tokens < self._probe_at:
+            return 0
+        self._probe_at = self.stats.generated_tokens + self._retry
+        self._retry = min(2 * self._retry, MAX_RETRY_TOKENS)
+        return PROBE_K  # a cheap look at whether the text has become easier to draft
+
+    def _step_s(self, rows: int, k: int) -> float:
+        verify = self.costs.predict(rows * (k + 1))
+        assert verify is not None
+        return verify + k * self._draft_s
+
+    def stepped(self, tokens: int, checked: int | None = None) -> None:
+        """This sequence's step emitted `tokens`; `checked` drafts were verified in it (None: a plain step)."""
         if self._proposed is not None:
             self.drafter.accepted(tokens - 1 if checked else 0)
-            seconds -= self._proposed.setup_s
             self._proposed = None
         self.stats.target_steps += 1
-        if checked:
-            self.stats.drafted_tokens += checked
-            self.stats.accepted_tokens += tokens - 1
-            self.k = min(self.k + 2, MAX_K) if tokens - 1 == checked else max(1, self.k - 1)
-        if not self.auto:
+        if not checked:
             return
-        if not self.active:
-            self._plain.add(seconds, tokens)
-            return
-        self._trial.add(seconds, tokens)
-        if self._trial.steps >= TRIAL_STEPS and self._trial.per_token > self._plain.per_token:
-            self._switch_off()
-
-    def _switch_off(self) -> None:
-        self.stats.speculation_off = OFF_SLOWER
-        self.stats.speculation_switched_off += 1
-        self._resume_at = self.stats.generated_tokens + self._retry
-        self._retry = min(2 * self._retry, MAX_RETRY_TOKENS)
+        kept = tokens - 1
+        self.stats.drafted_tokens += checked
+        self.stats.accepted_tokens += kept
+        self._kept = MEMORY * self._kept + kept
+        self._missed = MEMORY * self._missed + (kept < checked)
+        if self._off and kept == checked:
+            self._probe_at = 0  # the probe kept everything: weigh speculating again at the next step
+        self.k = min(self.k + 2, MAX_K) if kept == checked else max(1, self.k - 1)
 
 
 def speculation_for(
-    mode: str, target: DecoderLM, draft_model: DecoderLM | None, prompt: list[int], params, vocab: int,
-    stats: GenerationStats,
+    mode: str, target: DecoderLM, draft_model: DecoderLM | None, prompt: list[int], params: SamplingParams,
+    vocab: int, stats: GenerationStats, costs: StepCosts,
 ) -> Speculation | None:  # fmt: skip
     """The speculation a request asked for (None: plain decoding; `stats` say why when auto declined)."""
     if mode == "off":
@@ -134,4 +176,4 @@ def speculation_for(
     use_model = mode == "draft" or (mode == "auto" and draft_model is not None)
     drafter = DraftModel(draft_model, prompt, params, vocab) if use_model else PromptLookup(prompt)
     stats.speculation = "draft" if use_model else "lookup"
-    return Speculation(drafter, auto=mode == "auto", stats=stats)
+    return Speculation(drafter, auto=mode == "auto", stats=stats, costs=costs)
