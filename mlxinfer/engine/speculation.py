@@ -118,6 +118,8 @@ class Speculation:
 
     def _plan(self, rows: int) -> int:
         """How many tokens auto drafts now (0: none)."""
+        if not self.costs.plain.count:
+            return 0  # a plain step is timed first: the baseline every choice is weighed against
         plain = self.costs.predict(rows)
         if plain is None:
             return self.k  # no verification timed yet on this model: this one teaches the cost
@@ -127,15 +129,14 @@ class Speculation:
             self._off = False
             self.stats.speculation_off = ""
             return k
+        probing = self._off  # off already, and a probe is due (else this sequence would not be active)
         if not self._off:
             self._off = True
             self.stats.speculation_off = OFF_SLOWER
             self.stats.speculation_switched_off += 1
-        if self.stats.generated_tokens < self._probe_at:
-            return 0
         self._probe_at = self.stats.generated_tokens + self._retry
         self._retry = min(2 * self._retry, MAX_RETRY_TOKENS)
-        return PROBE_K  # a cheap look at whether the text has become easier to draft
+        return PROBE_K if probing else 0  # a probe: a cheap look at whether the text became easier to draft
 
     def _step_s(self, rows: int, k: int) -> float:
         verify = self.costs.predict(rows * (k + 1))
