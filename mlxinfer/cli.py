@@ -22,6 +22,7 @@ from .default_model import cache_dir, default_model_path
 from .display import mib, plural
 from .engine.generate import check_max_tokens
 from .engine.sampling import SamplingParams
+from .engine.speculation import MODES, check_mode
 from .engine.structure import structure_of
 from .engine.text import check_stops
 from .errors import DefaultModelError, GrammarError, MlxInferError, SamplingError
@@ -30,8 +31,23 @@ from .models import load_tokenizer
 from .untrusted import read_json_object
 
 
+def _speculation_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--speculate and --draft-model, shared by generate, chat and serve."""
+    decorators = [
+        click.option("--speculate", type=click.Choice(MODES), default="auto", show_default=True,
+                     help="Speculative decoding; the output is the same either way (greedy: token for token). "
+                          "auto drafts (with --draft-model, else from the text so far) only while it measures "
+                          "it faster on this device; lookup / draft always do; off never does."),
+        click.option("--draft-model", type=click.Path(path_type=Path), default=None,
+                     help="A small model with the same tokenizer that drafts tokens for MODEL to check."),
+    ]  # fmt: skip
+    for decorator in reversed(decorators):
+        func = decorator(func)
+    return func
+
+
 def _options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Model and sampling options shared by generate and chat."""
+    """Model, sampling and speculation options shared by generate and chat."""
     decorators = [
         click.argument("model", required=False),
         click.option("--max-tokens", type=int, default=256, show_default=True, help="Most tokens to generate."),
@@ -51,6 +67,7 @@ def _options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Compute dtype (default: float32 on CPU, half precision on Apple GPUs)."),
         click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None,
                      help="Store the KV cache quantized (less memory per token, slightly lower quality)."),
+        _speculation_options,
     ]  # fmt: skip
     for decorator in reversed(decorators):
         func = decorator(func)
@@ -111,13 +128,15 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
       echo "Summarize: ..." | mlxinfer generate -p - --json
       mlxinfer generate -p "Invent a person." --schema person.json     # JSON valid against the schema
       mlxinfer generate -p "Is water wet?" --choice yes --choice no
+      mlxinfer generate ~/models/Qwen3-4B-4bit --draft-model ~/models/Qwen3-0.6B-4bit -p "Hi"   # speculative
     """
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
+    speculation = _speculation(options)
     schema_file = options.pop("schema_file")
     structured = _structure_options(schema_file, options.pop("regex"), options.pop("choice"))
     generation = _generation_options(options)  # before the load: a bad flag should not cost one
     text = sys.stdin.read() if prompt == "-" else prompt
-    llm = _load(model, dtype, quiet=as_json, kv_bits=kv_bits)
+    llm = _load(model, dtype, quiet=as_json, kv_bits=kv_bits, **speculation)
     messages = _messages(text, system) if chat else text
     try:  # the grammar compiles here, for this model's tokenizer: an unsupported keyword names the file
         run = llm.stream(messages, chat=chat, **generation, **structured)
@@ -154,8 +173,9 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
     Ctrl-C stops the current answer.
     """
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
+    speculation = _speculation(options)
     generation = _generation_options(options)  # before the load: a bad flag should not cost one
-    llm = _load(model, dtype, quiet=False, kv_bits=kv_bits)
+    llm = _load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation)
     history = _messages(None, system)
     click.echo(f"Chatting with {llm.path.name}. /reset clears, /exit quits.", err=True)
     while True:
@@ -355,6 +375,7 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
 )
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Store KV caches quantized.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@_speculation_options
 @_errors_as_one_line
 def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: Any) -> None:
     """Serve MODEL over an OpenAI-compatible API (chat and text completions, streaming, /metrics).
@@ -365,6 +386,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
     Examples:
       mlxinfer serve                                   # the default model on http://127.0.0.1:8080
       mlxinfer serve ~/models/Qwen3-0.6B-4bit --port 9000
+      mlxinfer serve ~/models/Qwen3-4B-4bit --draft-model ~/models/Qwen3-0.6B-4bit
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
     """
@@ -382,10 +404,13 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         request_timeout_s=o["request_timeout"],
         max_connections=o["max_connections"],
         scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"]),
+        speculate=o["speculate"],
+        draft_model=o["draft_model"],
     )
     sockets = listen(settings)  # before the load: a taken port is one line now, not after the loading
     models = ModelSet()
-    name = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits), settings.scheduler).id
+    speculation = {"draft_model": settings.draft_model, "speculate": settings.speculate}
+    name = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation), settings.scheduler).id
 
     def ready(url: str) -> None:  # once connections are answered, with the real port (also for --port 0)
         click.echo(f"Serving {name} on {url}/v1 (Ctrl-C to stop)", err=True)
@@ -615,10 +640,28 @@ def _stream_answer(llm: Model, history: list[dict[str, str]], options: dict[str,
     return "".join(parts)
 
 
-def _load(model: str | None, dtype: str | None, quiet: bool, kv_bits: str | None = None) -> Model:
+def _load(
+    model: str | None,
+    dtype: str | None,
+    quiet: bool,
+    kv_bits: str | None = None,
+    draft_model: Path | None = None,
+    speculate: str = "auto",
+) -> Model:
     if not quiet:
-        click.echo(f"Loading {model or 'the default model (SmolLM2-135M-Instruct)'}...", err=True)
-    return load(model, dtype=dtype, kv_bits=int(kv_bits) if kv_bits else None)
+        drafter = f" with the draft model {draft_model}" if draft_model else ""
+        click.echo(f"Loading {model or 'the default model (SmolLM2-135M-Instruct)'}{drafter}...", err=True)
+    bits = int(kv_bits) if kv_bits else None
+    return load(model, dtype=dtype, kv_bits=bits, draft_model=draft_model, speculate=speculate)
+
+
+def _speculation(options: dict[str, Any]) -> dict[str, Any]:
+    """load()'s speculate and draft_model, taken out of `options`; --speculate draft without a draft model
+    fails here by the engine's rule, before any load."""
+    speculate, draft_model = options.pop("speculate"), options.pop("draft_model")
+    if draft_model is None:
+        _check_option("speculate", check_mode, speculate, None)
+    return {"speculate": speculate, "draft_model": draft_model}
 
 
 def _messages(text: str | None, system: str | None) -> list[dict[str, str]]:

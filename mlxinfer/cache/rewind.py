@@ -35,6 +35,10 @@ def mark(caches: Sequence[Cache]) -> Mark:
 def rewind(caches: Sequence[Cache], at: Mark, length: int) -> int:
     """Cut `caches` back to hold `length` positions (at.length <= length <= now).
 
+    A pass writes at most the window's storage, keeping the `window - 1` positions before it,
+    so rewinding within one pass always works; ValueError (nothing changed) if several
+    passes since the mark let a window drop what the rewind needs.
+
     Returns the position they hold afterwards: `length` when every layer could be
     cut, else `at.length` (recurrent states restored to the mark), in which case the
     positions from there to `length` must be fed again."""
@@ -44,10 +48,17 @@ def rewind(caches: Sequence[Cache], at: Mark, length: int) -> int:
         return length  # every position was kept
     recurrent = any(state is not None for state in at.states)
     target = at.length if recurrent else length
+    if any(state is None and cache.start > _first_needed(cache, target) for cache, state in zip(caches, at.states)):
+        # Only after several passes (a draft model's): a window regrew and let go of positions still needed.
+        raise ValueError(f"a sliding window no longer holds what follows position {target}; start the cache afresh")
     for cache, state in zip(caches, at.states):
         if state is not None:
             cache.set_rows(list(state), target, cache.left_padding)
         else:
             cache.trim(cache.length - target)
-            assert cache.length == target, "a window dropped positions the rewind needs"
     return target
+
+
+def _first_needed(cache: Cache, length: int) -> int:
+    """The first position the next query sees once `cache` holds `length` positions."""
+    return 0 if cache.window is None else max(0, length - (cache.window - 1))

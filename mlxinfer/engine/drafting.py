@@ -110,7 +110,10 @@ class DraftModel:
     def accepted(self, n: int) -> None:
         """The target kept `n` drafts: the cache keeps those it was fed (all but the last drafted)."""
         if self._mark is not None:
-            self.fed = rewind(self.cache, self._mark, self._mark.length + min(n, self._proposed - 1))
+            try:
+                self.fed = rewind(self.cache, self._mark, self._mark.length + min(n, self._proposed - 1))
+            except ValueError:  # a window smaller than the drafts fed let go of what is kept: start again
+                self.cache, self.fed = make_cache(self.model.cache_kinds), 0
             self._mark = None
 
 

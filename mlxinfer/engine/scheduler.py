@@ -50,6 +50,11 @@ class Scheduler:
     def _batch(self):  # the decoding rows, for tests and metrics
         return self._loop._batch
 
+    @property
+    def plain_batch_steps(self) -> dict[str, int]:
+        """Batch steps taken plainly although a row could have speculated, by reason (a copy, for metrics)."""
+        return dict(self._loop.plain_batch_steps)
+
     # -- any thread -------------------------------------------------------
 
     def submit(self, job: Job) -> None:

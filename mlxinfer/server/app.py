@@ -173,6 +173,7 @@ class API:
             self.settings.request_timeout_s,
             constraint=prepared.constraint,
             keep_special_tokens=prepared.keep_special_tokens,
+            speculate=served.model.speculate,
         )
         served.scheduler.submit(job)
         clock = _TokenClock(self.metrics, request.state.arrived)

@@ -1,4 +1,4 @@
-"""Prometheus metrics for GET /metrics: traffic, tokens, latency, queue, prefix cache, memory.
+"""Prometheus metrics for GET /metrics: traffic, tokens, latency, queue, prefix cache, memory, speculation.
 
 Each app has its own registry (several servers can live in one process, as in
 the tests). Gauges are read from the schedulers when scraped, never polled.
@@ -6,11 +6,15 @@ the tests). Gauges are read from the schedulers when scraped, never polled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ..engine import GenerationStats, Scheduler
+from ..engine.speculation import REASONS
 from .models import ModelSet
 
 disable_created_metrics()  # no `*_created` series: they double the output and nobody here reads them
@@ -68,13 +72,35 @@ class Metrics:
         Gauge(
             "mlxinfer_prefix_cache_hit_rate", "Share of prompt tokens served from prefix caches", registry=registry
         ).set_function(lambda: _hit_rate(list(schedulers())))
+        self._speculation(registry, schedulers)
+
+    def _speculation(self, registry: CollectorRegistry, schedulers: Callable[[], list[Scheduler]]) -> None:
+        self.drafted_tokens = Counter(
+            "mlxinfer_speculative_drafted_tokens", "Drafted tokens the target verified", registry=registry
+        )
+        self.accepted_tokens = Counter(
+            "mlxinfer_speculative_accepted_tokens", "Drafted tokens the target kept", registry=registry
+        )
+        self.speculation_off = Counter(
+            "mlxinfer_speculation_off",
+            "Generations that ended decoding plainly with speculation on (reason: slower, seeded, unverified)",
+            ["reason"],
+            registry=registry,
+        )
+        for label in REASONS.values():  # every reason listed from the start, at 0
+            self.speculation_off.labels(label)
+        registry.register(_PlainBatchSteps(schedulers))
 
     def record(self, stats: GenerationStats) -> None:
-        """A generation ended: count its tokens and reason."""
+        """A generation ended: count its tokens, reason and speculation."""
         self.finished.labels(stats.finish_reason or "error").inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.cached_tokens.inc(stats.cached_tokens)
         self.completion_tokens.inc(stats.generated_tokens)
+        self.drafted_tokens.inc(stats.drafted_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens)
+        if stats.speculation_off:
+            self.speculation_off.labels(REASONS.get(stats.speculation_off, "other")).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -88,3 +114,25 @@ def _prefix(scheduler: Scheduler, name: str) -> float:
 def _hit_rate(schedulers: list[Scheduler]) -> float:
     looked_up = sum(_prefix(s, "prompt_tokens") for s in schedulers)
     return sum(_prefix(s, "cached_tokens") for s in schedulers) / looked_up if looked_up else 0.0
+
+
+class _PlainBatchSteps(Collector):
+    """Batch steps the schedulers took plainly although a row could have speculated, by reason, read at scrape.
+
+    A gauge, like the prefix-cache totals: it restarts when a model is unloaded."""
+
+    def __init__(self, schedulers: Callable[[], list[Scheduler]]):
+        self._schedulers = schedulers
+
+    def collect(self) -> Iterator[Metric]:
+        steps: collections.Counter[str] = collections.Counter()
+        for scheduler in self._schedulers():
+            steps.update(scheduler.plain_batch_steps)
+        family = GaugeMetricFamily(
+            "mlxinfer_speculation_plain_batch_steps",
+            "Batch steps decoded plainly while a row had drafts (another row had none, or does not speculate)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(steps.items()):
+            family.add_metric([reason], count)
+        yield family

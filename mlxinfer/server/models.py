@@ -53,8 +53,17 @@ class ModelSet:
         self._lock = threading.Lock()  # adding, removing and unloading, one at a time
 
     def add(self, model: Model, config: SchedulerConfig | None = None, name: str | None = None) -> ServedModel:
-        """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings."""
-        loader = partial(load, model.path, dtype=model.compute_dtype, kv_bits=model.kv_bits)
+        """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings
+        (its draft model and speculation mode included)."""
+        draft = model.draft.path if model.draft is not None else None
+        loader = partial(
+            load,
+            model.path,
+            dtype=model.compute_dtype,
+            kv_bits=model.kv_bits,
+            draft_model=draft,
+            speculate=model.speculate,
+        )
         slot = _Slot(name or model_id(model), loader, config, verified=model.verified)
         with self._lock:
             self._stop(self._slots.pop(slot.id, None), "the model was replaced")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..engine import SchedulerConfig
-from ..errors import ServerConfigError
+from ..engine.speculation import MODES, check_mode
+from ..errors import SamplingError, ServerConfigError
 from ..untrusted import is_finite_number, is_int, shown
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
@@ -44,6 +46,9 @@ class ServerSettings:
     max_connections: int = MAX_CONNECTIONS  # past it the longest-idle connection is closed, or the new one gets 503
     prepare_workers: int = 4  # requests parsed, templated and tokenized at once, on threads off the event loop
     prepare_queue: int = 64  # requests waiting for one of those workers; past that, 429
+    # What `mlxinfer serve` loads its model with (mlxinfer.load): every request decodes with the model's mode.
+    speculate: str = "auto"
+    draft_model: Path | None = None
 
     def __post_init__(self) -> None:
         if not is_loopback(self.host):
@@ -67,6 +72,15 @@ class ServerSettings:
         if self.request_timeout_s <= 0 or self.max_body_bytes <= 0:
             raise ServerConfigError("--request-timeout and the body limit must be positive")
         self._check_limits()
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        if self.speculate in MODES and self.draft_model is not None:
+            return  # whether the draft model fits the target is found as they load
+        try:  # the engine's rule (an unknown mode; "draft" without a draft model), before the port is taken
+            check_mode(self.speculate, None)
+        except SamplingError as e:
+            raise ServerConfigError(str(e)) from None
 
     def _check_limits(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s"):
