@@ -145,3 +145,43 @@ def test_moe_bench_quick_converts_and_decodes_the_tiny_moe_with_both_engines(tmp
     assert ratios["convert_peak_rss"] == pytest.approx(peak)
     assert f"converter peak RSS, mlxinfer / mlx-lm: {peak:.2f}x (goal: at most 0.5x" in done.stdout
     assert done.stdout.count("mlxinfer / mlx-lm: ") == 3  # the converter's and each decode row's ratio
+
+
+def test_mlx_lm_acceptance_is_read_from_its_from_draft_flags():
+    from bench.speculative_bench import draft_stats
+
+    # mlx-lm, 3 drafts a step, 8 tokens: kept 2 then its own token; kept 3 then its own; the last step drafts the
+    # one token left, kept, and max_tokens ends it before a token of the target's own.
+    flags = [True, True, False, True, True, True, False, True]
+    assert draft_stats(flags, max_tokens=8, k=3) == {"drafted": 3 + 3 + 1, "accepted": 6, "steps": 3, "emitted": 8}
+
+
+def test_speculative_bench_quick_runs_every_configuration_on_both_engines(tmp_path):
+    # The tiny fixture drafting for itself: greedy drafts from the target's own weights are all kept, and every
+    # configuration must decode the plain tokens (mlx-lm's plain tokens being the reference for ours).
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--speculative-only", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    figures = json.loads(next(tmp_path.glob("*-quick-speculative.json")).read_text())
+    assert figures["conditions"]["versions"]["mlx-lm"] and figures["settings"]["chat_tokens"] == 8
+    for task in ("grounded", "chat"):
+        t = figures["tasks"][task]
+        configs = [(r["engine"], r["config"]) for r in t["rows"]]
+        assert configs == [("mlxinfer", c) for c in ("off", "auto", "auto + draft model", "lookup", "draft")] + [
+            ("mlx-lm", "plain"),
+            ("mlx-lm", "draft model"),
+        ]
+        assert t["same_tokens_across_engines"] and all(r["same_tokens_as_plain"] for r in t["rows"])
+        assert all(r["generated_tokens"] == [8] and r["decode_tps"] > 0 for r in t["rows"])
+        drafted = [r for r in t["rows"] if r["config"] in ("draft", "draft model")]
+        assert [r["acceptance_rate"] for r in drafted] == [1.0, 1.0]
+        assert t["rows"][1]["cached_tokens"] == [t["prompt_tokens"] - 1]  # later rows resume from the prefix cache
+        assert t["draft_catch_up_s"] > 0
+    assert [r["positions"] for r in figures["step_costs"]["rows"]] == [1, 2, 3, 5, 9]
+    table = next(tmp_path.glob("*-quick-speculative.md")).read_text()
+    assert "| mlx-lm | draft model |" in table and "by positions fed" in table

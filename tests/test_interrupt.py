@@ -120,7 +120,8 @@ def test_interrupted_generation_keeps_what_every_layer_computed(interrupted_mode
     tiny_llama.prefix_cache.clear()
     answer = tiny_llama.generate(SHORT, max_tokens=12, use_cache=False).token_ids
     assert len(answer) >= 3
-    run = tiny_llama.stream(SHORT, max_tokens=12, prefill_chunk_tokens=16)
+    # Plain decoding: the steps counted below are one token each (a speculative step may emit several).
+    run = tiny_llama.stream(SHORT, max_tokens=12, prefill_chunk_tokens=16, speculate="off")
     with monkeypatch.context() as patch:
         if where == "layer 1":
             interrupt_in_layer(patch, tiny_llama, 1, at)

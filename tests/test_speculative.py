@@ -24,7 +24,7 @@ from mlxinfer.cache.batch import row_cache
 from mlxinfer.cache.kv import STEP, QuantizedKVCache
 from mlxinfer.engine import Delta, Failed, Finished, Job, SamplingParams
 from mlxinfer.engine.batch import DecodeBatch, Running
-from mlxinfer.engine.drafting import Draft, DraftModel
+from mlxinfer.engine.drafting import CATCH_UP_TOKENS, Draft, DraftModel
 from mlxinfer.engine.sampling import Sampler
 from mlxinfer.engine.speculation import MAX_K as MAX_DRAFTS
 from mlxinfer.models.config import normalize_config
@@ -348,11 +348,19 @@ def test_a_draft_model_whose_window_regrew_while_drafting_starts_its_cache_again
     assert window - 1 < MAX_DRAFTS  # the case as built: the drafts outrun the window
     prompt = tokens(3 * STEP - 8, seed=4)  # the drafts outgrow the window's storage: a pass regrows it
     drafter = DraftModel(lm, prompt, SamplingParams(), VOCAB)
-    drafter.propose([7], MAX_DRAFTS)
+    while not drafter.propose([7], MAX_DRAFTS).tokens:  # a long prompt goes in a chunk per step: no draft yet
+        drafter.accepted(0)
     drafter.accepted(0)
     assert drafter.fed == 0  # started again
     fresh = DraftModel(lm, prompt, SamplingParams(), VOCAB)
-    assert drafter.propose([7, 9], 4).tokens == fresh.propose([7, 9], 4).tokens
+    assert drafting(drafter, [7, 9], 4) == drafting(fresh, [7, 9], 4)
+
+
+def drafting(drafter: DraftModel, drawn: list[int], k: int) -> list[int]:
+    """The drafter's first proposal once it has caught up on the prompt."""
+    while not (draft := drafter.propose(drawn, k)).tokens:
+        drafter.accepted(0)
+    return draft.tokens
 
 
 # ---- 3. a quantized KV cache: the same answers ----------------------------------------------------------------
@@ -515,3 +523,15 @@ def test_a_stop_inside_a_run_of_accepted_drafts_ends_the_row_there(scheduler_for
     stop, end = step_of(together[0], answers[0][at]), step_of(together[1], eos)
     assert stop.index(answers[0][at]) < len(stop) - 1  # a kept draft, more kept after it (dropped)
     assert end.index(eos) > 0  # the target's own token after kept drafts (drafts are cut before an EOS)
+
+
+def test_a_draft_model_catches_up_on_a_long_prompt_a_chunk_per_step(decoder):
+    """Its prompt is fed CATCH_UP_TOKENS at a time, between the scheduler's other work (as the target's prefill
+    runs), and it drafts only once caught up: a long prompt never stalls the other rows for its whole length."""
+    lm = decoder("llama_classic")
+    prompt = tokens(2 * CATCH_UP_TOKENS + 100, seed=5)
+    drafter = DraftModel(lm, prompt, SamplingParams(), VOCAB)
+    for fed in (CATCH_UP_TOKENS, 2 * CATCH_UP_TOKENS):
+        assert drafter.propose([7], K).tokens == [] and drafter.fed == fed
+        drafter.accepted(0)
+    assert drafter.propose([7], K).tokens == greedy(lm, prompt + [7], K)

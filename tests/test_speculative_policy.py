@@ -36,6 +36,7 @@ from mlxinfer.engine.speculation import (
     OFF_SEEDED,
     OFF_SLOWER,
     PROBE_K,
+    VERIFY_SAMPLES,
     Speculation,
     StepCosts,
     speculation_for,
@@ -364,7 +365,8 @@ class FakeDrafter:
 def costs(plain_s: float, verify_s: float, verify_positions: int = 5) -> StepCosts:
     learned = StepCosts()
     learned.add(1, plain_s, verified=False)
-    learned.add(verify_positions, verify_s, verified=True)
+    for _ in range(VERIFY_SAMPLES):  # a first verification alone is not trusted
+        learned.add(verify_positions, verify_s, verified=True)
     return learned
 
 
@@ -397,6 +399,7 @@ def test_step_costs_predict_a_line_through_the_mean_plain_and_verify_passes():
         learned.add(1, seconds, verified=False)
     assert learned.predict(1) is None  # no verification timed yet
     learned.add(5, 0.050, verified=True)
+    assert learned.predict(1) is None  # one is not enough: the first of a shape may carry one-off costs
     learned.add(9, 0.090, verified=True)
     # Means: plain (1, 0.012), verify (7, 0.070); the line through them.
     slope = (0.070 - 0.012) / (7 - 1)
@@ -404,7 +407,10 @@ def test_step_costs_predict_a_line_through_the_mean_plain_and_verify_passes():
         assert learned.predict(positions) == pytest.approx(0.012 + slope * (positions - 1))
     # Timing noise that makes a verification look cheaper than a plain step never predicts a negative cost.
     assert costs(0.02, 0.01).predict(1) == costs(0.02, 0.01).predict(9) == pytest.approx(0.02)
-    assert StepCosts(plain=costs(0.01, 0.05).plain, verify=costs(0.01, 0.05, 1).verify).predict(3) is None
+    # Verifications that fed no more positions than plain steps give no slope: assume cost in proportion.
+    assert StepCosts(plain=costs(0.01, 0.05).plain, verify=costs(0.01, 0.05, 1).verify).predict(3) == pytest.approx(
+        3 * 0.05
+    )
 
 
 def test_recent_step_times_weigh_more():
@@ -625,3 +631,13 @@ def test_draft_masks_start_from_where_the_matcher_is(tiny_llama):
     for token in (b, c):  # still after the first "a": "abc" is complete too
         constraint.advance(token)
     assert np.flatnonzero(np.array(allowed_tokens([constraint], vocab)[0])).tolist() == sorted(eos)
+
+
+def test_auto_goes_on_when_hundreds_of_verifications_keep_every_draft():
+    """The acceptance estimate reaches exactly 1.0 in floating point after ~310 such steps; planning must not
+    divide by 1 - acceptance (a ZeroDivisionError there would fail every row of the batch)."""
+    stats = GenerationStats()
+    speculation = Speculation(FakeDrafter(), auto=True, stats=stats, costs=costs(0.2, 0.21))
+    drafted = run_auto(speculation, 400 * (MAX_K + 1), keep=lambda k: k)
+    assert speculation.acceptance == 1.0 and len(drafted) > 350
+    assert stats.speculation_off == "" and drafted[-1][1] == MAX_K

@@ -42,6 +42,11 @@ class Running:
     def token(self) -> int:
         return self.drawn[-1]
 
+    @property
+    def may_speculate(self) -> bool:
+        """Its next step may verify drafts (so it cannot be pipelined)."""
+        return self.speculation is not None and self.speculation.active
+
     def ids_in_cache(self, cached: int) -> list[int]:
         return (self.job.prompt_ids + self.drawn)[:cached]
 

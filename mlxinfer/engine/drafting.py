@@ -17,8 +17,10 @@ import mlx.core as mx
 from ..cache import make_cache
 from ..cache.rewind import Mark, mark, rewind
 from ..models.decoder import DecoderLM
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, Prefill
 from .sampling import Sampler, SamplingParams
+
+LOOKUP_WINDOW = 8192  # positions prompt lookup searches: the latest ones
+CATCH_UP_TOKENS = 512  # prompt tokens a draft model is fed per step, between the scheduler's other work
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,10 @@ class Draft:
     tokens: list[int]
     probs: mx.array | None = None  # (len(tokens), vocab): what each token was drawn from; None: certain
     seconds: float = 0.0  # time spent drafting these tokens
+
+    def cut(self, n: int) -> Draft:
+        """The first `n` drafts."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n], self.seconds)
 
 
 class PromptLookup:
@@ -46,7 +52,9 @@ class PromptLookup:
     def propose(self, drawn: Sequence[int], k: int) -> Draft:
         context = self.context
         context.extend(drawn[len(context) - self._prompt :])
-        for end in range(self._indexed, len(context)):  # n-grams followed by at least one token
+        # n-grams followed by at least one token, indexed once each; only the latest LOOKUP_WINDOW positions, so a
+        # huge prompt costs a bounded first proposal (on the scheduler's thread) and bounded memory.
+        for end in range(max(self._indexed, len(context) - LOOKUP_WINDOW), len(context)):
             for n in self.NGRAMS:
                 if end >= n:
                     self._follows[tuple(context[end - n : end])] = end
@@ -83,10 +91,14 @@ class DraftModel:
 
     def propose(self, drawn: Sequence[int], k: int) -> Draft:
         self.context.extend(drawn[len(self.context) - self._prompt :])
-        catching_up = len(self.context) - self.fed > 1  # the prompt, or a recurrent state's feed-again: not drafting
+        behind = len(self.context) - self.fed
+        if behind > CATCH_UP_TOKENS:  # a long prompt: a chunk per step, as the target's prefill runs; no draft yet
+            self._feed(self.context[self.fed : self.fed + CATCH_UP_TOKENS])
+            return Draft([])
         started = time.perf_counter()
-        logits = self._catch_up()
-        if catching_up:
+        hidden = self.model.hidden(mx.array([self.context[self.fed :]], dtype=mx.uint32), self.cache)
+        logits = self.model.head(hidden[:, -1])[0]
+        if behind > 1:  # catching up (the prompt's end, a recurrent state's feed-again) is not drafting
             mx.eval(logits)
             started = time.perf_counter()
         self.fed = len(self.context)
@@ -102,10 +114,10 @@ class DraftModel:
         mx.eval(tokens, *([] if qs is None else [qs]))
         return Draft([int(t.item()) for t in tokens], qs, time.perf_counter() - started)
 
-    def _catch_up(self) -> mx.array:
-        """Feed the tokens drawn since the last proposal; the logits that follow them."""
-        new = mx.array(self.context[self.fed :], dtype=mx.uint32)
-        return Prefill.start(self.model, self.cache, new, DEFAULT_PREFILL_CHUNK_TOKENS).run()
+    def _feed(self, ids: list[int]) -> None:
+        self.model.hidden(mx.array([ids], dtype=mx.uint32), self.cache)
+        mx.eval([c.arrays for c in self.cache])
+        self.fed += len(ids)
 
     def accepted(self, n: int) -> None:
         """The target kept `n` drafts: the cache keeps those it was fed (all but the last drafted)."""

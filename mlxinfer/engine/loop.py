@@ -343,7 +343,7 @@ class BatchLoop:
             # A lone sequence with nobody waiting keeps the device busy while its tokens are handled
             # (unless it may speculate next: a draft needs this step's token).
             lone = len(self._batch.rows) == 1 and not self._waiting and self._prefill is None
-            lone = lone and not any(s.speculation and s.speculation.active for s in self._batch.rows)
+            lone = lone and not self._batch.rows[0].may_speculate
             emitted = [[token] for token in self._batch.step(pipelined=lone)]
         else:
             emitted = self._batch.verify(*drafted)
@@ -363,32 +363,32 @@ class BatchLoop:
     def _drafts(self) -> tuple[list[Draft], list[mx.array | None]] | None:
         """Every row's drafts, cut to the same length, and its grammar's masks for them; None to step plainly."""
         rows = self._batch.rows
-        if not any(s.speculation and s.speculation.active for s in rows):
+        speculating = [s.may_speculate for s in rows]
+        if not all(speculating):  # a batch verifies every row or none: drafting for some would be thrown away
+            if any(speculating):
+                self.plain_batch_steps["row_not_speculating"] += 1
             return None
         drafts, masks = [], []
         for sequence in rows:
             draft, mask = self._draft(sequence)
+            if draft is None:  # the rows that drafted take their drafts back as the step goes plainly
+                if len(rows) > 1:
+                    self.plain_batch_steps["row_without_draft"] += 1
+                return None
             drafts.append(draft)
             masks.append(mask)
-        if any(d is None for d in drafts):
-            if any(d is not None for d in drafts):  # some row drafted, but the batch steps plainly: say why
-                off = any(s.speculation is None or not s.speculation.active for s in rows)
-                self.plain_batch_steps["row_not_speculating" if off else "row_without_draft"] += 1
-            return None
         k = min(len(d.tokens) for d in drafts)
-        drafts = [Draft(d.tokens[:k], None if d.probs is None else d.probs[:k]) for d in drafts]
-        return drafts, [None if m is None else m[: k + 1] for m in masks]
+        return [d.cut(k) for d in drafts], [None if m is None else m[: k + 1] for m in masks]
 
     def _draft(self, sequence: Running) -> tuple[Draft | None, mx.array | None]:
         """One row's drafts (cut at an end of sequence and where its grammar forbids them), and their masks."""
         job, speculation = sequence.job, sequence.speculation
-        if speculation is None or not speculation.active:
-            return None, None
+        assert speculation is not None
         room = job.max_tokens - job.stats.generated_tokens - 1
         draft = speculation.draft(sequence.drawn, room, len(self._batch.rows))
         if draft is None:
             return None, None
-        eos = self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids
+        eos = self._eos(job)
         cut = next((i for i, t in enumerate(draft.tokens) if t in eos or t >= self._vocab), len(draft.tokens))
         mask = None
         if job.constraint is not None:
@@ -399,7 +399,7 @@ class BatchLoop:
                 return None, None
         if not cut:
             return None, None
-        return Draft(draft.tokens[:cut], None if draft.probs is None else draft.probs[:cut]), mask
+        return draft.cut(cut), mask
 
     def _accept_all(self, sequence: Running, tokens: list[int]) -> str | None:
         """Take a step's tokens in order until one ends the sequence (the rest are dropped)."""
@@ -415,7 +415,7 @@ class BatchLoop:
             return "error"
         sequence.drawn.append(token)
         job = sequence.job
-        is_eos = token in (self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids)
+        is_eos = token in self._eos(job)
         if job.constraint is not None:
             try:
                 job.constraint.check()  # a mask past a grammar limit allows EOS only: that EOS is no answer
@@ -431,6 +431,9 @@ class BatchLoop:
         if sequence.text.stopped or (job.constraint is not None and job.constraint.finished):
             return "stop"
         return "length" if job.stats.generated_tokens >= job.max_tokens else None
+
+    def _eos(self, job: Job) -> frozenset[int]:
+        return self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids
 
     def _keep_prefix(self, sequence: Running, cache: list[Cache]) -> None:
         """Offer the sequence's keys and values to the prefix cache, then unpin what it reused."""

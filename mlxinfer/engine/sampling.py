@@ -83,8 +83,7 @@ class Sampler:
         p = self.params
         logits = logits.astype(mx.float32)
         if self._seen is not None:
-            penalized = mx.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-            logits = mx.where(self._seen, penalized, logits)
+            logits = self._penalize(logits, self._seen)
         if allowed is not None:  # before top-k/top-p: they choose among the tokens the grammar allows
             logits = mx.where(allowed, logits, mx.array(-math.inf, dtype=logits.dtype))
         if p.is_greedy:
@@ -142,13 +141,15 @@ class Sampler:
         """`logits` (one row per position) with the repetition penalty, row i also counting drafts[:i] as seen."""
         if self._seen is None:
             return logits
-        p = self.params
         later = np.zeros((len(drafts) + 1, self._seen.size), dtype=np.bool_)
         for i, token in enumerate(drafts):
             later[i + 1 :, token] = True
-        seen = self._seen[None] | mx.array(later)
-        penalized = mx.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        return mx.where(seen, penalized, logits)
+        return self._penalize(logits, self._seen[None] | mx.array(later))
+
+    def _penalize(self, logits: mx.array, seen: mx.array) -> mx.array:
+        """transformers' repetition penalty on the `seen` tokens' logits."""
+        penalty = self.params.repetition_penalty
+        return mx.where(seen, mx.where(logits > 0, logits / penalty, logits * penalty), logits)
 
     def draw(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
         """A draft model's token from `logits` (vocab,) and the distribution it was drawn from, both lazy (greedy:

@@ -17,7 +17,8 @@ tokens, then 128, ... (at most 1,024), so the estimate follows the text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
@@ -31,6 +32,7 @@ START_K, MAX_K, PROBE_K = 4, 12, 2  # drafted tokens per step: at first, at most
 MARGIN = 1.05  # auto speculates only when it predicts at least 5% more tokens per second
 RETRY_TOKENS, MAX_RETRY_TOKENS = 64, 1024  # plain tokens before auto probes again (doubled each time)
 MEMORY = 0.9  # weight kept by older acceptance evidence at each verification
+VERIFY_SAMPLES = 2  # verifications timed before auto weighs speculating against plain decoding
 
 OFF_SLOWER = "slower than plain decoding on this device"
 OFF_SEEDED = "a seeded sampled request stays reproducible (ask for lookup or draft explicitly)"
@@ -70,15 +72,23 @@ class StepCosts:
     plain: _Mean = field(default_factory=_Mean)
     verify: _Mean = field(default_factory=_Mean)
 
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # a Model's threads share it
+
     def add(self, positions: int, seconds: float, verified: bool) -> None:
-        (self.verify if verified else self.plain).add(positions, seconds)
+        with self._lock:
+            (self.verify if verified else self.plain).add(positions, seconds)
 
     def predict(self, positions: int) -> float | None:
-        """Seconds for a pass feeding `positions`; None until both kinds of pass were timed."""
-        p, v = self.plain, self.verify
-        if not p.count or not v.count or v.positions <= p.positions:
+        """Seconds for a pass feeding `positions`; None until a plain pass and two verifications were timed
+        (the first of a shape may carry one-off costs)."""
+        with self._lock:
+            p, v = replace(self.plain), replace(self.verify)
+        if not p.count or v.count < VERIFY_SAMPLES:
             return None
-        slope = max(0.0, (v.seconds - p.seconds) / (v.positions - p.positions))
+        if v.positions > p.positions:
+            slope = max(0.0, (v.seconds - p.seconds) / (v.positions - p.positions))
+        else:  # verifications fed no more than plain steps (a lone row after a full batch): assume the worst,
+            slope = max(p.seconds / p.positions, v.seconds / v.positions)  # cost in proportion to positions
         fixed = max(0.0, p.seconds - slope * p.positions)
         return max(fixed + slope * positions, 1e-6)
 
@@ -124,7 +134,8 @@ class Speculation:
         if plain is None:
             return self.k  # no verification timed yet on this model: this one teaches the cost
         a = self.acceptance
-        rate, k = max(((1 - a ** (k + 1)) / (1 - a) / self._step_s(rows, k), k) for k in range(1, MAX_K + 1))
+        # Expected tokens from k drafts: 1 + a + ... + a^k (each draft kept only if the one before was).
+        rate, k = max((sum(a**i for i in range(k + 1)) / self._step_s(rows, k), k) for k in range(1, MAX_K + 1))
         if rate * plain >= MARGIN:
             self._off = False
             self.stats.speculation_off = ""
@@ -139,9 +150,10 @@ class Speculation:
         return PROBE_K if probing else 0  # a probe: a cheap look at whether the text became easier to draft
 
     def _step_s(self, rows: int, k: int) -> float:
+        """A speculative step's seconds: every row drafts (one after another), then one verification."""
         verify = self.costs.predict(rows * (k + 1))
         assert verify is not None
-        return verify + k * self._draft_s
+        return verify + rows * k * self._draft_s
 
     def stepped(self, tokens: int, checked: int | None = None) -> None:
         """This sequence's step emitted `tokens`; `checked` drafts were verified in it (None: a plain step)."""
