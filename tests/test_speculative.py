@@ -535,3 +535,15 @@ def test_a_draft_model_catches_up_on_a_long_prompt_a_chunk_per_step(decoder):
         assert drafter.propose([7], K).tokens == [] and drafter.fed == fed
         drafter.accepted(0)
     assert drafter.propose([7], K).tokens == greedy(lm, prompt + [7], K)
+
+
+@pytest.mark.parametrize("speculate", ["lookup", "draft"])
+def test_greedy_speculation_with_a_repetition_penalty_equals_plain_decoding(family, speculate):
+    """The penalty counts the tokens drawn so far: drafts verified within a step, and the tokens kept by earlier
+    speculative steps (the batch observes them after each verification)."""
+    model = family("llama_classic")
+    prompt = drafting_prompt(model)
+    options = {"max_tokens": 24, "repetition_penalty": 1.3, "use_cache": False}
+    plain = model.generate(prompt, speculate="off", **options)
+    fast = model.generate(prompt, speculate=speculate, **options)
+    assert fast.token_ids == plain.token_ids and fast.stats.drafted_tokens > 0
