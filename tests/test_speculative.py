@@ -388,10 +388,10 @@ def test_a_prefix_cache_hit_then_speculation_equals_a_cold_plain_run(name, tmp_p
         assert hot.stats.cached_tokens >= 60 and hot.stats.drafted_tokens > 0, mode
         assert_same_answer(hot, cold)
     # The next turn resumes from what the speculative run left in the prefix cache (rolled back, re-fed):
-    # all of it but its last token.
+    # all of it but its last token, or all of it where the last step ran pipelined (lookup found nothing).
     turn = prompt + cold.token_ids + [Z]
     later = model.generate(turn, max_tokens=MAX_TOKENS, speculate="off")
-    assert later.stats.cached_tokens == len(prompt) + len(cold.token_ids) - 1
+    assert 0 <= len(prompt) + len(cold.token_ids) - later.stats.cached_tokens <= 1
     assert_same_answer(later, model.generate(turn, max_tokens=MAX_TOKENS, speculate="off", use_cache=False))
 
 

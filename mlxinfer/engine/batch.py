@@ -45,7 +45,7 @@ class Running:
     @property
     def may_speculate(self) -> bool:
         """Its next step may verify drafts (so it cannot be pipelined)."""
-        return self.speculation is not None and self.speculation.active
+        return self.speculation is not None and self.speculation.ready
 
     def ids_in_cache(self, cached: int) -> list[int]:
         return (self.job.prompt_ids + self.drawn)[:cached]

@@ -13,6 +13,10 @@ second for each number of drafts, and speculates only with the best of them and
 only when that beats plain decoding. When it does not, it decodes plainly
 (pipelined, as plain decoding runs) and probes again with two drafts after 64
 tokens, then 128, ... (at most 1,024), so the estimate follows the text.
+
+Where prompt lookup finds nothing to draft, the next few steps decode plainly and
+pipelined (a step that may verify drafts cannot be queued before the token it
+drafts from is known), then it looks again.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ START_K, MAX_K, PROBE_K = 4, 12, 2  # drafted tokens per step: at first, at most
 MARGIN = 1.05  # auto speculates only when it predicts at least 5% more tokens per second
 RETRY_TOKENS, MAX_RETRY_TOKENS = 64, 1024  # plain tokens before auto probes again (doubled each time)
 MEMORY = 0.9  # weight kept by older acceptance evidence at each verification
+REST_STEPS = 4  # plain, pipelined steps after a step that found nothing to draft
 VERIFY_SAMPLES = 2  # verifications timed before auto weighs speculating against plain decoding
 
 OFF_SLOWER = "slower than plain decoding on this device"
@@ -104,6 +109,7 @@ class Speculation:
         self._off = False  # auto found speculation slower
         self._probe_at, self._retry = 0, RETRY_TOKENS
         self._proposed: Draft | None = None
+        self._rest = 0  # plain steps to take before drafting again
 
     @property
     def acceptance(self) -> float:
@@ -112,8 +118,14 @@ class Speculation:
 
     @property
     def active(self) -> bool:
-        """The next step may speculate (so it cannot be pipelined)."""
+        """Speculation is on for now (auto has not found it slower, or a probe is due)."""
         return not self._off or self.stats.generated_tokens >= self._probe_at
+
+    @property
+    def ready(self) -> bool:
+        """The next step may verify drafts (so it cannot be pipelined): on, and not resting after a step that
+        found nothing to draft (prompt lookup in a text that does not repeat itself)."""
+        return self.active and not self._rest
 
     def draft(self, drawn: list[int], room: int, rows: int = 1) -> Draft | None:
         """Up to `room` tokens to check after `drawn` in a batch of `rows`, or None to step plainly."""
@@ -122,9 +134,12 @@ class Speculation:
             return None
         draft = self.drafter.propose(drawn, k)
         self._proposed = draft
-        if draft.tokens:
-            self._draft_s = draft.seconds / len(draft.tokens)
-        return draft if draft.tokens else None
+        if not draft.tokens:
+            if isinstance(self.drafter, PromptLookup):  # (a draft model catching up on the prompt drafts next step)
+                self._rest = REST_STEPS  # decode a few steps pipelined before looking again
+            return None
+        self._draft_s = draft.seconds / len(draft.tokens)
+        return draft
 
     def _plan(self, rows: int) -> int:
         """How many tokens auto drafts now (0: none)."""
@@ -162,6 +177,7 @@ class Speculation:
             self._proposed = None
         self.stats.target_steps += 1
         if not checked:
+            self._rest = max(0, self._rest - 1)
             return
         kept = tokens - 1
         self.stats.drafted_tokens += checked
