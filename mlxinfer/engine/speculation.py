@@ -86,6 +86,11 @@ class StepCosts:
     def predict(self, positions: int) -> float | None:
         """Seconds for a pass feeding `positions`; None until a plain pass and two verifications were timed
         (the first of a shape may carry one-off costs)."""
+        line = self.line()
+        return None if line is None else max(line[0] + line[1] * positions, 1e-6)
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per position) of a pass, or None as for `predict`."""
         with self._lock:
             p, v = replace(self.plain), replace(self.verify)
         if not p.count or v.count < VERIFY_SAMPLES:
@@ -94,8 +99,7 @@ class StepCosts:
             slope = max(0.0, (v.seconds - p.seconds) / (v.positions - p.positions))
         else:  # verifications fed no more than plain steps (a lone row after a full batch): assume the worst,
             slope = max(p.seconds / p.positions, v.seconds / v.positions)  # cost in proportion to positions
-        fixed = max(0.0, p.seconds - slope * p.positions)
-        return max(fixed + slope * positions, 1e-6)
+        return max(0.0, p.seconds - slope * p.positions), slope
 
 
 class Speculation:
@@ -145,13 +149,19 @@ class Speculation:
         """How many tokens auto drafts now (0: none)."""
         if not self.costs.plain.count:
             return 0  # a plain step is timed first: the baseline every choice is weighed against
-        plain = self.costs.predict(rows)
-        if plain is None:
+        line = self.costs.line()
+        if line is None:
             return self.k  # no verification timed yet on this model: this one teaches the cost
+        fixed, per_position = line
+        plain = max(fixed + per_position * rows, 1e-6)
         a = self.acceptance
-        # Expected tokens from k drafts: 1 + a + ... + a^k (each draft kept only if the one before was).
-        rate, k = max((sum(a**i for i in range(k + 1)) / self._step_s(rows, k), k) for k in range(1, MAX_K + 1))
-        if rate * plain >= MARGIN:
+        best, k, expected = 0.0, 0, 1.0
+        for drafts in range(1, MAX_K + 1):  # expected tokens from k drafts: 1 + a + ... + a^k (each kept only
+            expected += a**drafts  # if the one before was), over every row's drafting and one verification
+            seconds = fixed + per_position * rows * (drafts + 1) + rows * drafts * self._draft_s
+            if expected / max(seconds, 1e-6) > best:
+                best, k = expected / max(seconds, 1e-6), drafts
+        if best * plain >= MARGIN:
             self._off = False
             self.stats.speculation_off = ""
             return k
@@ -163,12 +173,6 @@ class Speculation:
         self._probe_at = self.stats.generated_tokens + self._retry
         self._retry = min(2 * self._retry, MAX_RETRY_TOKENS)
         return PROBE_K if probing else 0  # a probe: a cheap look at whether the text became easier to draft
-
-    def _step_s(self, rows: int, k: int) -> float:
-        """A speculative step's seconds: every row drafts (one after another), then one verification."""
-        verify = self.costs.predict(rows * (k + 1))
-        assert verify is not None
-        return verify + rows * k * self._draft_s
 
     def stepped(self, tokens: int, checked: int | None = None) -> None:
         """This sequence's step emitted `tokens`; `checked` drafts were verified in it (None: a plain step)."""
