@@ -1,5 +1,5 @@
 """python -m bench [--quick] [--model PATH] [--convert-only | --prefix-only | --server-only | --kv-memory-only |
---hybrid-only | --moe-only | --structured-only]:
+--hybrid-only | --moe-only | --structured-only | --speculative-only]:
 mlxinfer vs mlx-lm, side by side, one run."""
 
 from __future__ import annotations
@@ -49,7 +49,15 @@ def main() -> None:
         action="store_true",
         help="only the structured-output figures: decode and TTFT with a JSON schema (--quick: tiny fixture)",
     )
+    parser.add_argument(
+        "--speculative-only",
+        action="store_true",
+        help="only the speculative-decoding figures: off/lookup/auto/draft vs mlx-lm's draft model (--quick: tiny)",
+    )
     args = parser.parse_args()
+    if args.speculative_only:
+        write_speculative_outputs(args.out, args.quick)
+        return
     if args.structured_only:
         write_structured_outputs(args.out, args.quick, args.model)
         return
@@ -144,6 +152,16 @@ def write_structured_outputs(out: Path, quick: bool, model: Path | None) -> None
     settings = StructuredSettings.quick() if quick else StructuredSettings()
     figures = run_structured_bench(path, source, settings)
     write_figures(figures, structured_markdown(figures), out, quick, "-structured")
+
+
+def write_speculative_outputs(out: Path, quick: bool) -> None:
+    from .speculative_bench import SpeculativeSettings, run_speculative_bench, speculative_models
+    from .speculative_bench import markdown as speculative_markdown
+
+    target, draft, source = speculative_models(quick)
+    settings = SpeculativeSettings.quick() if quick else SpeculativeSettings()
+    figures = run_speculative_bench(target, draft, source, settings)
+    write_figures(figures, speculative_markdown(figures), out, quick, "-speculative")
 
 
 def write_figures(figures: dict, table: str, out: Path, quick: bool, suffix: str) -> str:
