@@ -17,6 +17,7 @@ from .cache import PrefixCache, PrefixCacheStats, make_cache
 from .default_model import default_model_path
 from .display import html_table, mib
 from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration
+from .engine.drafting import DraftRuntime
 from .engine.prefill import SNAPSHOT_EVERY
 from .engine.prefix_store import prefix_store_for
 from .engine.sampling import is_int
@@ -24,7 +25,7 @@ from .engine.single import warm_alone
 from .engine.speculation import StepCosts, check_mode
 from .engine.structure import Structure, structure_of
 from .errors import SamplingError, TokenizerError
-from .memory import MemoryPlan, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
+from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import check_kv_bits, footprint
@@ -92,8 +93,10 @@ class Model:
         self.kv_bits = check_kv_bits(kv_bits, loaded.config)
         self.footprint = footprint(loaded, kv_bits)
         budget = prefix_cache_bytes if prefix_cache_bytes is not None else default_prefix_cache_bytes()
+        self._drafting = _drafting(draft, self.footprint, budget)
         self.prefix_cache = PrefixCache(
-            budget, store=prefix_store_for(loaded, self.footprint, self.kv_bits, self.context_tokens)
+            budget - self._draft_prefix_budget,
+            store=prefix_store_for(loaded, self.footprint, self.kv_bits, self.context_tokens),
         )
         self.memory_limits = hold_limits(self, self.memory_plan())
 
@@ -106,9 +109,14 @@ class Model:
             self.footprint,
             context,
             prefill_chunk=prefill_chunk,
-            prefix_cache_bytes=self.prefix_cache.budget_bytes,
+            prefix_cache_bytes=self.prefix_cache.budget_bytes + self._draft_prefix_budget,
             already_ours=mx.get_active_memory() + mx.get_cache_memory(),
         )
+
+    @property
+    def _draft_prefix_budget(self) -> int:
+        drafting = self._drafting
+        return drafting.prefix_cache.budget_bytes if drafting is not None and drafting.prefix_cache else 0
 
     def warm(self, prefix: Prompt, *, chat: bool | None = None) -> int:
         """Prefill `prefix` once and keep its KV in memory and on disk, for every later prompt that starts with it.
@@ -157,7 +165,7 @@ class Model:
             kv_bits=self.kv_bits,
             eos_token_ids=frozenset(self.eos_token_ids),
             context_tokens=self.context_tokens,
-            draft=self.draft.model if self.draft else None,
+            draft=self._drafting,
             step_costs=self._step_costs,
         )
 
@@ -374,6 +382,17 @@ def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:
     if bad:
         raise SamplingError(f"token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
     return [int(t) for t in ids]
+
+
+def _drafting(draft: LoadedModel | None, target: ModelFootprint, prefix_budget: int) -> DraftRuntime | None:
+    """What serves a draft model: its footprint, and a share of the prefix cache's budget that keeps as many
+    tokens of a prompt as the target's share does (so the draft model rarely reads a prompt the target resumes)."""
+    if draft is None:
+        return None
+    draft_footprint = footprint(draft)
+    per_token = [f.cache_bytes(1024) for f in (target, draft_footprint)]
+    share = per_token[1] / max(1, sum(per_token))
+    return DraftRuntime(draft.model, PrefixCache(int(prefix_budget * share)), draft_footprint)
 
 
 def load(

@@ -14,13 +14,24 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..cache import make_cache
+from ..cache import PrefixCache, held_positions, make_cache
 from ..cache.rewind import Mark, mark, rewind
+from ..memory import ModelFootprint
 from ..models.decoder import DecoderLM
 from .sampling import Sampler, SamplingParams
 
 LOOKUP_WINDOW = 8192  # positions prompt lookup searches: the latest ones
-CATCH_UP_TOKENS = 512  # prompt tokens a draft model is fed per step, between the scheduler's other work
+CATCH_UP_TOKENS = 512  # tokens a draft model that lost its cache is fed per step, between other work
+
+
+@dataclass(frozen=True)
+class DraftRuntime:
+    """A loaded draft model and what serves it: its own prefix cache (what earlier requests read stays read)
+    and its memory footprint (its cache per row counts in the memory plan)."""
+
+    decoder: DecoderLM
+    prefix_cache: PrefixCache | None = None
+    footprint: ModelFootprint | None = None
 
 
 @dataclass(frozen=True)
@@ -72,16 +83,21 @@ class PromptLookup:
 class DraftModel:
     """A small model sharing the target's tokenizer, drafting one token after another from its own cache.
 
-    Its cache holds the sequence up to `fed`; a proposal first feeds what the target
-    drew since, then k tokens, and `accepted` cuts the cache back to the drafts kept
-    (a recurrent draft model restores its state and feeds them again next time)."""
+    Its cache holds the sequence up to `fed`. It reads the prompt while the target
+    prefills (`read`, a chunk per scheduler turn, resuming from its own prefix cache),
+    so drafting never waits on it; a proposal feeds what the target drew since, then
+    k tokens, and `accepted` cuts the cache back to the drafts kept (a recurrent draft
+    model restores its state and feeds them again next time)."""
 
-    def __init__(self, model: DecoderLM, prompt: Sequence[int], params: SamplingParams, vocab: int):
-        self.model, self.vocab = model, vocab
+    def __init__(
+        self, model: DecoderLM, prompt: Sequence[int], params: SamplingParams, vocab: int,
+        prefix: PrefixCache | None = None,
+    ):  # fmt: skip
+        self.model, self.vocab, self.prefix = model, vocab, prefix
         self.cache = make_cache(model.cache_kinds)
         self.context = list(prompt)
         self._prompt = len(self.context)
-        self.fed = 0
+        self.fed = self._resume(prefix)
         # The drafter's own random stream (no repetition penalty: q only has to be what drafts were drawn from).
         seed = None if params.seed is None else (params.seed + 1) % 2**63
         drafting = SamplingParams(params.temperature, params.top_p, params.top_k, params.min_p, seed=seed)
@@ -89,10 +105,39 @@ class DraftModel:
         self._mark: Mark | None = None
         self._proposed = 0
 
+    def _resume(self, prefix: PrefixCache | None) -> int:
+        """Positions of the prompt restored from the draft model's prefix cache."""
+        hit = prefix.lookup(self.context) if prefix is not None else None
+        if hit is None:
+            return 0
+        try:  # the restored arrays are the cache's own; the entry may be evicted while this row holds them
+            hit.restore(self.cache)
+        finally:
+            prefix.release(hit)
+        return hit.tokens
+
+    @property
+    def unread(self) -> int:
+        """Prompt tokens not read yet."""
+        return max(0, self._prompt - self.fed)
+
+    def read(self, tokens: int) -> int:
+        """Read up to `tokens` more of the prompt; returns how many were read."""
+        ids = self.context[self.fed : min(self._prompt, self.fed + tokens)]
+        if ids:
+            self._feed(ids)
+        return len(ids)
+
+    def keep(self) -> None:
+        """Offer what the cache holds to the draft model's prefix cache, for the next prompt that shares it."""
+        held = held_positions(self.cache)
+        if self.prefix is not None and held:
+            self.prefix.insert(self.context[:held], self.cache)
+
     def propose(self, drawn: Sequence[int], k: int) -> Draft:
         self.context.extend(drawn[len(self.context) - self._prompt :])
         behind = len(self.context) - self.fed
-        if behind > CATCH_UP_TOKENS:  # a long prompt: a chunk per step, as the target's prefill runs; no draft yet
+        if behind > CATCH_UP_TOKENS:  # started afresh (see `accepted`): a chunk per step, no draft yet
             self._feed(self.context[self.fed : self.fed + CATCH_UP_TOKENS])
             return Draft([])
         started = time.perf_counter()

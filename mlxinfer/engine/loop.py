@@ -32,7 +32,7 @@ from ..models.decoder import DecoderLM
 from ..tokenizer import Tokenizer
 from ..untrusted import shown
 from .batch import DecodeBatch, Running
-from .drafting import Draft
+from .drafting import Draft, DraftRuntime
 from .generate import check_request
 from .job import Delta, Event, Failed, Finished, Job
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill, message_ends
@@ -54,7 +54,7 @@ class ModelRuntime:
     kv_bits: int | None
     eos_token_ids: frozenset[int]
     context_tokens: int  # the longest sequence the model was trained for
-    draft: DecoderLM | None = None  # a small model with the same tokenizer, for speculative decoding
+    draft: DraftRuntime | None = None  # a small model with the same tokenizer, for speculative decoding
     step_costs: StepCosts | None = None  # what the model's forward passes cost here, learned (speculation's auto)
 
 
@@ -80,6 +80,7 @@ SINGLE = SchedulerConfig(max_batch=1, max_queue=1, prefill_chunk=DEFAULT_PREFILL
 class _Prefill:
     run: Prefill
     sequence: Running
+    hidden: mx.array | None = None  # the prompt's last hidden states, once the target has run all of it
 
 
 class BatchLoop:
@@ -218,15 +219,16 @@ class BatchLoop:
         rows = [s.job.reserved_tokens for s in self._batch.rows] + [job.reserved_tokens]
         prefix = self.runtime.prefix_cache
         while True:
-            held = prefix.stats.bytes_held if prefix else 0
+            held = (prefix.stats.bytes_held if prefix else 0) + self._draft_held()
             ours = mx.get_active_memory() + mx.get_cache_memory()
-            # MLX memory this model does not account for (another loaded model) stays taken.
+            # MLX memory this model does not account for (another loaded model, a draft model's weights) stays taken.
             others = max(0, mx.get_active_memory() - self.runtime.footprint.weights_bytes - self._batch.nbytes - held)
             needed = batch_peak_bytes(self.runtime.footprint, rows, len(job.prompt_ids), chunk) + held + others
+            needed += self._draft_peak(job, chunk)
             usable = self._machine().usable_bytes(ours)
             if needed <= usable:
                 return chunk
-            if prefix and prefix.evict(needed - usable):
+            if self._evict(needed - usable):
                 mx.clear_cache()
             elif chunk > 16 and not self._batch.rows:
                 chunk //= 2
@@ -238,6 +240,35 @@ class BatchLoop:
                     f"{needed / 2**30:.2f} GiB but {usable / 2**30:.2f} GiB can be used; "
                     "lower max_tokens, shorten the prompt or quantize the KV cache (--kv-bits 8)"
                 )
+
+    def _draft_held(self) -> int:
+        """Bytes the draft model's caches hold: the running rows' and its prefix cache's."""
+        draft = self.runtime.draft
+        if draft is None:
+            return 0
+        rows = sum(s.speculation.draft_bytes for s in self._batch.rows if s.speculation is not None)
+        return rows + (draft.prefix_cache.stats.bytes_held if draft.prefix_cache else 0)
+
+    def _draft_peak(self, job: Job, chunk: int) -> int:
+        """The draft model's caches for the rows that draft with it, `job` among them if it may, at their longest
+        (its weights are loaded already)."""
+        draft = self.runtime.draft
+        if draft is None or draft.footprint is None:
+            return 0
+        rows = [s.job.reserved_tokens for s in self._batch.rows if s.speculation and s.speculation.uses_draft_model]
+        if job.speculate in ("auto", "draft") and not job.warm:
+            rows.append(job.reserved_tokens)
+        if not rows:
+            return 0
+        return batch_peak_bytes(draft.footprint, rows, len(job.prompt_ids), chunk) - draft.footprint.weights_bytes
+
+    def _evict(self, nbytes: int) -> int:
+        """Free up to `nbytes` from the prefix caches (the target's first); returns the bytes freed."""
+        freed = 0
+        for prefix in (self.runtime.prefix_cache, self.runtime.draft and self.runtime.draft.prefix_cache):
+            if prefix is not None and freed < nbytes:
+                freed += prefix.evict(nbytes - freed)
+        return freed
 
     def _start_prefill(self, job: Job, chunk: int) -> _Prefill:
         runtime, prompt_ids = self.runtime, job.prompt_ids
@@ -274,10 +305,14 @@ class BatchLoop:
         sampler = Sampler(job.sampling, self._vocab)
         sampler.observe(prompt)
         sequence = Running(job, sampler, TextStream(self._decoder(job), job.stop), hit)
-        sequence.speculation = speculation_for(
-            job.speculate, runtime.decoder, runtime.draft, prompt_ids, job.sampling, self._vocab, job.stats,
-            self._costs,
-        )  # fmt: skip
+        draft = runtime.draft if runtime.draft is None or job.use_cache else replace(runtime.draft, prefix_cache=None)
+        sequence.speculation = (
+            None
+            if job.warm
+            else speculation_for(
+                job.speculate, runtime.decoder, draft, prompt_ids, job.sampling, self._vocab, job.stats, self._costs
+            )
+        )
         # Where this prompt leaves a cached one is where the next ones sharing it will want to resume.
         marks = [*message_ends(prompt_ids, runtime.eos_token_ids), shared]
         inherited = hit.snapshots if hit else None
@@ -307,10 +342,15 @@ class BatchLoop:
         p = self._prefill
         if p is None:
             return
-        hidden = None if p.run.finished else p.run.step()  # a warm may find all of its prompt cached
-        if not p.run.finished:
+        # A draft model reads the prompt alongside, a chunk per turn as the target's own, so it drafts at once
+        # (from its own prefix cache it may have less or more of it to read).
+        speculation = p.sequence.speculation
+        reading = speculation is not None and speculation.read_prompt(p.run.chunk)
+        if not p.run.finished:  # (a warm may find all of its prompt cached)
+            p.hidden = p.run.step()
+        if not p.run.finished or reading:
             return
-        self._prefill = None
+        self._prefill, hidden = None, p.hidden
         if p.sequence.job.warm:
             self._keep_warmed(p.sequence, p.run.cache)
             return
@@ -442,6 +482,8 @@ class BatchLoop:
             if prefix is not None and sequence.job.use_cache:
                 ids = sequence.ids_in_cache(held_positions(cache))
                 prefix.insert(ids, cache, snapshots=sequence.snapshots)
+            if sequence.speculation is not None:
+                sequence.speculation.keep()  # the draft model's reading, for the next prompt sharing it
         except Exception:  # noqa: BLE001 - a cache that cannot keep this prefix must not fail the answer
             log.warning("could not keep a finished request's prefix", exc_info=True)
         self._release(sequence)

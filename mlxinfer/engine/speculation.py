@@ -14,6 +14,10 @@ only when that beats plain decoding. When it does not, it decodes plainly
 (pipelined, as plain decoding runs) and probes again with two drafts after 64
 tokens, then 128, ... (at most 1,024), so the estimate follows the text.
 
+With a draft model loaded, auto uses it unless what it learned of this model
+says a draft model cannot pay here even keeping 90% of its drafts (then it
+drafts by prompt lookup, and does not make the draft model read the prompt).
+
 Where prompt lookup finds nothing to draft, the next few steps decode plainly and
 pipelined (a step that may verify drafts cannot be queued before the token it
 drafts from is known), then it looks again.
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from ..untrusted import shown
-from .drafting import Draft, DraftModel, PromptLookup
+from .drafting import Draft, DraftModel, DraftRuntime, PromptLookup
 from .sampling import SamplingParams
 from .stats import GenerationStats
 
@@ -38,14 +42,16 @@ RETRY_TOKENS, MAX_RETRY_TOKENS = 64, 1024  # plain tokens before auto probes aga
 MEMORY = 0.9  # weight kept by older acceptance evidence at each verification
 REST_STEPS = 4  # plain, pipelined steps after a step that found nothing to draft
 VERIFY_SAMPLES = 2  # verifications timed before auto weighs speculating against plain decoding
+HOPEFUL_ACCEPTANCE = 0.9  # what auto grants a draft model it has timed before deciding whether to load its prompt
 
 OFF_SLOWER = "slower than plain decoding on this device"
 OFF_SEEDED = "a seeded sampled request stays reproducible (ask for lookup or draft explicitly)"
 OFF_UNVERIFIED = "an unverified model runs plain decoding only"
+DRAFT_SLOWER = "even keeping 90% of its drafts it would be slower than plain decoding on this device"
 REASONS = {OFF_SLOWER: "slower", OFF_SEEDED: "seeded", OFF_UNVERIFIED: "unverified"}  # short labels, for /metrics
 
 
-def check_mode(mode: object, draft_model: DecoderLM | None) -> str:
+def check_mode(mode: object, draft_model: DraftRuntime | DecoderLM | None) -> str:
     """A SamplingError unless `mode` is one of MODES (and `draft` has a draft model)."""
     if mode not in MODES:
         raise SamplingError(f"speculate must be one of {', '.join(MODES)}, got {shown(mode)}")
@@ -76,12 +82,30 @@ class StepCosts:
 
     plain: _Mean = field(default_factory=_Mean)
     verify: _Mean = field(default_factory=_Mean)
+    drafted: _Mean = field(default_factory=_Mean)  # the draft model's: (tokens drafted, seconds) per proposal
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # a Model's threads share it
 
     def add(self, positions: int, seconds: float, verified: bool) -> None:
         with self._lock:
             (self.verify if verified else self.plain).add(positions, seconds)
+
+    def add_draft(self, tokens: int, seconds: float) -> None:
+        with self._lock:
+            self.drafted.add(tokens, seconds)
+
+    def draft_token_s(self) -> float | None:
+        """Seconds the draft model takes per drafted token; None before it drafted."""
+        with self._lock:
+            d = replace(self.drafted)
+        return d.seconds / d.positions if d.count and d.positions else None
+
+    def draft_model_pays(self) -> bool:
+        """Whether a draft model could beat plain decoding, were most of its drafts kept (True until timed)."""
+        line, draft_s = self.line(), self.draft_token_s()
+        if line is None or draft_s is None:
+            return True
+        return best_drafts(line, 1, HOPEFUL_ACCEPTANCE, draft_s)[1] >= MARGIN
 
     def predict(self, positions: int) -> float | None:
         """Seconds for a pass feeding `positions`; None until a plain pass and two verifications were timed
@@ -102,6 +126,22 @@ class StepCosts:
         return max(0.0, p.seconds - slope * p.positions), slope
 
 
+def best_drafts(line: tuple[float, float], rows: int, acceptance: float, draft_s: float) -> tuple[int, float]:
+    """The number of drafts per row that maximizes expected tokens per second, and its speedup over a plain step.
+
+    k drafts give 1 + a + ... + a^k tokens (each kept only if the one before was), for
+    every row's drafting and one verification of rows x (k + 1) positions."""
+    fixed, per_position = line
+    plain = max(fixed + per_position * rows, 1e-6)
+    best, k, expected = 0.0, 0, 1.0
+    for drafts in range(1, MAX_K + 1):
+        expected += acceptance**drafts
+        seconds = max(fixed + per_position * rows * (drafts + 1) + rows * drafts * draft_s, 1e-6)
+        if expected / seconds > best:
+            best, k = expected / seconds, drafts
+    return k, best * plain
+
+
 class Speculation:
     """Drafting for one running sequence; the loop reports every step it takes back here."""
 
@@ -109,7 +149,8 @@ class Speculation:
         self.drafter, self.auto, self.stats, self.costs = drafter, auto, stats, costs
         self.k = START_K
         self._kept, self._missed = 1.0, 1.0  # acceptance evidence, from a prior of one of each
-        self._draft_s = 0.0  # seconds to draft one token (a draft model's; prompt lookup's are near 0)
+        # seconds to draft one token: the draft model's, as timed on this model so far; prompt lookup's are near 0
+        self._draft_s = (costs.draft_token_s() or 0.0) if isinstance(drafter, DraftModel) else 0.0
         self._off = False  # auto found speculation slower
         self._probe_at, self._retry = 0, RETRY_TOKENS
         self._proposed: Draft | None = None
@@ -143,7 +184,31 @@ class Speculation:
                 self._rest = REST_STEPS  # decode a few steps pipelined before looking again
             return None
         self._draft_s = draft.seconds / len(draft.tokens)
+        if isinstance(self.drafter, DraftModel):
+            self.costs.add_draft(len(draft.tokens), draft.seconds)
         return draft
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return isinstance(self.drafter, DraftModel)
+
+    @property
+    def draft_bytes(self) -> int:
+        """Bytes the draft model's cache holds for this sequence (0 for prompt lookup)."""
+        return sum(c.nbytes for c in self.drafter.cache) if isinstance(self.drafter, DraftModel) else 0
+
+    def read_prompt(self, tokens: int) -> bool:
+        """A draft model reads up to `tokens` more of the prompt (while the target prefills); whether some is
+        left to read (never for prompt lookup, which reads nothing)."""
+        if not isinstance(self.drafter, DraftModel):
+            return False
+        self.drafter.read(tokens)
+        return self.drafter.unread > 0
+
+    def keep(self) -> None:
+        """The sequence ended: a draft model offers what it read to its prefix cache."""
+        if isinstance(self.drafter, DraftModel):
+            self.drafter.keep()
 
     def _plan(self, rows: int) -> int:
         """How many tokens auto drafts now (0: none)."""
@@ -152,16 +217,8 @@ class Speculation:
         line = self.costs.line()
         if line is None:
             return self.k  # no verification timed yet on this model: this one teaches the cost
-        fixed, per_position = line
-        plain = max(fixed + per_position * rows, 1e-6)
-        a = self.acceptance
-        best, k, expected = 0.0, 0, 1.0
-        for drafts in range(1, MAX_K + 1):  # expected tokens from k drafts: 1 + a + ... + a^k (each kept only
-            expected += a**drafts  # if the one before was), over every row's drafting and one verification
-            seconds = fixed + per_position * rows * (drafts + 1) + rows * drafts * self._draft_s
-            if expected / max(seconds, 1e-6) > best:
-                best, k = expected / max(seconds, 1e-6), drafts
-        if best * plain >= MARGIN:
+        k, speedup = best_drafts(line, rows, self.acceptance, self._draft_s)
+        if speedup >= MARGIN:
             self._off = False
             self.stats.speculation_off = ""
             return k
@@ -194,7 +251,7 @@ class Speculation:
 
 
 def speculation_for(
-    mode: str, target: DecoderLM, draft_model: DecoderLM | None, prompt: list[int], params: SamplingParams,
+    mode: str, target: DecoderLM, draft: DraftRuntime | None, prompt: list[int], params: SamplingParams,
     vocab: int, stats: GenerationStats, costs: StepCosts,
 ) -> Speculation | None:  # fmt: skip
     """The speculation a request asked for (None: plain decoding; `stats` say why when auto declined)."""
@@ -206,7 +263,13 @@ def speculation_for(
     if mode == "auto" and not params.is_greedy and params.seed is not None:
         stats.speculation_off = OFF_SEEDED  # auto's timing-based choices would change a seeded answer run to run
         return None
-    use_model = mode == "draft" or (mode == "auto" and draft_model is not None)
-    drafter = DraftModel(draft_model, prompt, params, vocab) if use_model else PromptLookup(prompt)
+    use_model = mode == "draft" or (mode == "auto" and draft is not None)
+    if use_model and mode == "auto" and not costs.draft_model_pays():
+        # Known too slow here: it would only cost its read of the prompt. Prompt lookup costs nothing to try.
+        use_model, stats.draft_declined = False, DRAFT_SLOWER
+    drafter: DraftModel | PromptLookup = PromptLookup(prompt)
+    if use_model:
+        assert draft is not None
+        drafter = DraftModel(draft.decoder, prompt, params, vocab, prefix=draft.prefix_cache)
     stats.speculation = "draft" if use_model else "lookup"
     return Speculation(drafter, auto=mode == "auto", stats=stats, costs=costs)

@@ -32,6 +32,7 @@ class GenerationStats:
     target_steps: int = 0  # the target's decode forward passes while speculating (verifications and plain steps)
     speculation_off: str = ""  # why speculation stopped or never started (auto), "" if it did not
     speculation_switched_off: int = 0  # times auto stopped speculating because it was slower
+    draft_declined: str = ""  # why auto drafted by prompt lookup though a draft model was loaded, "" if it did not
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -65,7 +66,7 @@ class GenerationStats:
             ("decode", f"{self.decode_tps:.1f} tokens/s"),
             ("peak memory", mib(self.peak_memory_bytes)),
         ]
-        if self.speculation or self.speculation_off:
+        if self.speculation or self.speculation_off:  # (draft_declined comes with speculation = "lookup")
             rows.append(("speculation", self.speculation_summary()))
         return html_table("Generation", rows)
 
@@ -87,4 +88,6 @@ class GenerationStats:
             parts.append(f"{self.speculation} ({', '.join(p for p in (rate, per_step) if p) or 'no drafts'})")
         if self.speculation_off:
             parts.append(f"off: {self.speculation_off}")
+        if self.draft_declined:
+            parts.append(f"draft model not used: {self.draft_declined}")
         return "; ".join(parts)
