@@ -22,7 +22,7 @@ from .default_model import cache_dir, default_model_path
 from .display import mib, plural
 from .engine.generate import check_max_tokens
 from .engine.sampling import SamplingParams
-from .engine.speculation import MODES, check_mode
+from .engine.speculation import MODES, check_startup_mode
 from .engine.structure import structure_of
 from .engine.text import check_stops
 from .errors import DefaultModelError, GrammarError, MlxInferError, SamplingError
@@ -656,11 +656,10 @@ def _load(
 
 
 def _speculation(options: dict[str, Any]) -> dict[str, Any]:
-    """load()'s speculate and draft_model, taken out of `options`; --speculate draft without a draft model
-    fails here by the engine's rule, before any load."""
+    """load()'s speculate and draft_model, taken out of `options`; --speculate draft without a draft model (or
+    off / lookup with one) fails here by the engine's rule, before any load."""
     speculate, draft_model = options.pop("speculate"), options.pop("draft_model")
-    if draft_model is None:
-        _check_option("speculate", check_mode, speculate, None)
+    _check_option("speculate", check_startup_mode, speculate, draft_model)
     return {"speculate": speculate, "draft_model": draft_model}
 
 

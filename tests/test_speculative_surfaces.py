@@ -78,6 +78,10 @@ def test_speculation_flag_errors_are_one_line(other_tokenizer):
         (["serve", TARGET, "--port", "0", "--speculate", "draft"], "needs a draft model", 1),
         (["generate", TARGET, "-p", "x", "--draft-model", other_tokenizer], "its tokenizer differs", 1),
         (["serve", TARGET, "--port", "0", "--draft-model", other_tokenizer], "its tokenizer differs", 1),
+        # a draft model that would never draft: refused before anything loads
+        (["generate", TARGET, "-p", "x", "--speculate", "off", "--draft-model", OTHER], "never drafts with", 2),
+        (["chat", TARGET, "--speculate", "lookup", "--draft-model", OTHER], "never drafts with", 2),
+        (["serve", TARGET, "--port", "0", "--speculate", "off", "--draft-model", OTHER], "never drafts with", 1),
     ]
     for args, words, code in cases:
         result = run(*args)

@@ -51,13 +51,24 @@ DRAFT_SLOWER = "even keeping 90% of its drafts it would be slower than plain dec
 REASONS = {OFF_SLOWER: "slower", OFF_SEEDED: "seeded", OFF_UNVERIFIED: "unverified"}  # short labels, for /metrics
 
 
-def check_mode(mode: object, draft_model: DraftRuntime | DecoderLM | None) -> str:
-    """A SamplingError unless `mode` is one of MODES (and `draft` has a draft model)."""
+def check_mode(mode: object, draft_model: object) -> str:
+    """A SamplingError unless `mode` is one of MODES (and `draft` has a draft model: `draft_model` not None)."""
     if mode not in MODES:
         raise SamplingError(f"speculate must be one of {', '.join(MODES)}, got {shown(mode)}")
     if mode == "draft" and draft_model is None:
         raise SamplingError("speculate='draft' needs a draft model: load one with --draft-model / draft_model=")
     return mode
+
+
+def check_startup_mode(mode: object, draft_model: object) -> str:
+    """check_mode for a front end whose mode is set once, at start (the CLI, the server): a draft model given with
+    a mode that never drafts with it is refused too, rather than loaded for nothing."""
+    if draft_model is not None and mode in ("off", "lookup"):
+        raise SamplingError(
+            f"--speculate {mode} never drafts with the draft model {draft_model}; "
+            "drop --draft-model, or use --speculate auto or draft"
+        )
+    return check_mode(mode, draft_model)
 
 
 @dataclass

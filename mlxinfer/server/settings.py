@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..engine import SchedulerConfig
-from ..engine.speculation import MODES, check_mode
+from ..engine.speculation import check_startup_mode
 from ..errors import SamplingError, ServerConfigError
 from ..untrusted import is_finite_number, is_int, shown
 
@@ -75,10 +75,8 @@ class ServerSettings:
         self._check_speculation()
 
     def _check_speculation(self) -> None:
-        if self.speculate in MODES and self.draft_model is not None:
-            return  # whether the draft model fits the target is found as they load
         try:  # the engine's rule (an unknown mode; "draft" without a draft model), before the port is taken
-            check_mode(self.speculate, None)
+            check_startup_mode(self.speculate, self.draft_model)  # (whether they fit is found as they load)
         except SamplingError as e:
             raise ServerConfigError(str(e)) from None
 
