@@ -153,12 +153,12 @@ def _task(model: Any, mlx_lm: MlxLmRuns, ids: list[int], max_tokens: int, runs: 
 def _draft_model(model: Any, keep: bool) -> Iterator[None]:
     """The model with or without its draft model. Auto drafts with the draft model when there is one, so auto by
     lookup needs it gone; one Model keeps one prefix cache, so the long prompt is prefilled once for all."""
-    draft, drafting = model.draft, model._drafting
-    model.draft, model._drafting = (draft, drafting) if keep else (None, None)
+    draft, drafting = model._draft, model._drafting
+    model._draft, model._drafting = (draft, drafting) if keep else (None, None)
     try:
         yield
     finally:
-        model.draft, model._drafting = draft, drafting
+        model._draft, model._drafting = draft, drafting
 
 
 def _ours_run(model: Any, ids: list[int], max_tokens: int, mode: str) -> dict[str, Any]:
@@ -184,11 +184,13 @@ def draft_read_s(model: Any, ids: list[int]) -> float:
     prefill (in the TTFT of a run that drafts with it) unless its own prefix cache has it, as in every run here
     after the first that drafts with it (mlx-lm prefills its draft model with the target, before the first token)."""
     from mlxinfer.engine.drafting import DraftModel
+    from mlxinfer.engine.prefill import DEFAULT_PREFILL_CHUNK_TOKENS
     from mlxinfer.engine.sampling import SamplingParams
 
     drafter = DraftModel(model.draft.model, ids, SamplingParams(), model.config.vocab_size)
     began = time.perf_counter()
-    drafter.read(len(ids))
+    while drafter.read(DEFAULT_PREFILL_CHUNK_TOKENS):  # in the chunks a lone request's prefill runs
+        pass
     return time.perf_counter() - began
 
 

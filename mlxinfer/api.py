@@ -85,7 +85,7 @@ class Model:
         draft: LoadedModel | None = None,
         speculate: str = "auto",
     ):
-        self._loaded, self.draft = loaded, draft
+        self._loaded, self._draft = loaded, draft
         if draft is not None:
             check_same_vocabulary(self.tokenizer, draft.tokenizer, str(loaded.path), str(draft.path))
         self.speculate = check_mode(speculate, draft.model if draft else None)
@@ -112,6 +112,11 @@ class Model:
             prefix_cache_bytes=self.prefix_cache.budget_bytes + self._draft_prefix_budget,
             already_ours=mx.get_active_memory() + mx.get_cache_memory(),
         )
+
+    @property
+    def draft(self) -> LoadedModel | None:
+        """The draft model loaded for speculative decoding, if any."""
+        return self._draft
 
     @property
     def _draft_prefix_budget(self) -> int:

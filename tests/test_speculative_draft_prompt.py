@@ -14,7 +14,15 @@ from mlxinfer.engine.drafting import DraftModel, DraftRuntime, PromptLookup
 from mlxinfer.engine.job import Failed, Finished
 from mlxinfer.engine.loop import BatchLoop
 from mlxinfer.engine.sampling import SamplingParams
-from mlxinfer.engine.speculation import DRAFT_SLOWER, MARGIN, StepCosts, best_drafts, speculation_for
+from mlxinfer.engine.speculation import (
+    DRAFT_SLOWER,
+    DRAFT_UNREAD,
+    MARGIN,
+    RETRY_DRAFT_MODEL,
+    StepCosts,
+    best_drafts,
+    speculation_for,
+)
 from mlxinfer.engine.stats import GenerationStats
 from mlxinfer.errors import MemoryBudgetError
 from mlxinfer.memory import batch_peak_bytes
@@ -44,8 +52,8 @@ def run(loop: BatchLoop, job: Job) -> list[Finished | Failed]:
 
 
 def test_the_draft_model_reads_the_prompt_alongside_the_targets_prefill_and_drafts_at_once(drafted):
-    loop = BatchLoop(drafted.runtime, SchedulerConfig(max_batch=2, prefill_chunk=64))
-    ids = prompt(300, seed=1)
+    loop = BatchLoop(drafted.runtime, SchedulerConfig(max_batch=2, prefill_chunk=48))
+    ids = prompt(200, seed=1)
     progress, timeline = [], []
     prefill_step, step, verify = loop._prefill_step, loop._batch.step, loop._batch.verify
 
@@ -61,7 +69,7 @@ def test_the_draft_model_reads_the_prompt_alongside_the_targets_prefill_and_draf
     (end,) = run(loop, Job(ids, None, max_tokens=12, speculate="draft", use_cache=False))
     assert isinstance(end, Finished)
     # Chunk by chunk together: the target (which leaves nothing cached here) and the draft model at each turn.
-    assert progress == [(64, 64), (128, 128), (192, 192), (256, 256)]
+    assert progress == [(48, 48), (96, 96), (144, 144), (192, 192)]
     assert timeline[0] == "verify"  # the first decode step already verifies drafts: nothing left to read
     assert "plain" not in timeline
     plain = drafted.generate(ids, max_tokens=12, speculate="off", use_cache=False)
@@ -96,8 +104,9 @@ def learned(plain_s: float, per_position_s: float, draft_s: float | None) -> Ste
     costs.add(1, plain_s, verified=False)
     for _ in range(2):
         costs.add(5, plain_s + 4 * per_position_s, verified=True)
-    if draft_s is not None:
-        costs.add_draft(4, 4 * draft_s)
+    if draft_s is not None:  # the first proposal is not timed (one-off costs); two more are
+        for _ in range(3):
+            costs.add_draft(4, 4 * draft_s)
     return costs
 
 
@@ -152,7 +161,7 @@ def test_the_draft_models_cache_counts_in_the_memory_plan(drafted):
     runtime = dataclasses.replace(runtime, draft=DraftRuntime(runtime.draft.decoder, None, big))
     ids, max_tokens, chunk = prompt(20, seed=6), 200, 64
     target = batch_peak_bytes(runtime.footprint, [len(ids) + max_tokens], len(ids), chunk)
-    draft = batch_peak_bytes(big, [len(ids) + max_tokens], len(ids), chunk) - big.weights_bytes
+    draft = big.cache_bytes(len(ids) + max_tokens, chunk)  # its own cache, a row's whole length
     assert draft > 100 << 20
     machine = small_machine((1 << 30) + target + draft // 2)  # room for the target's, not for both
     loop = BatchLoop(runtime, SchedulerConfig(max_batch=2, prefill_chunk=chunk), machine=machine)
@@ -162,3 +171,70 @@ def test_the_draft_models_cache_counts_in_the_memory_plan(drafted):
     assert isinstance(refused, Failed) and isinstance(refused.error, MemoryBudgetError)
     (lookup,) = run(loop, Job(ids, None, max_tokens=max_tokens, speculate="lookup", use_cache=False))
     assert isinstance(lookup, Finished)  # prompt lookup holds no second cache
+
+
+def test_the_draft_model_times_two_proposals_after_the_first_before_auto_judges_it():
+    costs = learned(*CPU_SAME_SIZE[:2], draft_s=None)
+    costs.add_draft(4, 0.0)  # the first: not timed (it would say the draft model is free)
+    costs.add_draft(4, 4 * 0.3)
+    assert costs.draft_token_s() is None and costs.draft_model_pays()
+    costs.add_draft(4, 4 * 0.3)
+    assert costs.draft_token_s() == pytest.approx(0.3) and not costs.draft_model_pays()
+
+
+def test_auto_times_a_draft_model_it_left_out_again_every_so_many_requests():
+    costs = learned(*CPU_SAME_SIZE)
+    assert costs.skips_draft_model(count=False) and costs.skips_draft_model(count=False)  # asking counts nothing
+    skipped = [costs.skips_draft_model(count=True) for _ in range(2 * RETRY_DRAFT_MODEL)]
+    assert [i + 1 for i, s in enumerate(skipped) if not s] == [RETRY_DRAFT_MODEL, 2 * RETRY_DRAFT_MODEL]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3_long"])  # recurrent layers; sliding windows of 4
+def test_a_draft_model_with_uncuttable_layers_keeps_its_reading_for_the_next_turn(name):
+    model = mlxinfer.load(TINY / name, draft_model=TINY / name, prefix_cache_bytes=64 << 20)
+    draft_prefix = model.runtime.draft.prefix_cache
+    first = prompt(60, seed=7)
+    answer = model.generate(first, max_tokens=12, speculate="draft")
+    assert answer.stats.accepted_tokens > 0  # (a draft was kept: its cache ends inside what was drawn)
+    assert draft_prefix.stats.bytes_held > 0
+    turn = first + answer.token_ids + prompt(20, seed=8)
+    again = model.generate(turn, max_tokens=8, speculate="draft")
+    assert draft_prefix.stats.hits == 1 and draft_prefix.stats.cached_tokens > len(first)
+    assert again.token_ids == model.generate(turn, max_tokens=8, speculate="off", use_cache=False).token_ids
+
+
+def test_auto_does_not_hold_the_first_token_for_a_draft_model_behind_the_targets_prefix_cache():
+    model = mlxinfer.load(TINY / "llama_classic", draft_model=TINY / "llama_classic", prefix_cache_bytes=64 << 20)
+    draft_prefix = model.runtime.draft.prefix_cache
+    ids, chunk = prompt(200, seed=9), {"prefill_chunk_tokens": 64}
+    plain = model.generate(ids, max_tokens=10, speculate="off", **chunk)  # the target's prefix cache has it
+    late = model.generate(ids, max_tokens=10, speculate="auto", **chunk)
+    assert late.stats.cached_tokens == len(ids) - 1 and late.stats.prefilled_tokens == 1
+    assert late.stats.speculation == "lookup" and late.stats.draft_declined == DRAFT_UNREAD
+    assert draft_prefix.stats.bytes_held > 0  # what it read in that one turn (64 tokens) is kept
+    caught_up = [model.generate(ids, max_tokens=10, speculate="auto", **chunk) for _ in range(3)]
+    # 64 more read at each (199 to read): behind twice more, then drafting with it.
+    assert [r.stats.speculation for r in caught_up] == ["lookup", "lookup", "draft"]
+    assert caught_up[-1].stats.drafted_tokens > 0
+    for result in [late, *caught_up]:
+        assert result.token_ids == plain.token_ids
+
+
+def test_speculate_draft_waits_for_its_draft_model_to_read_what_the_target_resumed():
+    model = mlxinfer.load(TINY / "llama_classic", draft_model=TINY / "llama_classic", prefix_cache_bytes=64 << 20)
+    ids = prompt(200, seed=10)
+    plain = model.generate(ids, max_tokens=10, speculate="off")
+    result = model.generate(ids, max_tokens=10, speculate="draft", prefill_chunk_tokens=64)
+    assert result.stats.cached_tokens == len(ids) - 1
+    assert result.stats.speculation == "draft" and result.stats.drafted_tokens > 0
+    assert result.token_ids == plain.token_ids
+
+
+def test_a_warmed_prefix_is_read_into_the_draft_models_prefix_cache_too(drafted):
+    draft_prefix = drafted.runtime.draft.prefix_cache
+    system = prompt(120, seed=11)
+    drafted.warm(system)
+    hits = draft_prefix.stats.hits
+    result = drafted.generate(system + prompt(10, seed=12), max_tokens=6, speculate="draft")
+    assert draft_prefix.stats.hits == hits + 1 and result.stats.cached_tokens == len(system)
+    assert draft_prefix.stats.cached_tokens >= len(system)

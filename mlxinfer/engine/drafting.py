@@ -128,8 +128,10 @@ class DraftModel:
             self._feed(ids)
         return len(ids)
 
-    def keep(self) -> None:
-        """Offer what the cache holds to the draft model's prefix cache, for the next prompt that shares it."""
+    def keep(self, drawn: Sequence[int]) -> None:
+        """Offer what the cache holds (the prompt and some of `drawn`, the sequence's tokens so far) to the draft
+        model's prefix cache, for the next prompt that shares it."""
+        self.context.extend(drawn[len(self.context) - self._prompt :])  # kept drafts are drawn tokens
         held = held_positions(self.cache)
         if self.prefix is not None and held:
             self.prefix.insert(self.context[:held], self.cache)

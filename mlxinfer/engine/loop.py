@@ -37,7 +37,7 @@ from .generate import check_request
 from .job import Delta, Event, Failed, Finished, Job
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill, message_ends
 from .sampling import Sampler
-from .speculation import StepCosts, check_mode, speculation_for
+from .speculation import StepCosts, check_mode, speculation_for, uses_draft_model
 from .text import TextStream
 
 log = logging.getLogger("mlxinfer.scheduler")
@@ -217,12 +217,13 @@ class BatchLoop:
         if self.runtime.footprint is None:
             return chunk  # sized by the caller
         rows = [s.job.reserved_tokens for s in self._batch.rows] + [job.reserved_tokens]
-        prefix = self.runtime.prefix_cache
+        prefixes = [p for p in (self.runtime.prefix_cache, self._draft_prefix) if p is not None]
         while True:
-            held = (prefix.stats.bytes_held if prefix else 0) + self._draft_held()
+            held = sum(p.stats.bytes_held for p in prefixes)
             ours = mx.get_active_memory() + mx.get_cache_memory()
             # MLX memory this model does not account for (another loaded model, a draft model's weights) stays taken.
-            others = max(0, mx.get_active_memory() - self.runtime.footprint.weights_bytes - self._batch.nbytes - held)
+            ours_now = self.runtime.footprint.weights_bytes + self._batch.nbytes + held + self._draft_rows_bytes()
+            others = max(0, mx.get_active_memory() - ours_now)
             needed = batch_peak_bytes(self.runtime.footprint, rows, len(job.prompt_ids), chunk) + held + others
             needed += self._draft_peak(job, chunk)
             usable = self._machine().usable_bytes(ours)
@@ -241,31 +242,30 @@ class BatchLoop:
                     "lower max_tokens, shorten the prompt or quantize the KV cache (--kv-bits 8)"
                 )
 
-    def _draft_held(self) -> int:
-        """Bytes the draft model's caches hold: the running rows' and its prefix cache's."""
-        draft = self.runtime.draft
-        if draft is None:
-            return 0
-        rows = sum(s.speculation.draft_bytes for s in self._batch.rows if s.speculation is not None)
-        return rows + (draft.prefix_cache.stats.bytes_held if draft.prefix_cache else 0)
+    @property
+    def _draft_prefix(self) -> PrefixCache | None:
+        return self.runtime.draft.prefix_cache if self.runtime.draft is not None else None
+
+    def _draft_rows_bytes(self) -> int:
+        """Bytes the running rows' draft-model caches hold now."""
+        return sum(s.speculation.draft_bytes for s in self._batch.rows if s.speculation is not None)
 
     def _draft_peak(self, job: Job, chunk: int) -> int:
-        """The draft model's caches for the rows that draft with it, `job` among them if it may, at their longest
-        (its weights are loaded already)."""
+        """The draft-model caches of the rows that draft with it, `job` among them if it will, at their longest.
+        (Its weights are loaded already; its prefill activations are a smaller model's, freed before the
+        target's chunk runs.)"""
         draft = self.runtime.draft
         if draft is None or draft.footprint is None:
             return 0
         rows = [s.job.reserved_tokens for s in self._batch.rows if s.speculation and s.speculation.uses_draft_model]
-        if job.speculate in ("auto", "draft") and not job.warm:
+        if job.warm or uses_draft_model(job.speculate, self.runtime.decoder, draft, job.sampling, self._costs):
             rows.append(job.reserved_tokens)
-        if not rows:
-            return 0
-        return batch_peak_bytes(draft.footprint, rows, len(job.prompt_ids), chunk) - draft.footprint.weights_bytes
+        return sum(draft.footprint.cache_bytes(row, chunk) for row in rows)
 
     def _evict(self, nbytes: int) -> int:
         """Free up to `nbytes` from the prefix caches (the target's first); returns the bytes freed."""
         freed = 0
-        for prefix in (self.runtime.prefix_cache, self.runtime.draft and self.runtime.draft.prefix_cache):
+        for prefix in (self.runtime.prefix_cache, self._draft_prefix):
             if prefix is not None and freed < nbytes:
                 freed += prefix.evict(nbytes - freed)
         return freed
@@ -306,12 +306,10 @@ class BatchLoop:
         sampler.observe(prompt)
         sequence = Running(job, sampler, TextStream(self._decoder(job), job.stop), hit)
         draft = runtime.draft if runtime.draft is None or job.use_cache else replace(runtime.draft, prefix_cache=None)
-        sequence.speculation = (
-            None
-            if job.warm
-            else speculation_for(
-                job.speculate, runtime.decoder, draft, prompt_ids, job.sampling, self._vocab, job.stats, self._costs
-            )
+        # A warm reads its prefix into the draft model's prefix cache too (it decodes nothing).
+        mode = ("draft" if draft is not None else "off") if job.warm else job.speculate
+        sequence.speculation = speculation_for(
+            mode, runtime.decoder, draft, prompt_ids, job.sampling, self._vocab, job.stats, self._costs
         )
         # Where this prompt leaves a cached one is where the next ones sharing it will want to resume.
         marks = [*message_ends(prompt_ids, runtime.eos_token_ids), shared]
@@ -342,13 +340,14 @@ class BatchLoop:
         p = self._prefill
         if p is None:
             return
-        # A draft model reads the prompt alongside, a chunk per turn as the target's own, so it drafts at once
-        # (from its own prefix cache it may have less or more of it to read).
+        # A draft model reads the prompt alongside, a chunk per turn as the target's own, so it drafts at once.
+        # Where the target resumed more of the prompt from its prefix cache, auto does not wait for it.
         speculation = p.sequence.speculation
         reading = speculation is not None and speculation.read_prompt(p.run.chunk)
         if not p.run.finished:  # (a warm may find all of its prompt cached)
-            p.hidden = p.run.step()
-        if not p.run.finished or reading:
+            hidden = p.run.step()
+            p.hidden = hidden[:, -1:] if p.run.finished else None
+        if not p.run.finished or (reading and speculation.waits_for_draft_model()):
             return
         self._prefill, hidden = None, p.hidden
         if p.sequence.job.warm:
@@ -476,16 +475,14 @@ class BatchLoop:
         return self.runtime.eos_token_ids if job.eos_token_ids is None else job.eos_token_ids
 
     def _keep_prefix(self, sequence: Running, cache: list[Cache]) -> None:
-        """Offer the sequence's keys and values to the prefix cache, then unpin what it reused."""
-        prefix = self.runtime.prefix_cache
-        try:
-            if prefix is not None and sequence.job.use_cache:
-                ids = sequence.ids_in_cache(held_positions(cache))
-                prefix.insert(ids, cache, snapshots=sequence.snapshots)
-            if sequence.speculation is not None:
-                sequence.speculation.keep()  # the draft model's reading, for the next prompt sharing it
-        except Exception:  # noqa: BLE001 - a cache that cannot keep this prefix must not fail the answer
-            log.warning("could not keep a finished request's prefix", exc_info=True)
+        """Offer the sequence's keys and values to the prefix cache (and the draft model's), then unpin what it
+        reused."""
+        prefix, speculation = self.runtime.prefix_cache, sequence.speculation
+        if prefix is not None and sequence.job.use_cache:
+            ids = sequence.ids_in_cache(held_positions(cache))
+            _offer(lambda: prefix.insert(ids, cache, snapshots=sequence.snapshots))
+        if speculation is not None:
+            _offer(lambda: speculation.keep(sequence.drawn))
         self._release(sequence)
 
     def _keep_warmed(self, sequence: Running, cache: list[Cache]) -> None:
@@ -495,6 +492,8 @@ class BatchLoop:
             kept = prefix is not None and prefix.insert(
                 job.prompt_ids, cache, persist=prefix.store is not None, snapshots=sequence.snapshots
             )
+            if sequence.speculation is not None:
+                _offer(lambda: sequence.speculation.keep([]))
         finally:
             self._release(sequence)
         if not kept:
@@ -543,6 +542,14 @@ def _this_machine() -> MachineMemory:
 
 def _no_text(ids: object) -> str:
     return ""  # a runtime without a tokenizer generates ids only
+
+
+def _offer(keep: Callable[[], object]) -> None:
+    """Keep a prefix; a cache that cannot keep it must not fail the answer."""
+    try:
+        keep()
+    except Exception:  # noqa: BLE001 - logged; the answer stands
+        log.warning("could not keep a finished request's prefix", exc_info=True)
 
 
 def _emit(job: Job, event: Event) -> None:

@@ -25,6 +25,7 @@ drafts from is known), then it looks again.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +36,8 @@ from .drafting import Draft, DraftModel, DraftRuntime, PromptLookup
 from .sampling import SamplingParams
 from .stats import GenerationStats
 
+log = logging.getLogger("mlxinfer.scheduler")
+
 MODES = ("auto", "off", "lookup", "draft")
 START_K, MAX_K, PROBE_K = 4, 12, 2  # drafted tokens per step: at first, at most, and when auto probes again
 MARGIN = 1.05  # auto speculates only when it predicts at least 5% more tokens per second
@@ -43,11 +46,13 @@ MEMORY = 0.9  # weight kept by older acceptance evidence at each verification
 REST_STEPS = 4  # plain, pipelined steps after a step that found nothing to draft
 VERIFY_SAMPLES = 2  # verifications timed before auto weighs speculating against plain decoding
 HOPEFUL_ACCEPTANCE = 0.9  # what auto grants a draft model it has timed before deciding whether to load its prompt
+RETRY_DRAFT_MODEL = 16  # auto still drafts with a draft model known too slow every this many requests (to re-time it)
 
 OFF_SLOWER = "slower than plain decoding on this device"
 OFF_SEEDED = "a seeded sampled request stays reproducible (ask for lookup or draft explicitly)"
 OFF_UNVERIFIED = "an unverified model runs plain decoding only"
 DRAFT_SLOWER = "even keeping 90% of its drafts it would be slower than plain decoding on this device"
+DRAFT_UNREAD = "it had not read the prompt the model resumed from its prefix cache (what it read is kept for next time)"
 REASONS = {OFF_SLOWER: "slower", OFF_SEEDED: "seeded", OFF_UNVERIFIED: "unverified"}  # short labels, for /metrics
 
 
@@ -96,6 +101,8 @@ class StepCosts:
     drafted: _Mean = field(default_factory=_Mean)  # the draft model's: (tokens drafted, seconds) per proposal
 
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # a Model's threads share it
+    _draft_seen: bool = False  # the first proposal (one-off costs) is not timed
+    _declined: int = 0  # auto requests that left the draft model out
 
     def add(self, positions: int, seconds: float, verified: bool) -> None:
         with self._lock:
@@ -103,13 +110,15 @@ class StepCosts:
 
     def add_draft(self, tokens: int, seconds: float) -> None:
         with self._lock:
-            self.drafted.add(tokens, seconds)
+            if self._draft_seen:
+                self.drafted.add(tokens, seconds)
+            self._draft_seen = True
 
     def draft_token_s(self) -> float | None:
-        """Seconds the draft model takes per drafted token; None before it drafted."""
+        """Seconds the draft model takes per drafted token; None until VERIFY_SAMPLES proposals were timed."""
         with self._lock:
             d = replace(self.drafted)
-        return d.seconds / d.positions if d.count and d.positions else None
+        return d.seconds / d.positions if d.count >= VERIFY_SAMPLES and d.positions else None
 
     def draft_model_pays(self) -> bool:
         """Whether a draft model could beat plain decoding, were most of its drafts kept (True until timed)."""
@@ -117,6 +126,18 @@ class StepCosts:
         if line is None or draft_s is None:
             return True
         return best_drafts(line, 1, HOPEFUL_ACCEPTANCE, draft_s)[1] >= MARGIN
+
+    def skips_draft_model(self, count: bool) -> bool:
+        """Whether the next auto request leaves the draft model out: known too slow, but for every
+        RETRY_DRAFT_MODEL-th such request, which drafts with it to time it again (the device's load changes).
+        `count`: the request starts now (the memory plan only asks)."""
+        if self.draft_model_pays():
+            return False
+        with self._lock:
+            declined = self._declined + 1
+            if count:
+                self._declined = declined
+        return declined % RETRY_DRAFT_MODEL != 0
 
     def predict(self, positions: int) -> float | None:
         """Seconds for a pass feeding `positions`; None until a plain pass and two verifications were timed
@@ -208,6 +229,20 @@ class Speculation:
         """Bytes the draft model's cache holds for this sequence (0 for prompt lookup)."""
         return sum(c.nbytes for c in self.drafter.cache) if isinstance(self.drafter, DraftModel) else 0
 
+    def waits_for_draft_model(self) -> bool:
+        """The target has read the prompt and the draft model has not (the target resumed more of it from its
+        prefix cache): `draft` waits for it; auto keeps what it read for a later prompt and drafts this one by
+        prompt lookup, so the first token does not wait."""
+        if not self.auto or not isinstance(self.drafter, DraftModel):
+            return True
+        try:
+            self.drafter.keep([])
+        except Exception:  # noqa: BLE001 - a cache that cannot keep it must not fail the answer
+            log.warning("could not keep the draft model's reading of a prompt", exc_info=True)
+        self.drafter, self._draft_s = PromptLookup(self.drafter.context), 0.0
+        self.stats.speculation, self.stats.draft_declined = "lookup", DRAFT_UNREAD
+        return False
+
     def read_prompt(self, tokens: int) -> bool:
         """A draft model reads up to `tokens` more of the prompt (while the target prefills); whether some is
         left to read (never for prompt lookup, which reads nothing)."""
@@ -216,10 +251,10 @@ class Speculation:
         self.drafter.read(tokens)
         return self.drafter.unread > 0
 
-    def keep(self) -> None:
-        """The sequence ended: a draft model offers what it read to its prefix cache."""
+    def keep(self, drawn: list[int]) -> None:
+        """The sequence ended with `drawn`: a draft model offers what it read to its prefix cache."""
         if isinstance(self.drafter, DraftModel):
-            self.drafter.keep()
+            self.drafter.keep(drawn)
 
     def _plan(self, rows: int) -> int:
         """How many tokens auto drafts now (0: none)."""
@@ -268,19 +303,35 @@ def speculation_for(
     """The speculation a request asked for (None: plain decoding; `stats` say why when auto declined)."""
     if mode == "off":
         return None
-    if not target.verified:
-        stats.speculation_off = OFF_UNVERIFIED
+    stats.speculation_off = _plain_reason(mode, target, params)
+    if stats.speculation_off:
         return None
-    if mode == "auto" and not params.is_greedy and params.seed is not None:
-        stats.speculation_off = OFF_SEEDED  # auto's timing-based choices would change a seeded answer run to run
-        return None
-    use_model = mode == "draft" or (mode == "auto" and draft is not None)
-    if use_model and mode == "auto" and not costs.draft_model_pays():
-        # Known too slow here: it would only cost its read of the prompt. Prompt lookup costs nothing to try.
-        use_model, stats.draft_declined = False, DRAFT_SLOWER
+    use_model = uses_draft_model(mode, target, draft, params, costs, starting=True)
+    if mode == "auto" and draft is not None and not use_model:
+        stats.draft_declined = DRAFT_SLOWER  # it would only cost its read of the prompt; lookup costs nothing
     drafter: DraftModel | PromptLookup = PromptLookup(prompt)
     if use_model:
         assert draft is not None
         drafter = DraftModel(draft.decoder, prompt, params, vocab, prefix=draft.prefix_cache)
     stats.speculation = "draft" if use_model else "lookup"
     return Speculation(drafter, auto=mode == "auto", stats=stats, costs=costs)
+
+
+def uses_draft_model(
+    mode: str, target: DecoderLM, draft: DraftRuntime | None, params: SamplingParams, costs: StepCosts,
+    starting: bool = False,
+) -> bool:  # fmt: skip
+    """Whether a request in `mode` drafts with the draft model (`starting`: it starts now; else the memory plan
+    asks). Auto leaves out one known too slow to pay (see StepCosts.skips_draft_model)."""
+    if draft is None or mode not in ("auto", "draft") or _plain_reason(mode, target, params):
+        return False
+    return mode == "draft" or not costs.skips_draft_model(count=starting)
+
+
+def _plain_reason(mode: str, target: DecoderLM, params: SamplingParams) -> str:
+    """Why a request in `mode` (not "off") decodes plainly, "" if it may speculate."""
+    if not target.verified:
+        return OFF_UNVERIFIED
+    if mode == "auto" and not params.is_greedy and params.seed is not None:
+        return OFF_SEEDED  # auto's timing-based choices would change a seeded answer run to run
+    return ""
