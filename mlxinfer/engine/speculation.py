@@ -15,8 +15,12 @@ only when that beats plain decoding. When it does not, it decodes plainly
 tokens, then 128, ... (at most 1,024), so the estimate follows the text.
 
 With a draft model loaded, auto uses it unless what it learned of this model
-says a draft model cannot pay here even keeping 90% of its drafts (then it
-drafts by prompt lookup, and does not make the draft model read the prompt).
+says a draft model cannot pay here even keeping 90% of its drafts: then it
+drafts by prompt lookup, without making the draft model read the prompt (every
+16th such request uses it anyway, to time it again). Nor does auto hold the
+first token for a draft model that has not read what the target resumed from
+its prefix cache: that request drafts by lookup, and the draft model keeps
+what it read for the next.
 
 Where prompt lookup finds nothing to draft, the next few steps decode plainly and
 pipelined (a step that may verify drafts cannot be queued before the token it
