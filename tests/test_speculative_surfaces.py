@@ -174,3 +174,27 @@ def test_server_speculates_in_the_batch_answers_the_same_and_counts_it():
     assert after[DRAFTED] > before[DRAFTED] and after[ACCEPTED] > before[ACCEPTED]
     assert after[WITHOUT_DRAFT] > before[WITHOUT_DRAFT]  # A had drafts while B, beside it, had none
     assert after[SEEDED] == before[SEEDED] + 1
+
+
+def test_server_counts_auto_leaving_its_draft_model_out_and_the_draft_models_prefix_bytes():
+    from tests.test_speculative_draft_prompt import CPU_SAME_SIZE, learned
+
+    slower = 'mlxinfer_draft_model_not_used_total{reason="slower"}'
+    known_slow = mlxinfer.load(TARGET, draft_model=TARGET)
+    known_slow._step_costs = learned(*CPU_SAME_SIZE)  # as if timed on a CPU: a same-size draft model cannot pay
+    models = ModelSet()
+    models.add(known_slow, SchedulerConfig(), name="slow")
+    fresh = models.add(mlxinfer.load(TARGET, draft_model=TARGET), SchedulerConfig(), name="fresh")
+    try:
+        with BackgroundServer(models, ServerSettings(port=0)) as running:
+            url = running.url
+            before = metric(url, slower)
+            streamed(url, "slow", ROW_A, 4)
+            assert metric(url, slower) == before + 1
+            assert known_slow.runtime.draft.prefix_cache.stats.bytes_held == 0  # it never read the prompt
+            streamed(url, "fresh", ROW_A, 4)  # its draft model reads the prompt and keeps it
+            draft_held = fresh.model.runtime.draft.prefix_cache.stats.bytes_held
+            targets_held = sum(m.prefix_cache.stats.bytes_held for m in (known_slow, fresh.model))
+            assert draft_held > 0 and metric(url, "mlxinfer_prefix_cache_bytes") == targets_held + draft_held
+    finally:
+        models.close()

@@ -58,6 +58,7 @@ OFF_UNVERIFIED = "an unverified model runs plain decoding only"
 DRAFT_SLOWER = "even keeping 90% of its drafts it would be slower than plain decoding on this device"
 DRAFT_UNREAD = "it had not read the prompt the model resumed from its prefix cache (what it read is kept for next time)"
 REASONS = {OFF_SLOWER: "slower", OFF_SEEDED: "seeded", OFF_UNVERIFIED: "unverified"}  # short labels, for /metrics
+DRAFT_REASONS = {DRAFT_SLOWER: "slower", DRAFT_UNREAD: "unread"}  # why auto drafted by lookup instead, for /metrics
 
 
 def check_mode(mode: object, draft_model: object) -> str:

@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..engine import GenerationStats, Scheduler
-from ..engine.speculation import REASONS
+from ..engine.speculation import DRAFT_REASONS, REASONS
 from .models import ModelSet
 
 disable_created_metrics()  # no `*_created` series: they double the output and nobody here reads them
@@ -57,7 +57,7 @@ class Metrics:
         gauges = {
             "mlxinfer_queue_depth": ("Requests waiting for a place in a batch", lambda s: s.queued),
             "mlxinfer_running_requests": ("Requests prefilling or decoding", lambda s: s.running),
-            "mlxinfer_prefix_cache_bytes": ("Bytes held by prefix caches", lambda s: _prefix(s, "bytes_held")),
+            "mlxinfer_prefix_cache_bytes": ("Bytes held by prefix caches (draft models' too)", _prefix_bytes),
             "mlxinfer_prefix_cache_hit_tokens": (
                 "Prompt tokens served from prefix caches",
                 lambda s: _prefix(s, "cached_tokens"),
@@ -87,8 +87,17 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
+        self.draft_not_used = Counter(
+            "mlxinfer_draft_model_not_used",
+            "Generations under auto that drafted by prompt lookup though a draft model was loaded "
+            "(reason: slower, unread)",
+            ["reason"],
+            registry=registry,
+        )
         for label in REASONS.values():  # every reason listed from the start, at 0
             self.speculation_off.labels(label)
+        for label in DRAFT_REASONS.values():
+            self.draft_not_used.labels(label)
         registry.register(_PlainBatchSteps(schedulers))
 
     def record(self, stats: GenerationStats) -> None:
@@ -101,6 +110,8 @@ class Metrics:
         self.accepted_tokens.inc(stats.accepted_tokens)
         if stats.speculation_off:
             self.speculation_off.labels(REASONS.get(stats.speculation_off, "other")).inc()
+        if stats.draft_declined:
+            self.draft_not_used.labels(DRAFT_REASONS.get(stats.draft_declined, "other")).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -109,6 +120,12 @@ class Metrics:
 def _prefix(scheduler: Scheduler, name: str) -> float:
     cache = scheduler.runtime.prefix_cache
     return getattr(cache.stats, name) if cache else 0
+
+
+def _prefix_bytes(scheduler: Scheduler) -> float:
+    draft = scheduler.runtime.draft
+    held = draft.prefix_cache.stats.bytes_held if draft is not None and draft.prefix_cache else 0
+    return _prefix(scheduler, "bytes_held") + held
 
 
 def _hit_rate(schedulers: list[Scheduler]) -> float:
