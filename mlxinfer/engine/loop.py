@@ -479,7 +479,8 @@ class BatchLoop:
         reused."""
         prefix, speculation = self.runtime.prefix_cache, sequence.speculation
         if prefix is not None and sequence.job.use_cache:
-            _offer(lambda: prefix.insert(sequence.ids_in_cache(held_positions(cache)), cache, sequence.snapshots))
+            ids = sequence.ids_in_cache(held_positions(cache))
+            _offer(lambda: prefix.insert(ids, cache, snapshots=sequence.snapshots))
         if speculation is not None:
             _offer(lambda: speculation.keep(sequence.drawn))
         self._release(sequence)
