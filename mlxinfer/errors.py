@@ -100,3 +100,13 @@ class GrammarError(SamplingError):
 
 class ToolCallError(MlxInferError, ValueError):
     """Tools, tool_choice or tool messages are malformed, or the model has no tool-calling syntax mlxinfer knows."""
+
+
+class LibraryError(MlxInferError):
+    """The list of local models cannot be changed: an added path that holds no model, an unwritable registry,
+    a model that cannot be removed."""
+
+
+class HubError(MlxInferError):
+    """A pull from the Hugging Face Hub was refused (what it lists or serves is unloadable or hostile, the disk
+    is too small) or stopped (the network); a stopped pull resumes when run again."""

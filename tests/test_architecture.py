@@ -38,6 +38,7 @@ FORBIDDEN = {
         "chat",
     },
     "chat": {"ui", "server", "engine", "cache", "models", "memory", "api", "bench", "cli", "convert", "quantize"},
+    "hub": {"ui", "server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
 }
 # Leaf modules that every room may use: they import nothing of ours but errors.
 LEAVES = ("untrusted", "disk")

@@ -10,7 +10,6 @@ gathers them into one body. A client that goes away cancels its job.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,16 +24,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..engine import Delta, Event, Finished, GenerationStats, Job
+from ..engine import Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
 from .answer import Answer
 from .errors import APIError, as_api_error
-from .guard import GuardMiddleware
+from .guard import GuardMiddleware, shows_token
 from .limits import WorkGate
 from .metrics import Metrics
 from .models import ModelSet, ServedModel
 from .replies import Reply, event
-from .schema import GenerationParams, parse_chat, parse_completion, parse_json
+from .running import Done, JobEvents, Running, TokenClock as _TokenClock
+from .schema import GenerationParams, openai_chat, openai_completion
 from .settings import ServerSettings
 from .structured import Prepared, prepare_chat, prepare_completion
 
@@ -44,28 +44,6 @@ PAGE_ASSETS = {"chat.js": "text/javascript", "chat.css": "text/css"}
 # The page runs only its own files: no inline script, nothing fetched from elsewhere.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'", "Cache-Control": "no-cache"}
 MAX_TOKENS = 1_000_000  # above this, the engine's own check answers (max_tokens out of range)
-
-
-class JobEvents:
-    """A job's events, carried from the scheduler's thread onto this event loop."""
-
-    def __init__(self, on_end: Callable[[Event], None]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._on_end = on_end
-
-    def put(self, item: Event) -> None:  # called on the scheduler's thread
-        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is listening
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        if not isinstance(item, Delta):  # here, not in the handler: a client that left no longer reads its events
-            self._on_end(item)
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        while True:
-            item = await self._queue.get()
-            yield item
-            if not isinstance(item, Delta):
-                return
 
 
 class API:
@@ -106,45 +84,56 @@ class API:
 
         return run
 
+    def trusted(self, request: Request) -> bool:
+        """Whether the request shows this server's per-user token: it comes from the user's own front end
+        (`mlxinfer chat`, `mlxinfer.connect()`), which may name models by path."""
+        return shows_token(request.headers.get("authorization"), self.settings.local_token)
+
     async def chat_completions(self, request: Request) -> Response:
-        request.state.arrived = time.perf_counter()
-        raw = await read_body(request, self.settings)
-        served, prepared, params = await self._prepare(raw, parse_chat, prepare_chat)
-        return await self._generate(request, served, prepared, params, Reply(served.id, chat=True))
+        running = await self.start(request, openai_chat)
+        return await self._openai(request, running, Reply(running.served.id, chat=True))
 
     async def completions(self, request: Request) -> Response:
+        running = await self.start(request, openai_completion, encode=prepare_completion)
+        return await self._openai(request, running, Reply(running.served.id, chat=False))
+
+    async def start(
+        self,
+        request: Request,
+        parse: Callable[[bytes], tuple[Any, GenerationParams]],
+        encode: Callable[[Any, Any], Prepared] = prepare_chat,
+    ) -> Running:
+        """Read the body, parse it (`parse`: raw bytes to an OpenAI-shaped request and its parameters),
+        encode it for its model and queue it: every front end (OpenAI, Ollama, Anthropic) starts here."""
         request.state.arrived = time.perf_counter()
         raw = await read_body(request, self.settings)
-        served, prepared, params = await self._prepare(raw, parse_completion, prepare_completion)
-        return await self._generate(request, served, prepared, params, Reply(served.id, chat=False))
+        served, prepared, params = await self._prepare(raw, parse, encode, request)
+        return self._submit(request, served, prepared, params)
 
     async def _prepare(
         self,
         raw: bytes,
-        parse: Callable[[Any], tuple[Any, GenerationParams]],
+        parse: Callable[[bytes], tuple[Any, GenerationParams]],
         encode: Callable[[Any, Any], Prepared],
+        request: Request,
     ) -> tuple[ServedModel, Prepared, GenerationParams]:
         """Parse, template, tokenize and compile any grammar in one pass through the gate, so a request is
         refused (429) before it is parsed or never. A model that must be loaded first loads outside the gate
         (no place held for it); the tokenizing then waits for a place without a 429."""
+        trusted = self.trusted(request)
 
         def everything() -> tuple[Any, GenerationParams, ServedModel | None, Prepared | None]:
-            body, params = parse(parse_json(raw))
-            name = params.model if params.model is not None else next(iter(self.models.ids), None)
-            if name is None or not self.models.is_loaded(name):
-                return body, params, None, None
-            served = self.models.get(name)
-            return body, params, served, encode(served.model, body)
+            body, params = parse(raw)
+            served = self.models.loaded(params.model, trusted)
+            return body, params, served, None if served is None else encode(served.model, body)
 
         body, params, served, prepared = await self.preparing.run(everything)
         if served is None or prepared is None:
-            served = await run_in_threadpool(self.models.get, params.model)  # loads an unloaded model
+            served = await run_in_threadpool(self.models.get, params.model, trusted)  # loads it
             prepared = await self.preparing.run(encode, served.model, body, admitted=True)
         return served, prepared, params
 
-    async def _generate(
-        self, request: Request, served: ServedModel, prepared: Prepared, params: GenerationParams, reply: Reply
-    ) -> Response:
+    def _submit(self, request: Request, served: ServedModel, prepared: Prepared, params: GenerationParams) -> Running:
         ids = prepared.ids
         room = served.model.context_tokens - len(ids)
         if room < 1:
@@ -175,76 +164,61 @@ class API:
             keep_special_tokens=prepared.keep_special_tokens,
             speculate=served.model.speculate,
         )
-        served.scheduler.submit(job)
+        self.models.began(served, params.keep_alive)
+        try:
+            served.scheduler.submit(job)
+        except BaseException:
+            self.models.ended(served)
+            raise
         clock = _TokenClock(self.metrics, request.state.arrived)
-        answer = Answer(prepared.parser)
-        if params.stream:
-            body = self._stream(served, job, events, reply, answer, params.include_usage, clock)
+        return Running(served, job, events, Answer(prepared.parser), params, clock, len(ids), self.models.ended)
+
+    async def _openai(self, request: Request, running: Running, reply: Reply) -> Response:
+        if running.params.stream:
+            body = self._stream(running, reply)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        return await self._whole(request, served, job, events, reply, answer, clock)
+        return await self.whole(request, running, lambda done: JSONResponse(reply.whole(running.answer, done.stats)))
 
-    async def _stream(
-        self,
-        served: ServedModel,
-        job: Job,
-        events: JobEvents,
-        reply: Reply,
-        answer: Answer,
-        include_usage: bool,
-        clock: _TokenClock,
-    ) -> AsyncIterator[str]:
+    async def _stream(self, running: Running, reply: Reply) -> AsyncIterator[str]:
         try:
             if reply.chat:
                 yield event(reply.chunk({"content": ""}, role=True))
-            async for item in events:
-                if isinstance(item, Delta):
-                    clock.tick(item.tokens)
-                    for delta in answer.feed(item.text):
-                        yield event(reply.chunk(delta))
-                elif isinstance(item, Finished):
-                    for delta in answer.finish():
-                        yield event(reply.chunk(delta))
-                    yield event(reply.chunk(finish_reason=answer.finish_reason(item.stats.finish_reason)))
-                    if include_usage:
+            async for item in running.deltas():
+                if isinstance(item, Done):
+                    yield event(reply.chunk(finish_reason=item.finish_reason))
+                    if running.params.include_usage:
                         yield event(reply.usage_chunk(item.stats))
+                elif isinstance(item, APIError):
+                    yield event(item.body())
                 else:
-                    yield event(as_api_error(item.error).body())
+                    yield event(reply.chunk(item))
             yield event("[DONE]")
         finally:
-            served.scheduler.cancel(job)  # a no-op once it finished; frees the slot if the client left
+            running.cancel()  # a no-op once it finished; frees the slot if the client left
 
-    async def _whole(
-        self,
-        request: Request,
-        served: ServedModel,
-        job: Job,
-        events: JobEvents,
-        reply: Reply,
-        answer: Answer,
-        clock: _TokenClock,
-    ) -> Response:
+    async def whole(self, request: Request, running: Running, render: Callable[[Done], Response]) -> Response:
+        """The whole answer as one response (`render` shapes it); 499 (never sent) and the job cancelled
+        if the client leaves first; an error event becomes the error's response."""
 
         async def gather() -> Response:
-            async for item in events:
-                if isinstance(item, Delta):
-                    clock.tick(item.tokens)
-                    answer.feed(item.text)
-                elif isinstance(item, Finished):
-                    answer.finish()
-                    return JSONResponse(reply.whole(answer, item.stats))
-                else:
-                    return as_api_error(item.error).response()
+            async for item in running.deltas():
+                if isinstance(item, Done):
+                    return render(item)
+                if isinstance(item, APIError):
+                    return item.response()
             raise AssertionError("the event stream ended without a final event")
 
         body, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
-        await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not body.done():
-            served.scheduler.cancel(job)
-            body.cancel()
-            return Response(status_code=499)  # never sent: the client is gone
-        return body.result()
+        try:
+            await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            answered = body.done()
+            if not answered:
+                body.cancel()
+            running.cancel()  # a no-op once it finished
+        return body.result() if answered else Response(status_code=499)  # 499: never sent, the client is gone
 
     def _ended(self, event: Event) -> None:
         if not isinstance(event, Finished):
@@ -293,23 +267,6 @@ class API:
 
     async def render_metrics(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-class _TokenClock:
-    """Feeds time-to-first-token and time-per-token histograms from a stream of deltas."""
-
-    def __init__(self, metrics: Metrics, arrived: float):
-        self.metrics, self.last, self.start = metrics, None, arrived
-
-    def tick(self, tokens: int) -> None:
-        if not tokens:
-            return
-        now = time.perf_counter()
-        if self.last is None:
-            self.metrics.ttft.observe(now - self.start)
-        else:
-            self.metrics.token_latency.observe((now - self.last) / tokens)
-        self.last = now
 
 
 async def read_body(request: Request, settings: ServerSettings) -> bytes:

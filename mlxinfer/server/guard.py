@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import APIError
 from .settings import ServerSettings, is_loopback
 
-PROTECTED = ("/v1/", "/metrics", "/health")  # with an API key; the chat page's own files stay open
+PROTECTED = ("/v1/", "/api/", "/metrics", "/health")  # with an API key; the chat page's own files stay open
 
 
 class GuardMiddleware:
@@ -49,12 +49,19 @@ class GuardMiddleware:
             )
         key = self.settings.api_key
         if key and method != "OPTIONS" and path.startswith(PROTECTED):
-            given = headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            given = headers.get("authorization")
+            if not (shows_token(given, key) or shows_token(given, self.settings.local_token)):
                 return APIError(
                     401, "a valid API key is needed: send 'Authorization: Bearer <key>'", code="invalid_api_key"
                 )
         return None
+
+
+def shows_token(authorization: str | None, token: str | None) -> bool:
+    """Whether an Authorization header is `Bearer <token>` (compared in constant time; no token: never)."""
+    if not token or authorization is None:
+        return False
+    return hmac.compare_digest(authorization.encode(errors="replace"), f"Bearer {token}".encode())
 
 
 def host_name(host: str) -> str:

@@ -1,25 +1,42 @@
-"""The models a server serves, by id: a request's `model` field only ever selects among these.
+"""The models a server serves, by name: loaded on the first request that names them, unloaded when idle.
 
-A model can be unloaded (its weights, KV and prompt cache freed) and stays
-listed; the next request for it loads it again from where it was first loaded.
-Loading runs on a device thread (engine/threads.py), never on the event loop.
+A request's `model` names one of the models the server was given, or one of the
+machine's local models (`catalog`: the same list `mlxinfer ls` shows); a local
+front end that shows the server's per-user token may also name a model by its
+path. Loading runs on a device thread (engine/threads.py), never on the event
+loop, and first unloads idle models until the new one fits the memory budget.
+
+Each model stays loaded for its keep-alive after its last request ends (Ollama's
+`keep_alive`: the latest request's value, else the server's default; 0 unloads at
+once, inf never). One reaper thread sleeps until the next expiry: an idle server
+wakes no thread.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
 from ..api import Model, load
+from ..display import mib
 from ..engine import Scheduler, SchedulerConfig
 from ..engine.threads import call_on_device_thread
+from ..models import disk_bytes
 from ..untrusted import shown
 from .errors import APIError
+
+log = logging.getLogger("mlxinfer.server")
+DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: five minutes after the last request
 
 
 @dataclass
@@ -32,25 +49,49 @@ class ServedModel:
 @dataclass
 class _Slot:
     id: str
+    path: Path
     loader: Callable[[], Model]
     config: SchedulerConfig | None
     served: ServedModel | None = None
     verified: bool = True  # the family was checked against transformers (models/fallback.py runs the others)
     loading: threading.Lock = field(default_factory=threading.Lock)  # one load; other requests for it wait
+    in_flight: int = 0  # requests started and not yet ended
+    keep_alive_s: float | None = None  # the latest request's keep_alive; None: the set's default
+    last_used: float = 0.0  # monotonic time the last request ended (or the model loaded)
+    loaded_at: float = 0.0  # wall-clock time, for `ps`
 
 
 def model_id(model: Model) -> str:
     """The name clients use: the model folder's name, or the .gguf file's without the suffix."""
-    path = model.path
+    return path_id(model.path)
+
+
+def path_id(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
 class ModelSet:
-    """Loaded (or unloaded, reloadable) models, each with its own Scheduler: batch, queue and prefix cache."""
+    """Loaded (or unloaded, reloadable) models, each with its own Scheduler: batch, queue and prefix cache.
 
-    def __init__(self) -> None:
+    `catalog(name)` finds a local model's path by name (None: not one); `loader(path)` loads one found so;
+    `budget_bytes` bounds the models' memory together (None: no bound but the machine's)."""
+
+    def __init__(
+        self,
+        catalog: Callable[[str], Path | None] | None = None,
+        loader: Callable[[Path], Model] = load,
+        keep_alive_s: float = DEFAULT_KEEP_ALIVE_S,
+        budget_bytes: int | None = None,
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()  # adding, removing and unloading, one at a time
+        self._catalog, self._loader, self._config = catalog, loader, config
+        self.keep_alive_s, self.budget_bytes, self._clock = keep_alive_s, budget_bytes, clock
+        self._wake = threading.Condition()
+        self._reaper: threading.Thread | None = None
+        self._closed = False
 
     def add(self, model: Model, config: SchedulerConfig | None = None, name: str | None = None) -> ServedModel:
         """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings
@@ -64,10 +105,10 @@ class ModelSet:
             draft_model=draft,
             speculate=model.speculate,
         )
-        slot = _Slot(name or model_id(model), loader, config, verified=model.verified)
+        slot = _Slot(name or model_id(model), model.path, loader, config or self._config, verified=model.verified)
         with self._lock:
             self._stop(self._slots.pop(slot.id, None), "the model was replaced")
-            slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, config))
+            self._serve(slot, model)
             self._slots[slot.id] = slot
         return slot.served
 
@@ -85,26 +126,167 @@ class ModelSet:
             if slot:
                 slot.served = None
         _free_memory()
+        log.info("unloaded %s", name)
 
-    def get(self, name: str | None) -> ServedModel:
-        """The model called `name` (with no name, the first), loading it if it was unloaded."""
-        slot = next(iter(self._slots.values()), None) if name is None else self._slots.get(name)
+    def loaded(self, name: str | None, allow_paths: bool = False) -> ServedModel | None:
+        """The model `name` names if it is loaded now (None: not known yet, or unloaded)."""
+        slot = self._find(name, allow_paths)
+        return slot.served if slot is not None else None
+
+    def get(self, name: str | None, allow_paths: bool = False) -> ServedModel:
+        """The model called `name` (with no name, the first), loading it if it is not loaded.
+
+        `allow_paths`: `name` may also be a model's path (for the user's own front ends, never for others)."""
+        slot = self._find(name, allow_paths)
         if slot is None:
-            loaded = ", ".join(self._slots) or "none"
-            raise APIError(
-                404,
-                f"model {shown(name)} is not loaded (loaded: {loaded}); it is never loaded on request",
-                "model",
-                "model_not_found",
-            )
+            slot = self._new_slot(name, allow_paths)
         served = slot.served
         if served is not None:
             return served
         with slot.loading:
             if slot.served is None:
+                self._make_room(slot)
                 model = call_on_device_thread(slot.loader)
-                slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, slot.config))
+                with self._lock:
+                    self._serve(slot, model)
             return slot.served
+
+    def _find(self, name: str | None, allow_paths: bool) -> _Slot | None:
+        if name is None:
+            return next(iter(self._slots.values()), None)
+        slot = self._slots.get(name)
+        if slot is None and allow_paths and _looks_like_path(name):
+            path = _resolved(name)
+            slot = next((s for s in self._slots.values() if s.path == path), None)
+        return slot
+
+    def _new_slot(self, name: str | None, allow_paths: bool) -> _Slot:
+        path = self._catalog(name) if self._catalog is not None and name else None
+        if path is None and allow_paths and name and _looks_like_path(name):
+            path = _resolved(name)
+            if not (path.is_dir() or path.suffix == ".gguf" and path.is_file()):
+                raise APIError(404, f"{shown(name)} is not a model folder or .gguf file", "model", "model_not_found")
+        if path is None:
+            known = ", ".join(self._slots) or "none"
+            raise APIError(
+                404,
+                f"model {shown(name)} is not one of this server's models ({known}) nor a local model; "
+                "`mlxinfer ls` lists the local models, `mlxinfer pull` fetches one",
+                "model",
+                "model_not_found",
+            )
+        with self._lock:
+            same = next((s for s in self._slots.values() if s.path == path), None)
+            if same is not None:  # another name for a model already served
+                return same
+            slot_id = name if name != str(path) else path_id(path)  # a path: the name `ls` would show
+            slot_id = slot_id if slot_id not in self._slots else str(path)
+            slot = _Slot(slot_id, path, partial(self._loader, path), self._config)
+            self._slots[slot.id] = slot
+            return slot
+
+    def _serve(self, slot: _Slot, model: Model) -> None:
+        slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, slot.config))
+        slot.verified = model.verified
+        slot.last_used, slot.loaded_at = self._clock(), time.time()
+        self._arm()
+
+    # -- memory -----------------------------------------------------------
+
+    def _make_room(self, slot: _Slot) -> None:
+        """Unload idle models, least recently used first, until `slot`'s model fits the budget with the rest."""
+        if self.budget_bytes is None:
+            return
+        need, _ = disk_bytes(slot.path)
+        while True:
+            with self._lock:
+                loaded = [s for s in self._slots.values() if s.served is not None and s is not slot]
+                used = sum(_memory_of(s.served) for s in loaded)
+                idle = sorted((s for s in loaded if s.in_flight == 0), key=lambda s: s.last_used)
+            if used + need <= self.budget_bytes:
+                return
+            if not idle:
+                busy = ", ".join(s.id for s in loaded) or "none"
+                raise APIError(
+                    503,
+                    f"model {slot.id} ({mib(need, 0)}) does not fit the server's memory budget of "
+                    f"{mib(self.budget_bytes, 0)} beside the models answering now ({busy}); retry when they are idle",
+                    "model",
+                    "model_does_not_fit",
+                )
+            log.info("unloading %s to make room for %s", idle[0].id, slot.id)
+            self.unload(idle[0].id)
+
+    def memory_of(self, name: str) -> int:
+        slot = self._slots.get(name)
+        return _memory_of(slot.served) if slot is not None and slot.served is not None else 0
+
+    # -- keep-alive -------------------------------------------------------
+
+    def began(self, served: ServedModel, keep_alive_s: float | None) -> None:
+        """A request for `served` started: it stays loaded at least until the request ends."""
+        with self._lock:
+            slot = self._slots.get(served.id)
+            if slot is not None and slot.served is served:
+                slot.in_flight += 1
+                if keep_alive_s is not None:
+                    slot.keep_alive_s = keep_alive_s
+
+    def ended(self, served: ServedModel) -> None:
+        """A request for `served` ended: its keep-alive counts from now."""
+        with self._lock:
+            slot = self._slots.get(served.id)
+            if slot is not None and slot.served is served:
+                slot.in_flight = max(0, slot.in_flight - 1)
+                slot.last_used = self._clock()
+        self._arm()
+
+    def expires_in(self, name: str) -> float | None:
+        """Seconds until `name` unloads (inf: never; None: not loaded, or answering now)."""
+        slot = self._slots.get(name)
+        if slot is None or slot.served is None or slot.in_flight:
+            return None
+        return max(0.0, self._expiry(slot) - self._clock())
+
+    def _expiry(self, slot: _Slot) -> float:
+        keep = self.keep_alive_s if slot.keep_alive_s is None else slot.keep_alive_s
+        return slot.last_used + keep
+
+    def unload_expired(self) -> float:
+        """Unload the idle models whose keep-alive ran out; the time of the next expiry (inf: none)."""
+        now, due, following = self._clock(), [], math.inf
+        with self._lock:
+            for slot in self._slots.values():
+                if slot.served is None or slot.in_flight:
+                    continue
+                expiry = self._expiry(slot)
+                if expiry <= now:
+                    due.append(slot.id)
+                else:
+                    following = min(following, expiry)
+        for name in due:
+            self.unload(name)
+        return following
+
+    def _arm(self) -> None:
+        """Make sure the reaper runs, and wake it to look at the expiries again."""
+        with self._wake:
+            if self._reaper is None and not self._closed:
+                self._reaper = threading.Thread(target=self._reap, name="mlxinfer-keep-alive", daemon=True)
+                self._reaper.start()
+            self._wake.notify()
+
+    def _reap(self) -> None:
+        while True:
+            following = self.unload_expired()
+            with self._wake:
+                if self._closed:
+                    return
+                wait = following - self._clock()
+                if wait > 0:  # math.inf: until a request ends or a model loads
+                    self._wake.wait(None if math.isinf(wait) else wait)
+
+    # -- what is served ---------------------------------------------------
 
     def is_loaded(self, name: str) -> bool:
         slot = self._slots.get(name)
@@ -117,6 +299,32 @@ class ModelSet:
     def verified(self, name: str) -> bool:
         slot = self._slots.get(name)
         return slot is None or slot.verified
+
+    def path_of(self, name: str) -> Path | None:
+        slot = self._slots.get(name)
+        return slot.path if slot is not None else None
+
+    def ps(self) -> list[dict[str, Any]]:
+        """The loaded models: name, path, memory, requests in flight and when each unloads."""
+        rows = []
+        for slot in list(self._slots.values()):
+            served = slot.served
+            if served is None:
+                continue
+            expires = self.expires_in(slot.id)
+            rows.append(
+                {
+                    "name": slot.id,
+                    "path": str(slot.path),
+                    "weights_bytes": served.model.footprint.weights_bytes,
+                    "memory_bytes": _memory_of(served),
+                    "in_flight": slot.in_flight,
+                    "loaded_at": slot.loaded_at,
+                    "expires_in_s": None if expires is None or math.isinf(expires) else round(expires, 1),
+                    "keep_alive_forever": expires is not None and math.isinf(expires),
+                }
+            )
+        return rows
 
     def __iter__(self) -> Iterator[ServedModel]:
         """The loaded models."""
@@ -138,6 +346,9 @@ class ModelSet:
             served.scheduler.abort(reason)
 
     def close(self, reason: str = "the server is shutting down") -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
         with self._lock:
             for slot in self._slots.values():
                 self._stop(slot, reason)
@@ -148,6 +359,20 @@ class ModelSet:
     def _stop(slot: _Slot | None, reason: str) -> None:
         if slot is not None and slot.served is not None:
             slot.served.scheduler.stop(reason)
+
+
+def _memory_of(served: ServedModel) -> int:
+    """A loaded model's own memory: its weights and what its prefix caches hold."""
+    model = served.model
+    return model.footprint.weights_bytes + model.cache_stats.bytes_held
+
+
+def _looks_like_path(name: str) -> bool:
+    return len(name) <= 4096 and "\x00" not in name and (name.startswith(("/", "~")) or "/" in name and name[0] == ".")
+
+
+def _resolved(name: str) -> Path:
+    return Path(name).expanduser().resolve()
 
 
 def _free_memory() -> None:

@@ -53,6 +53,7 @@ class GenerationParams:
     stop: list[str]
     stream: bool
     include_usage: bool
+    keep_alive: float | None = None  # seconds the model stays loaded after this request; None: the server's default
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,16 @@ def _int_or_float(digits: str) -> int | float:
 
 def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not a valid JSON number")
+
+
+def openai_chat(raw: bytes) -> tuple[ChatRequest, GenerationParams]:
+    """A /v1/chat/completions body."""
+    return parse_chat(parse_json(raw))
+
+
+def openai_completion(raw: bytes) -> tuple[CompletionRequest, GenerationParams]:
+    """A /v1/completions body."""
+    return parse_completion(parse_json(raw))
 
 
 def parse_chat(body: dict[str, Any]) -> tuple[ChatRequest, GenerationParams]:
@@ -230,7 +241,28 @@ def _params(body: dict[str, Any]) -> GenerationParams:
         stop=_stop(body.get("stop")),
         stream=stream,
         include_usage=stream and _flag(options, "include_usage"),
+        keep_alive=keep_alive_s(body.get("keep_alive")),
     )
+
+
+MAX_KEEP_ALIVE_S = 366 * 86400
+_DURATION = re.compile(r"(-?[0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|m|h)?")
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def keep_alive_s(value: Any) -> float | None:
+    """Ollama's `keep_alive`: seconds as a number, or a duration string ("5m", "30s", "1h", "1.5h");
+    0 unloads right after the request, a negative value keeps the model loaded (inf). None: not given."""
+    if value is None:
+        return None
+    seconds: float | None = None
+    if is_finite_number(value) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str) and len(value) <= 24 and (match := _DURATION.fullmatch(value.strip())):
+        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    if seconds is None:
+        raise APIError(400, f"keep_alive must be seconds or a duration like \"5m\", got {shown(value)}", "keep_alive")
+    return float("inf") if seconds < 0 else min(seconds, MAX_KEEP_ALIVE_S)
 
 
 def _sampling(body: dict[str, Any]) -> SamplingParams:

@@ -34,7 +34,10 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8080
     allow_remote: bool = False  # binding beyond loopback needs this and an api_key
-    api_key: str | None = None  # when set, /v1 and /metrics need `Authorization: Bearer <key>`
+    api_key: str | None = None  # when set, /v1, /api and /metrics need `Authorization: Bearer <key>`
+    # The per-user token in the state file (state.py): it also opens the API, and lets the user's own front
+    # ends name models by path.
+    local_token: str | None = None
     cors_origins: tuple[str, ...] = ()  # browser origins (other than this server's own) allowed to call the API
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 600.0  # from arrival to the last token, queueing included

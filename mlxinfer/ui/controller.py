@@ -87,9 +87,21 @@ class MenubarController:
         return self.server.url if self.serving and self.server else f"http://{self.settings.host}:{self.settings.port}"
 
     def available_models(self) -> list[Path]:
-        """The default model and the converted models in the models folder."""
-        found = local_models(self.models_dir)
-        return ([self.default_model] if self.default_model else []) + [p for p in found if p != self.default_model]
+        """The default model, the models in `models_dir` when it is not the usual folder, then every model
+        `mlxinfer ls` lists (the models folder, the Hugging Face cache, added files) but mlxinfer's own cache,
+        whose one model is the default model (the CLI passes it when it was fetched)."""
+        import os
+
+        from ..models import models_dir
+        from ..models.library import CACHE, list_models
+
+        found = local_models(self.models_dir) if self.models_dir != models_dir() else []
+        found += [m.path for m in list_models() if m.source != CACHE]
+        paths = ([self.default_model] if self.default_model else []) + found
+        unique: dict[str, Path] = {}
+        for path in paths:  # a model listed twice (a link, models_dir being the usual folder) keeps its first place
+            unique.setdefault(os.path.realpath(path), path)
+        return list(unique.values())
 
     # -- what the menu does -----------------------------------------------
 

@@ -1,0 +1,315 @@
+"""`mlxinfer pull`: check a Hub checkpoint before its weights come, then download it resumably.
+
+plan_pull() reads only the file list, config.json and the shards' headers, and refuses what mlxinfer could
+not load (pickle-only repositories, unknown families, garbage headers). download() writes each file as
+`<name>.part` under cache_dir()/downloads/<org>--<name>/, resumes a .part with a Range request, checks the
+size and the Hub's sha256 and renames it into place; finish() moves the finished folder into the models
+folder in one rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import http.client
+import os
+import shutil
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..default_model import cache_dir
+from ..disk import write_error
+from ..display import mib
+from ..errors import HubError
+from ..memory import MemoryPlan, ModelFootprint, machine_memory, plan_memory
+from ..models import ModelConfig, models_dir, normalize_config
+from ..models.config import FULL, SLIDING
+from ..models.dtype import choose_compute_dtype
+from ..untrusted import listed, shown_path
+from .remote import (
+    TIMEOUT_S,
+    Listing,
+    RemoteFile,
+    fetch_config,
+    fetch_header,
+    file_url,
+    list_files,
+    reason_of,
+    request,
+)
+
+# Side files a model folder needs (config, tokenizer, chat template); weights are *.safetensors only.
+SIDE_FILES = frozenset({
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.json", "chat_template.jinja",
+})  # fmt: skip
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_SHARDS = 1000
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Everything known before the first weight byte is downloaded."""
+
+    listing: Listing
+    files: tuple[RemoteFile, ...]  # what will be downloaded
+    config: ModelConfig
+    parameters: int
+    folder: Path  # the download folder, in the cache
+    target: Path  # where the finished model goes
+    force: bool = False
+
+    @property
+    def repo_id(self) -> str:
+        return self.listing.repo_id
+
+    @property
+    def family(self) -> str:
+        return f"{self.config.model_type} ({'verified' if self.config.verified else 'fallback: mlx-lm code'})"
+
+    @property
+    def download_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def remaining_bytes(self) -> int:
+        """Bytes still to download: a finished file counts nothing, a .part what it lacks."""
+        return sum(f.size - _have(self.folder, f) for f in self.files)
+
+
+def download_dir(repo_id: str) -> Path:
+    return cache_dir() / "downloads" / repo_id.replace("/", "--")
+
+
+def plan_pull(repo_id: str, revision: str = "main", target: Path | None = None, force: bool = False) -> PullPlan:
+    """Check `repo_id` at `revision` without downloading weights; refuse what mlxinfer could not load.
+
+    Example:
+        >>> plan = plan_pull("HuggingFaceTB/SmolLM2-135M-Instruct")
+        >>> plan.family, plan.parameters, plan.download_bytes
+    """
+    listing = list_files(repo_id, revision)
+    shards = [f for f in listing.files if f.name.endswith(".safetensors")]
+    if not shards:
+        pickles = [f.name for f in listing.files if f.name.endswith(PICKLE_SUFFIXES)]
+        if pickles:
+            raise HubError(
+                f"{repo_id}: has only pickle checkpoints ({listed(pickles)}); pickle checkpoints are never loaded "
+                "(they can run code): pick a repository with *.safetensors weights"
+            )
+        raise HubError(f"{repo_id}: has no *.safetensors weights; a GGUF file: download it, `mlxinfer ls --add` it")
+    if len(shards) > MAX_SHARDS:
+        raise HubError(f"{repo_id}: lists {len(shards)} safetensors files, more than {MAX_SHARDS}; refused")
+    if not any(f.name == "config.json" for f in listing.files):
+        raise HubError(f"{repo_id}: has no config.json; it is not a checkpoint mlxinfer can load")
+    config = normalize_config(fetch_config(listing), f"{repo_id}/config.json")  # unloadable families stop here
+    parameters = sum(fetch_header(listing, shard).parameters for shard in shards)
+    wanted = tuple(f for f in listing.files if _wanted(f.name))
+    target = target or models_dir() / repo_id.split("/")[1]
+    check_target(target, force)
+    return PullPlan(listing, wanted, config, parameters, download_dir(repo_id), target, force)
+
+
+def check_target(target: Path, force: bool) -> None:
+    if os.path.lexists(target) and not force:
+        raise HubError(f"{shown_path(target)} exists; pass --force to replace it, or `mlxinfer rm {target.name}` first")
+
+
+def check_disk(plan: PullPlan, extra_bytes: int = 0) -> None:
+    """Refuse, before anything is written, when the download (plus `extra_bytes`: a conversion's output) cannot
+    fit on the disk of the download folder."""
+    need = plan.remaining_bytes() + extra_bytes
+    where = _existing(plan.folder)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as e:
+        raise HubError(f"{shown_path(where)}: cannot read its free space ({e.strerror or e})") from None
+    if need > free:
+        raise HubError(
+            f"{plan.repo_id}: needs {mib(need)} on {shown_path(where)} but {mib(free)} is free; free some space "
+            "or set MLXINFER_CACHE_DIR to a folder on a larger disk"
+        )
+
+
+def download(plan: PullPlan, progress: bool = True) -> Path:
+    """Download every file of `plan` into its folder (resuming .part files); returns the folder."""
+    try:
+        plan.folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HubError(f"{shown_path(plan.folder)}: {write_error(e, 'set MLXINFER_CACHE_DIR elsewhere')}") from None
+    with tqdm(
+        total=plan.remaining_bytes(), unit="B", unit_scale=True, unit_divisor=1024, desc=plan.repo_id,
+        file=sys.stderr, disable=not progress, dynamic_ncols=True,
+    ) as bar:  # fmt: skip
+        for remote in plan.files:
+            _fetch(plan.listing, remote, plan.folder, bar)
+    return plan.folder
+
+
+def finish(plan: PullPlan, folder: Path | None = None) -> Path:
+    """Move the finished download (or `folder`) to plan.target in one rename (a copy then a rename across disks)."""
+    folder = folder or plan.folder
+    missing = [f.name for f in plan.files if not (folder / f.name).is_file()]
+    if missing:
+        raise HubError(f"{plan.repo_id}: {listed(missing)} not downloaded yet; run the same pull again")
+    check_target(plan.target, plan.force)
+    try:
+        plan.target.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(plan.target):  # --force
+            _delete(plan.target)
+        try:
+            os.replace(folder, plan.target)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            staging = plan.target.with_name(f".{plan.target.name}.pulling")
+            _delete(staging) if os.path.lexists(staging) else None
+            shutil.copytree(folder, staging)
+            os.replace(staging, plan.target)
+            shutil.rmtree(folder)
+    except OSError as e:
+        raise HubError(f"{shown_path(plan.target)}: {write_error(e, 'set MLXINFER_MODELS_DIR elsewhere')}") from None
+    return plan.target
+
+
+def estimated_plan(plan: PullPlan, bits: int | None = None, context: int | None = None) -> MemoryPlan:
+    """The memory plan of the model once loaded, from its config and parameter count (nothing is built):
+    weights in the compute dtype, or `bits` plus a 16-bit scale and bias per group of 64."""
+    config, compute = plan.config, choose_compute_dtype().size
+    args: dict[str, Any] = config.args
+    weights = int(plan.parameters * (bits / 8 + 4 / 64)) if bits else plan.parameters * compute
+    kinds = config.layer_types or (FULL,) * config.num_layers  # an unverified module: assume full attention
+    heads = int(args.get("num_attention_heads") or 1)
+    footprint = ModelFootprint(
+        weights_bytes=weights,
+        full_layers=kinds.count(FULL),
+        kv_heads=int(args.get("num_key_value_heads") or heads),
+        head_dim=int(args.get("head_dim") or config.hidden_size // heads),
+        heads=heads,
+        hidden=config.hidden_size,
+        intermediate=int(args.get("intermediate_size") or 4 * config.hidden_size),
+        vocab=config.vocab_size,
+        compute_bytes=compute,
+        kv_bytes=compute,
+        max_positions=int(args.get("max_position_embeddings") or 0) or None,
+        sliding_layers=kinds.count(SLIDING),
+        window=config.sliding_window,
+        recurrent_layers=len(kinds) - kinds.count(FULL) - kinds.count(SLIDING),
+    )
+    return plan_memory(machine_memory(), footprint, context or footprint.max_positions or 4096)
+
+
+# -- one file --------------------------------------------------------------------------------
+
+
+def _wanted(name: str) -> bool:
+    return name in SIDE_FILES or name.endswith((".safetensors", ".safetensors.index.json"))
+
+
+def _have(folder: Path, remote: RemoteFile) -> int:
+    for path, done in ((folder / remote.name, True), (folder / f"{remote.name}.part", False)):
+        with contextlib.suppress(OSError):
+            size = path.stat().st_size
+            if done and size == remote.size:
+                return size
+            if not done and size <= remote.size:
+                return size
+    return 0
+
+
+def _fetch(listing: Listing, remote: RemoteFile, folder: Path, bar: tqdm) -> None:
+    final, part = folder / remote.name, folder / f"{remote.name}.part"
+    if final.is_file() and final.stat().st_size == remote.size:
+        return
+    have = part.stat().st_size if part.is_file() else 0
+    if have > remote.size:  # not this file's start (remaining_bytes counted it whole): begin again
+        have = 0
+    if have < remote.size or not part.is_file():
+        _transfer(listing, remote, part, have, bar)
+    _verify(listing, remote, part)
+    os.replace(part, final)
+
+
+def _transfer(listing: Listing, remote: RemoteFile, part: Path, have: int, bar: tqdm) -> None:
+    """Append the rest of `remote` to `part` (from byte `have`); a server that ignores Range restarts the file."""
+    source = f"{listing.repo_id}/{remote.name}"
+    req = request(file_url(listing.repo_id, listing.commit, remote.name), (have, None) if have else None)
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as response:
+            if have and response.status != 206:  # the whole file again, from its first byte
+                bar.total += have
+                bar.refresh()
+                have = 0
+            elif have and not str(response.headers.get("Content-Range", "")).startswith(f"bytes {have}-"):
+                raise HubError(f"{source}: the server answered another byte range than bytes {have}-; retry later")
+            with _open(part, "ab" if have else "wb", source) as out:
+                while chunk := response.read(CHUNK_BYTES):
+                    have += len(chunk)
+                    if have > remote.size:
+                        raise HubError(f"{source}: the server sent more than the {remote.size} bytes it lists; refused")
+                    _write(out, chunk, part)
+                    bar.update(len(chunk))
+    except urllib.error.HTTPError as e:
+        raise HubError(f"{source}: the Hub answered HTTP {e.code}; run the same pull again later") from None
+    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+        raise HubError(
+            f"{source}: the download stopped at {have} of {remote.size} bytes ({reason_of(e)}); "
+            "run the same `mlxinfer pull` again to resume it"
+        ) from None
+    if have != remote.size:
+        raise HubError(
+            f"{source}: the download stopped at {have} of {remote.size} bytes; run the same `mlxinfer pull` again "
+            "to resume it"
+        )
+
+
+@contextlib.contextmanager
+def _open(part: Path, mode: str, source: str) -> Any:
+    try:
+        f = part.open(mode)
+    except OSError as e:
+        raise HubError(f"{shown_path(part)}: {write_error(e, 'set MLXINFER_CACHE_DIR elsewhere')}") from None
+    with f:
+        yield f
+
+
+def _write(out: Any, chunk: bytes, part: Path) -> None:
+    try:
+        out.write(chunk)
+    except OSError as e:
+        raise HubError(f"{shown_path(part)}: {write_error(e, 'set MLXINFER_CACHE_DIR elsewhere')}") from None
+
+
+def _verify(listing: Listing, remote: RemoteFile, part: Path) -> None:
+    """The size the Hub lists and, for LFS files, its sha256; a mismatch deletes the .part (it cannot resume)."""
+    source = f"{listing.repo_id}/{remote.name}"
+    size = part.stat().st_size
+    if size != remote.size:
+        part.unlink()
+        raise HubError(f"{source}: downloaded {size} bytes but the Hub lists {remote.size}; run the pull again")
+    if remote.sha256 is None:
+        return
+    digest = hashlib.sha256()
+    with part.open("rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+    if digest.hexdigest() != remote.sha256:
+        part.unlink()
+        raise HubError(f"{source}: its sha256 differs from the Hub's; the damaged download was deleted, pull again")
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _delete(path: Path) -> None:
+    shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()

@@ -1,0 +1,110 @@
+"""One queued generation as the HTTP side sees it: its events carried onto the event loop, as answer deltas.
+
+Every front end (OpenAI, Ollama, Anthropic) starts a job the same way (API.start) and reads the same
+`Running.deltas()`; only the shapes they write differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import Delta, Event, Finished, GenerationStats, Job
+from .answer import Answer
+from .errors import APIError, as_api_error
+from .metrics import Metrics
+from .models import ServedModel
+from .schema import GenerationParams
+
+
+class JobEvents:
+    """A job's events, carried from the scheduler's thread onto this event loop."""
+
+    def __init__(self, on_end: Callable[[Event], None]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._on_end = on_end
+
+    def put(self, item: Event) -> None:  # called on the scheduler's thread
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: nobody is listening
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        if not isinstance(item, Delta):  # here, not in the handler: a client that left no longer reads its events
+            self._on_end(item)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while True:
+            item = await self._queue.get()
+            yield item
+            if not isinstance(item, Delta):
+                return
+
+
+class TokenClock:
+    """Feeds time-to-first-token and time-per-token histograms from a stream of deltas."""
+
+    def __init__(self, metrics: Metrics, arrived: float):
+        self.metrics, self.last, self.start = metrics, None, arrived
+
+    def tick(self, tokens: int) -> None:
+        if not tokens:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.token_latency.observe((now - self.last) / tokens)
+        self.last = now
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a generation: its stats and the finish reason in OpenAI's terms ("tool_calls" included)."""
+
+    stats: GenerationStats
+    finish_reason: str
+
+
+@dataclass
+class Running:
+    """A submitted job: read `deltas()` once; `cancel()` when the client is gone (a no-op once it finished)."""
+
+    served: ServedModel
+    job: Job
+    events: JobEvents
+    answer: Answer
+    params: GenerationParams
+    clock: TokenClock
+    prompt_tokens: int
+    _release: Callable[[ServedModel], None]
+    _released: bool = field(default=False)
+
+    async def deltas(self) -> AsyncIterator[dict[str, Any] | Done | APIError]:
+        """Answer deltas ({"content": ...}, {"reasoning_content": ...}, {"tool_calls": [...]}), then one `Done`,
+        or an APIError for a generation that failed."""
+        try:
+            async for item in self.events:
+                if isinstance(item, Delta):
+                    self.clock.tick(item.tokens)
+                    for delta in self.answer.feed(item.text):
+                        yield delta
+                elif isinstance(item, Finished):
+                    for delta in self.answer.finish():
+                        yield delta
+                    yield Done(item.stats, self.answer.finish_reason(item.stats.finish_reason))
+                else:
+                    yield as_api_error(item.error)
+        finally:
+            self._end()
+
+    def cancel(self) -> None:
+        self.served.scheduler.cancel(self.job)
+        self._end()
+
+    def _end(self) -> None:
+        if not self._released:  # the model's keep-alive counts from here
+            self._released = True
+            self._release(self.served)

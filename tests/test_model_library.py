@@ -1,0 +1,353 @@
+"""Model management (issue 17): the local model list, `ls` / `rm` / `show`, and `pull` from a stand-in Hub."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import struct
+import threading
+from collections import namedtuple
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import mlxinfer
+from mlxinfer.cli import main
+from mlxinfer.models import library
+from mlxinfer.server import ServerSettings
+from mlxinfer.ui import MenubarController
+from tests.conftest import TINY
+
+SOURCE = TINY / "llama_classic"
+REPO = "tiny-org/tiny-llama"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+Dirs = namedtuple("Dirs", "models cache config hf")
+
+
+@pytest.fixture(autouse=True)
+def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Dirs:
+    """Every folder mlxinfer and huggingface_hub would use, in tmp_path: the real ones are never touched."""
+    made = Dirs(*(tmp_path / name for name in ("models", "cache", "config", "hf")))
+    made.models.mkdir()
+    for key, path in zip(("MLXINFER_MODELS_DIR", "MLXINFER_CACHE_DIR", "MLXINFER_CONFIG_DIR", "HF_HUB_CACHE"), made):
+        monkeypatch.setenv(key, str(path))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    return made
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(main, list(args), input=input)
+
+
+def source_files() -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in SOURCE.iterdir() if p.name != "golden.safetensors"}
+
+
+# -- a stand-in for the Hub ----------------------------------------------------------------------
+
+
+class FakeHub:
+    """Serves one repository's listing and files, with Range, and records what was asked."""
+
+    def __init__(self, files: dict[str, bytes], extra_names: tuple[str, ...] = ()):
+        self.files, self.extra_names = files, extra_names
+        self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
+        self.cut_after: dict[str, int] = {}  # file -> bytes sent before the connection drops (once)
+        self.ignore_range = False
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                hub.requests.append((self.path, self.headers.get("Range")))
+                if self.path.startswith(f"/api/models/{REPO}/revision/"):
+                    return self._send(200, json.dumps(hub.listing()).encode())
+                prefix = f"/{REPO}/resolve/{COMMIT}/"
+                name = self.path[len(prefix) :] if self.path.startswith(prefix) else None
+                if name not in hub.files:
+                    return self._send(404, b"not found")
+                self._file(name, hub.files[name])
+
+            def _file(self, name: str, body: bytes) -> None:
+                start, end = 0, len(body) - 1
+                ranged = self.headers.get("Range") and not hub.ignore_range
+                if ranged:
+                    first, _, last = self.headers["Range"].removeprefix("bytes=").partition("-")
+                    start, end = int(first), min(int(last) if last else end, end)
+                self.send_response(206 if ranged else 200)
+                if ranged:
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(body)}")
+                self.send_header("Content-Length", str(end - start + 1))
+                self.end_headers()
+                cut = None if self.headers.get("Range") else hub.cut_after.pop(name, None)  # a first, whole GET
+                self.wfile.write(body[start : end + 1] if cut is None else body[start : start + cut])
+
+            def _send(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def listing(self) -> dict:
+        siblings = [{"rfilename": name, "size": len(body)} for name, body in self.files.items()]
+        for entry in siblings:
+            if entry["rfilename"].endswith(".safetensors"):
+                entry["lfs"] = {"sha256": hashlib.sha256(self.files[entry["rfilename"]]).hexdigest()}
+        siblings += [{"rfilename": name, "size": 1} for name in self.extra_names]
+        return {"sha": COMMIT, "siblings": siblings}
+
+    def weight_requests(self) -> list[str | None]:
+        """The Range header of every request for the weights (None: the whole file)."""
+        return [rng for path, rng in self.requests if path.endswith("/model.safetensors")]
+
+
+@pytest.fixture
+def hub_for(monkeypatch: pytest.MonkeyPatch):
+    made: list[FakeHub] = []
+
+    def make(files: dict[str, bytes] | None = None, extra_names: tuple[str, ...] = ()) -> FakeHub:
+        made.append(FakeHub(source_files() if files is None else files, extra_names))
+        monkeypatch.setenv("HF_ENDPOINT", made[-1].url)
+        return made[-1]
+
+    yield make
+    for hub in made:
+        hub.server.shutdown()
+        hub.server.server_close()
+
+
+def assert_same_as_source(folder: Path) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == sorted(source_files())
+    for name, body in source_files().items():
+        assert (folder / name).read_bytes() == body, name
+
+
+# -- pull ----------------------------------------------------------------------------------------
+
+
+def test_pull_checks_then_downloads_into_the_models_dir(hub_for, dirs):
+    hub = hub_for({**source_files(), "pytorch_model.bin": b"pickle", "README.md": b"# hi"})
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 0, result.output
+    assert "llama (verified)" in result.output and "parameters" in result.output and "memory" in result.output
+    assert_same_as_source(dirs.models / "tiny-llama")
+    assert not any(path.endswith((".bin", "README.md")) for path, _ in hub.requests)  # never fetched
+    assert not (dirs.cache / "downloads" / "tiny-org--tiny-llama").exists()  # moved, not copied
+    assert run("pull", REPO, "--yes").exit_code == 1  # the folder exists: refused without --force
+    assert run("pull", REPO, "--yes", "--force").exit_code == 0
+
+
+def test_an_interrupted_pull_resumes_from_the_part_file(hub_for, dirs):
+    hub = hub_for()
+    hub.cut_after["model.safetensors"] = 100_000
+    first = run("pull", REPO, "--yes")
+    assert first.exit_code == 1 and "run the same `mlxinfer pull` again to resume" in first.output
+    part = dirs.cache / "downloads" / "tiny-org--tiny-llama" / "model.safetensors.part"
+    assert part.stat().st_size == 100_000
+    second = run("pull", REPO, "--yes")
+    assert second.exit_code == 0, second.output
+    assert hub.weight_requests()[-1] == "bytes=100000-"
+    assert_same_as_source(dirs.models / "tiny-llama")
+
+
+def test_a_server_that_ignores_range_restarts_the_file(hub_for, dirs):
+    hub = hub_for()
+    hub.ignore_range = True
+    folder = dirs.cache / "downloads" / "tiny-org--tiny-llama"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors.part").write_bytes(b"\xff" * 5000)  # not the file's start: appending would break it
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 0, result.output
+    assert hub.weight_requests()[-1] == "bytes=5000-"
+    assert_same_as_source(dirs.models / "tiny-llama")
+
+
+def test_a_pickle_only_repository_is_refused(hub_for, dirs):
+    hub = hub_for({"config.json": source_files()["config.json"], "pytorch_model.bin": b"x" * 100})
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 1 and "pickle checkpoints are never loaded" in result.output
+    assert not any("/resolve/" in path for path, _ in hub.requests)
+    assert not (dirs.cache / "downloads").exists()
+
+
+def corrupt_length(weights: bytes) -> bytes:
+    return struct.pack("<Q", 1 << 40) + weights[8:]
+
+
+def corrupt_span(weights: bytes) -> bytes:
+    (length,) = struct.unpack("<Q", weights[:8])
+    header = weights[8 : 8 + length]
+    assert b'"dtype":"F32"' in header
+    # Same header length, but one tensor now claims half the bytes its span holds.
+    return weights[:8] + header.replace(b'"dtype":"F32"', b'"dtype":"F16"', 1) + weights[8 + length :]
+
+
+@pytest.mark.parametrize("damage", [corrupt_length, corrupt_span])
+def test_a_damaged_safetensors_header_is_refused_before_any_weights_download(hub_for, dirs, damage):
+    files = source_files()
+    files["model.safetensors"] = damage(files["model.safetensors"])
+    hub = hub_for(files)
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 1 and "model.safetensors" in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1 and "refused" in result.output  # one line, before the plan
+    assert all(rng and rng.startswith(("bytes=0-7", "bytes=8-")) for rng in hub.weight_requests())
+    assert not (dirs.cache / "downloads").exists() and not list(dirs.models.iterdir())
+
+
+def test_not_enough_disk_space_is_refused_with_nothing_written(hub_for, dirs, monkeypatch):
+    hub_for()
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("mlxinfer.hub.pull.shutil.disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 1 and "is free" in result.output and "needs" in result.output
+    assert not (dirs.cache / "downloads").exists() and not list(dirs.models.iterdir())
+
+
+@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../x"])
+def test_a_hostile_file_name_in_the_listing_is_refused(hub_for, dirs, name):
+    hub_for(extra_names=(name,))
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 1 and "not a safe file name" in result.output
+    assert not (dirs.cache / "downloads").exists() and not (dirs.cache.parent / "x").exists()
+
+
+def test_pull_bits_4_converts_into_a_model_that_loads_and_generates(hub_for, dirs):
+    hub_for()
+    result = run("pull", REPO, "--bits", "4", "--yes")
+    assert result.exit_code == 0, result.output
+    out = dirs.models / "tiny-llama-4bit"
+    assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
+    assert not (dirs.cache / "downloads" / "tiny-org--tiny-llama").exists()  # the download was deleted
+    model = mlxinfer.load(out)
+    assert model.generate("Hello", max_tokens=4, chat=False).stats.generated_tokens > 0
+
+
+# -- ls / rm / show -------------------------------------------------------------------------------
+
+
+def tiny_gguf(path: Path, arch: str = "llama", file_type: int = 7) -> Path:
+    """A GGUF header with general.architecture and general.file_type (Q8_0) and no tensors."""
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    keys = string("general.architecture") + struct.pack("<I", 8) + string(arch)
+    keys += string("general.languages") + struct.pack("<IIQ", 9, 8, 1) + string("en")
+    keys += string("general.file_type") + struct.pack("<II", 4, file_type)
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 3) + keys)
+    return path
+
+
+def hf_cache_entry(hf: Path, repo: str = "org/tiny") -> Path:
+    """A Hugging Face cache entry laid out as huggingface_hub writes it: blobs, a snapshot of links, refs/main."""
+    root = hf / f"models--{repo.replace('/', '--')}"
+    snapshot = root / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (root / "blobs").mkdir()
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(COMMIT)
+    for name, body in source_files().items():
+        blob = root / "blobs" / hashlib.sha256(body).hexdigest()
+        blob.write_bytes(body)
+        (snapshot / name).symlink_to(blob)
+    return snapshot
+
+
+def test_ls_lists_family_support_bits_and_size(dirs):
+    shutil.copytree(SOURCE, dirs.models / "llama_classic", ignore=shutil.ignore_patterns("golden.safetensors"))
+    tiny_gguf(dirs.models / "small.Q8_0.gguf")
+    result = run("ls")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if line.startswith("llama_classic"))
+    assert row.split()[1:4] == ["llama", "verified", "32"] and "MiB" in row
+    gguf_row = next(line for line in result.output.splitlines() if line.startswith("small.Q8_0"))
+    assert gguf_row.split()[1:4] == ["llama", "verified", "8"]
+    listed = {m["name"]: m for m in json.loads(run("ls", "--json").output)}
+    assert listed["llama_classic"]["size_bytes"] == sum(len(b) for b in source_files().values())
+    assert listed["llama_classic"]["source"] == "models dir" and listed["small.Q8_0"]["bits"] == 8
+
+
+def test_rm_asks_first_and_no_keeps_the_model(dirs):
+    shutil.copytree(SOURCE, dirs.models / "llama_classic")
+    no = run("rm", "llama_classic", input="n\n")
+    assert no.exit_code == 0 and "Delete llama_classic (" in no.output and "[y/N]" in no.output
+    assert (dirs.models / "llama_classic" / "config.json").is_file()
+    yes = run("rm", "llama_classic", input="y\n")
+    assert yes.exit_code == 0 and not (dirs.models / "llama_classic").exists()
+    unknown = run("rm", "llama_classic", "--yes")
+    assert unknown.exit_code == 1 and "`mlxinfer ls` lists the names" in unknown.output
+
+
+def test_rm_of_an_added_gguf_unregisters_it_and_keeps_the_file(dirs, tmp_path):
+    gguf = tiny_gguf(tmp_path / "mine.gguf")
+    added = run("ls", "--add", str(gguf))
+    assert added.exit_code == 0 and "mine" in added.output
+    assert library.find_model("mine").source == "added"
+    result = run("rm", "mine", "--yes")
+    assert result.exit_code == 0 and "unregistered mine" in result.output
+    assert gguf.read_bytes()[:4] == b"GGUF" and library.find_model("mine") is None
+    assert run("ls", "--add", str(tmp_path)).exit_code == 1  # a folder without a model is refused
+
+
+def test_show_prints_the_config_summary_and_the_memory_plan(dirs):
+    shutil.copytree(SOURCE, dirs.models / "llama_classic")
+    result = run("show", "llama_classic")
+    assert result.exit_code == 0, result.output
+    for expected in ("layers        2", "hidden size   64", "context       256", "vocab size    272", "verdict:"):
+        assert expected in result.output
+    assert "chat template yes" in result.output and "<|im_start|>" in result.output
+    info = json.loads(run("show", "llama_classic", "--json").output)
+    assert info["layers"] == 2 and info["memory_plan"]["verdict"] in ("fits", "fits but risks swap", "does not fit")
+    assert info["memory_plan"]["weights_bytes"] > 0
+
+
+def test_a_corrupt_registry_warns_and_the_listing_goes_on(dirs, caplog):
+    shutil.copytree(SOURCE, dirs.models / "llama_classic")
+    dirs.config.mkdir()
+    (dirs.config / "models.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING):
+        result = run("ls")
+    assert result.exit_code == 0 and "llama_classic" in result.output
+    assert any("models.json" in r.getMessage() and "not valid JSON" in r.getMessage() for r in caplog.records)
+
+
+def test_hf_cache_models_are_listed_and_removed_through_huggingface_hub(dirs):
+    snapshot = hf_cache_entry(dirs.hf)
+    model = library.find_model("org/tiny")
+    assert model is not None and model.source == "hf cache" and model.path == snapshot and model.family == "llama"
+    assert model.size_bytes == sum(len(b) for b in source_files().values())  # the links' targets count
+    result = run("rm", "org/tiny", "--yes")
+    assert result.exit_code == 0 and not (dirs.hf / "models--org--tiny").exists()
+
+
+def test_record_use_is_shown_and_bounded(dirs, monkeypatch):
+    shutil.copytree(SOURCE, dirs.models / "llama_classic")
+    monkeypatch.setattr(library, "MAX_USES", 3)
+    for i in range(5):
+        library.record_use(dirs.models / f"other{i}")
+    library.record_use(dirs.models / "llama_classic")
+    assert len(json.loads((dirs.cache / library.USES_FILE).read_text())) == 3
+    assert library.find_model("llama_classic").last_used is not None
+    assert "never" not in next(line for line in run("ls").output.splitlines() if line.startswith("llama_classic"))
+
+
+# -- the menubar's Switch Model list ----------------------------------------------------------------
+
+
+def test_switch_model_offers_hf_cache_and_added_models(dirs, tmp_path):
+    snapshot = hf_cache_entry(dirs.hf)
+    added = library.add_model(tiny_gguf(tmp_path / "mine.gguf")).path
+    own = tmp_path / "own"
+    shutil.copytree(SOURCE, own / "llama_classic")
+    controller = MenubarController(ServerSettings(port=0), models_dir=own)
+    assert controller.available_models() == [own / "llama_classic", snapshot, added]
