@@ -33,7 +33,7 @@ from .limits import WorkGate
 from .metrics import Metrics
 from .models import ModelSet, ServedModel
 from .replies import Reply, event
-from .running import Done, JobEvents, Running, TokenClock as _TokenClock
+from .running import Done, JobEvents, Running, TokenClock
 from .schema import GenerationParams, openai_chat, openai_completion
 from .settings import ServerSettings
 from .structured import Prepared, prepare_chat, prepare_completion
@@ -170,7 +170,7 @@ class API:
         except BaseException:
             self.models.ended(served)
             raise
-        clock = _TokenClock(self.metrics, request.state.arrived)
+        clock = TokenClock(self.metrics, request.state.arrived)
         return Running(served, job, events, Answer(prepared.parser), params, clock, len(ids), self.models.ended)
 
     async def _openai(self, request: Request, running: Running, reply: Reply) -> Response:

@@ -261,7 +261,7 @@ def keep_alive_s(value: Any) -> float | None:
     elif isinstance(value, str) and len(value) <= 24 and (match := _DURATION.fullmatch(value.strip())):
         seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
     if seconds is None:
-        raise APIError(400, f"keep_alive must be seconds or a duration like \"5m\", got {shown(value)}", "keep_alive")
+        raise APIError(400, f'keep_alive must be seconds or a duration like "5m", got {shown(value)}', "keep_alive")
     return float("inf") if seconds < 0 else min(seconds, MAX_KEEP_ALIVE_S)
 
 
