@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from ..engine import Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
+from . import anthropic, embeddings, ollama
 from .answer import Answer
 from .errors import APIError, as_api_error
 from .guard import GuardMiddleware, shows_token
@@ -68,6 +69,9 @@ class API:
             Route("/page/{name}", self.page_asset, methods=["GET"]),
             Route("/favicon.ico", self.favicon, methods=["GET"]),
             Route("/metrics", self.render_metrics, methods=["GET"]),
+            *ollama.routes(self),  # /api/...: Ollama's API
+            *anthropic.routes(self),  # /v1/messages
+            *embeddings.routes(self),  # /v1/embeddings
         ]
 
     def _counted(self, endpoint: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:

@@ -50,9 +50,13 @@ class GuardMiddleware:
         key = self.settings.api_key
         if key and method != "OPTIONS" and path.startswith(PROTECTED):
             given = headers.get("authorization")
+            if "x-api-key" in headers:  # Anthropic's clients send the key so
+                given = f"Bearer {headers['x-api-key']}"
             if not (shows_token(given, key) or shows_token(given, self.settings.local_token)):
                 return APIError(
-                    401, "a valid API key is needed: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                    401,
+                    "a valid API key is needed: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                    code="invalid_api_key",
                 )
         return None
 
