@@ -5,4 +5,15 @@ from .engine import GenerationStats, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["GenerationResult", "GenerationStats", "Model", "SamplingParams", "__version__", "load"]
+from .remote import RemoteModel, connect  # noqa: E402 - after __version__, which the server reads
+
+__all__ = [
+    "GenerationResult",
+    "GenerationStats",
+    "Model",
+    "RemoteModel",
+    "SamplingParams",
+    "__version__",
+    "connect",
+    "load",
+]

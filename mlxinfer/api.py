@@ -370,6 +370,37 @@ class Model:
         ]
         return html_table(f"Model {loaded.path.name}", rows)
 
+    def embed(
+        self,
+        inputs: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        *,
+        pooling: str = "mean",
+        normalize: bool = True,
+        chunk_tokens: int = 512,
+    ) -> np.ndarray:
+        """Embeddings: the final hidden states (after the last norm, before the LM head) pooled over each
+        input's tokens ("mean", or "last": the last token's), unit length unless `normalize=False`; float32 numpy
+        of shape (inputs, hidden). A string or a list of token ids is one input; text is encoded as it is (no
+        chat template). EmbeddingError for a model whose hidden states cannot be had (an unverified family).
+
+        Example:
+            >>> vectors = model.embed(["a cat", "a dog"])
+            >>> float(vectors[0] @ vectors[1])  # cosine similarity
+        """
+        from .engine.embed import embed, split_inputs
+
+        items = split_inputs(inputs)
+        ids = [self.tokenizer.encode(item) if isinstance(item, str) else item for item in items]
+        return embed(
+            self._loaded.model,
+            ids,
+            pooling,
+            normalize,
+            vocab_size=self.config.vocab_size,
+            kv_bits=self.kv_bits,
+            chunk_tokens=chunk_tokens,
+        )
+
 
 def _text_chars(prompt: Any) -> int:
     """Characters of text in a prompt or in its messages' string contents (token ids: 0)."""

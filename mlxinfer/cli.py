@@ -25,9 +25,11 @@ from .engine.sampling import SamplingParams
 from .engine.speculation import MODES, check_startup_mode
 from .engine.structure import structure_of
 from .engine.text import check_stops
-from .errors import DefaultModelError, GrammarError, MlxInferError, SamplingError
+from .errors import DefaultModelError, GrammarError, MlxInferError, SamplingError, ServerConfigError
 from .grammar import MAX_GRAMMAR_CHARS
+from .local_server import find_server, new_token, publish, server_identity, withdraw
 from .models import load_tokenizer
+from .remote import RemoteModel, model_field
 from .untrusted import read_json_object
 
 
@@ -68,6 +70,8 @@ def _options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None,
                      help="Store the KV cache quantized (less memory per token, slightly lower quality)."),
         _speculation_options,
+        click.option("--local", is_flag=True,
+                     help="Load the model in this process even when an mlxinfer server runs (else: use the server)."),
     ]  # fmt: skip
     for decorator in reversed(decorators):
         func = decorator(func)
@@ -134,9 +138,10 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
     speculation = _speculation(options)
     schema_file = options.pop("schema_file")
     structured = _structure_options(schema_file, options.pop("regex"), options.pop("choice"))
+    local = options.pop("local") or bool(structured.get("regex") or structured.get("choices"))
     generation = _generation_options(options)  # before the load: a bad flag should not cost one
     text = sys.stdin.read() if prompt == "-" else prompt
-    llm = _load(model, dtype, quiet=as_json, kv_bits=kv_bits, **speculation)
+    llm = _model_for(model, local, dtype, quiet=as_json, kv_bits=kv_bits, **speculation)
     messages = _messages(text, system) if chat else text
     try:  # the grammar compiles here, for this model's tokenizer: an unsupported keyword names the file
         run = llm.stream(messages, chat=chat, **generation, **structured)
@@ -146,8 +151,7 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
     if as_json:
         for _ in run:
             pass
-        payload = {"model": str(llm.path), "architecture": llm.architecture, "verified": llm.verified,
-                   "text": run.text(), "finish_reason": run.stats.finish_reason}  # fmt: skip
+        payload = {**_model_facts(llm), "text": run.text(), "finish_reason": run.stats.finish_reason}
         if structure and structure.is_json:  # the answer as a JSON value, not a string holding it
             payload["parsed"] = structure.parse(run.text(), run.stats.finish_reason)
         click.echo(json.dumps({**payload, "stats": run.stats.to_dict()}, ensure_ascii=False))
@@ -174,10 +178,12 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
     """
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
     speculation = _speculation(options)
+    local = options.pop("local")
     generation = _generation_options(options)  # before the load: a bad flag should not cost one
-    llm = _load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation)
+    llm = _model_for(model, local, dtype, quiet=False, kv_bits=kv_bits, **speculation)
     history = _messages(None, system)
-    click.echo(f"Chatting with {llm.path.name}. /reset clears, /exit quits.", err=True)
+    name = llm.path.name if isinstance(llm, Model) else llm.name or "the server's model"
+    click.echo(f"Chatting with {name}. /reset clears, /exit quits.", err=True)
     while True:
         try:
             line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
@@ -375,6 +381,14 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
 )
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Store KV caches quantized.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@click.option(
+    "--keep-alive",
+    envvar="MLXINFER_KEEP_ALIVE",
+    default="5m",
+    show_default=True,
+    help="How long a model stays loaded after its last request (seconds, 30s, 5m, 1h; -1: always) "
+    "[env: MLXINFER_KEEP_ALIVE]. A request's keep_alive overrides it.",
+)
 @_speculation_options
 @_errors_as_one_line
 def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: Any) -> None:
@@ -391,10 +405,12 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
            -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
     """
     from .engine import SchedulerConfig
-    from .server import ModelSet, ServerSettings, listen
+    from .server import ServerSettings, listen
     from .server import serve as run_server
+    from .server.settings import is_loopback
 
     o = options
+    keep_alive = _keep_alive_option(o["keep_alive"])
     settings = ServerSettings(
         host=o["host"],
         port=o["port"],
@@ -406,16 +422,92 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"]),
         speculate=o["speculate"],
         draft_model=o["draft_model"],
+        local_token=new_token(),
     )
     sockets = listen(settings)  # before the load: a taken port is one line now, not after the loading
-    models = ModelSet()
+    other = find_server()  # the user's resident server, if one runs already
+    models = _resident_models(settings, keep_alive, dtype, kv_bits)
     speculation = {"draft_model": settings.draft_model, "speculate": settings.speculate}
     name = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation), settings.scheduler).id
 
     def ready(url: str) -> None:  # once connections are answered, with the real port (also for --port 0)
         click.echo(f"Serving {name} on {url}/v1 (Ctrl-C to stop)", err=True)
+        if other is not None:
+            click.echo(f"note: the mlxinfer server at {other.url} (pid {other.pid}) stays the one that "
+                       "`mlxinfer chat` and mlxinfer.connect() use", err=True)  # fmt: skip
+        elif is_loopback(settings.host):  # front ends find it; never a server reachable from elsewhere
+            try:
+                publish(url, settings.local_token)
+            except (OSError, ServerConfigError) as e:  # serving goes on; front ends just will not find it
+                click.echo(f"note: front ends will not find this server: {e}", err=True)
 
-    run_server(models, settings, sockets=sockets, on_ready=ready)
+    try:
+        run_server(models, settings, sockets=sockets, on_ready=ready)
+    finally:
+        withdraw(settings.local_token)
+
+
+def _resident_models(settings: Any, keep_alive: float, dtype: str | None, kv_bits: str | None) -> Any:
+    """The server's models: more load by name on request (the list `mlxinfer ls` shows), within the memory
+    the planner sees now, and each unloads `keep_alive` seconds after its last request."""
+    from .memory import machine_memory
+    from .models.library import find_model
+    from .server import ModelSet
+
+    def catalog(name: str) -> Path | None:
+        found = find_model(name)
+        return found.path if found is not None else None
+
+    bits = int(kv_bits) if kv_bits else None
+    return ModelSet(
+        catalog=catalog,
+        loader=functools.partial(load, dtype=dtype, kv_bits=bits),
+        keep_alive_s=keep_alive,
+        budget_bytes=machine_memory().usable_bytes(),
+        config=settings.scheduler,
+    )
+
+
+def _keep_alive_option(value: str) -> float:
+    from .server.errors import APIError
+    from .server.models import DEFAULT_KEEP_ALIVE_S
+    from .server.schema import keep_alive_s
+
+    try:
+        seconds = keep_alive_s(value)
+    except APIError:
+        raise click.BadParameter(f"{value!r}: give seconds or a duration like 5m, 1h, -1 (never)") from None
+    return DEFAULT_KEEP_ALIVE_S if seconds is None else seconds
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the loaded models as JSON.")
+@_errors_as_one_line
+def ps(as_json: bool) -> None:
+    """Show the models the running mlxinfer server has loaded, their memory, and when each unloads."""
+    server = find_server()
+    if server is None:
+        raise click.ClickException("no mlxinfer server is running; start one with `mlxinfer serve`")
+    rows = server_identity(server).get("loaded", [])
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    click.echo(f"{'NAME':<40} {'MEMORY':>10} {'ANSWERING':>9}  {'UNLOADS':<14} PATH")
+    for row in rows:
+        click.echo(f"{row['name']:<40} {mib(row['memory_bytes'], 0):>10} {row['in_flight']:>9}  "
+                   f"{_unloads(row):<14} {row['path']}")  # fmt: skip
+    if not rows:
+        click.echo(f"no models loaded (the server at {server.url} loads one on its first request)", err=True)
+
+
+def _unloads(row: dict[str, Any]) -> str:
+    if row.get("keep_alive_forever"):
+        return "never"
+    seconds = row.get("expires_in_s")
+    if seconds is None:
+        return "after answering"
+    minutes, rest = divmod(int(seconds), 60)
+    return f"in {minutes} min {rest} s" if minutes else f"in {rest} s"
 
 
 @main.command()
@@ -626,7 +718,27 @@ def evaluate(model: str | None, text_file: Path | None, max_tokens: int, dtype: 
     click.echo(f"perplexity {ppl:.4f} over {len(ids)} tokens")
 
 
-def _stream_answer(llm: Model, history: list[dict[str, str]], options: dict[str, Any]) -> str:
+def _model_for(model: str | None, local: bool, dtype: str | None, quiet: bool, **options: Any) -> Model | RemoteModel:
+    """The resident server's model when a server runs (no second copy of the weights), else one loaded here.
+
+    Options that change how a model loads (--dtype, --kv-bits, a draft model, a speculation mode) load it here:
+    the server's copy was loaded with its own."""
+    loads_here = local or dtype or options["kv_bits"] or options["draft_model"] or options["speculate"] != "auto"
+    server = None if loads_here else find_server()
+    if server is None:
+        return _load(model, dtype, quiet, **options)
+    if not quiet:
+        click.echo(f"Using the mlxinfer server at {server.url} (pid {server.pid}); --local loads it here", err=True)
+    return RemoteModel(server, model_field(model))
+
+
+def _model_facts(llm: Model | RemoteModel) -> dict[str, Any]:
+    if isinstance(llm, RemoteModel):
+        return {"model": llm.name, "server": llm.server.url}
+    return {"model": str(llm.path), "architecture": llm.architecture, "verified": llm.verified}
+
+
+def _stream_answer(llm: Model | RemoteModel, history: list[dict[str, str]], options: dict[str, Any]) -> str:
     run = llm.stream(history, chat=True, **options)
     parts: list[str] = []
     try:

@@ -110,3 +110,11 @@ class LibraryError(MlxInferError):
 class HubError(MlxInferError):
     """A pull from the Hugging Face Hub was refused (what it lists or serves is unloadable or hostile, the disk
     is too small) or stopped (the network); a stopped pull resumes when run again."""
+
+
+class RemoteServerError(MlxInferError):
+    """The resident server refused a request or failed while answering it (its message says why)."""
+
+
+class EmbeddingError(UnsupportedModelError):
+    """A model whose final hidden states cannot be had for embeddings (the reason is in the message)."""

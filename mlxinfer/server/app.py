@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,8 +25,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import __version__
 from ..engine import Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
+from ..local_server import IDENTITY_PATH
 from . import anthropic, embeddings, ollama
 from .answer import Answer
 from .errors import APIError, as_api_error
@@ -65,6 +68,7 @@ class API:
             Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
             Route("/v1/models", self._counted("models", self.list_models), methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route(IDENTITY_PATH, self.identity, methods=["GET"]),
             Route("/", self.page, methods=["GET"]),
             Route("/page/{name}", self.page_asset, methods=["GET"]),
             Route("/favicon.ico", self.favicon, methods=["GET"]),
@@ -243,6 +247,13 @@ class API:
             for name in self.models.ids
         ]  # fmt: skip
         return JSONResponse({"object": "list", "data": data})
+
+    async def identity(self, request: Request) -> Response:
+        """Who this server is, for the user's own front ends (local_server.find_server): only with the token."""
+        if not self.trusted(request):
+            return APIError(401, "this route is for the user's own front ends", code="invalid_api_key").response()
+        body = {"pid": os.getpid(), "version": __version__, "models": self.models.ids, "loaded": self.models.ps()}
+        return JSONResponse(body)
 
     async def health(self, request: Request) -> Response:
         loaded = {s.id: s for s in self.models}
