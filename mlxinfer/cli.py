@@ -729,7 +729,9 @@ def _model_for(model: str | None, local: bool, dtype: str | None, quiet: bool, *
         return _load(model, dtype, quiet, **options)
     if not quiet:
         click.echo(f"Using the mlxinfer server at {server.url} (pid {server.pid}); --local loads it here", err=True)
-    return RemoteModel(server, model_field(model))
+    remote = RemoteModel(server, model_field(model))
+    remote.name = remote.name or next(iter(server_identity(server).get("models", [])), None)  # the server's first
+    return remote
 
 
 def _model_facts(llm: Model | RemoteModel) -> dict[str, Any]:

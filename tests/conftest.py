@@ -98,6 +98,18 @@ def tiny_copy(tmp_path: Path):
     return copy
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_user_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """The resident server's state file and the model registry in temp folders for the whole session: a test's
+    `mlxinfer serve` must never become the server the user's own front ends (or other tests) attach to."""
+    with pytest.MonkeyPatch.context() as mp:
+        runtime = tmp_path_factory.mktemp("runtime")
+        runtime.chmod(0o700)
+        mp.setenv("MLXINFER_RUNTIME_DIR", str(runtime))
+        mp.setenv("MLXINFER_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+        yield
+
+
 @pytest.fixture
 def held_port():
     """The port of a socket that listens on 127.0.0.1 for the whole test (another process holding it)."""

@@ -75,7 +75,8 @@ class GenerationStats:
         return (
             f"{self.prompt_tokens} prompt tokens{cached}, {self.generated_tokens} generated; "
             f"TTFT {self.ttft_s:.2f} s, prefill {self.prefill_tps:.1f} tok/s, "
-            f"decode {self.decode_tps:.1f} tok/s, peak {mib(self.peak_memory_bytes, 0)}"
+            f"decode {self.decode_tps:.1f} tok/s"
+            + (f", peak {mib(self.peak_memory_bytes, 0)}" if self.peak_memory_bytes else "")  # 0: not measured here
             + (f"; speculation: {self.speculation_summary()}" if self.speculation or self.speculation_off else "")
         )
 

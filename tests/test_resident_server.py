@@ -1,0 +1,270 @@
+"""One resident server for every front end: the state file, attaching, keep-alive, loading by name, the budget."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+import mlxinfer
+from mlxinfer.errors import RemoteServerError, SamplingError
+from mlxinfer.local_server import LocalServer, find_server, new_token, publish, state_path, withdraw
+from mlxinfer.remote import RemoteModel
+from mlxinfer.server import ModelSet, ServerSettings
+from mlxinfer.server.errors import APIError
+from mlxinfer.server.run import BackgroundServer
+from tests.conftest import TINY
+
+HI = [{"role": "user", "content": "Say hi"}]
+CLI = [sys.executable, "-m", "mlxinfer.cli"]
+
+
+def chat(url: str, model: str | None = None, token: str | None = None, **body) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    payload = {"messages": HI, "max_tokens": 4, "temperature": 0, **body}
+    if model is not None:
+        payload["model"] = model
+    return httpx.post(url + "/v1/chat/completions", json=payload, headers=headers, timeout=120)
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture
+def tiny_server():
+    """A server of the tiny llama that keeps a model loaded 0.6 s after its last request, with a per-user token."""
+    token = new_token()
+    models = ModelSet(keep_alive_s=0.6)
+    models.add(mlxinfer.load(TINY / "llama_classic"))
+    with BackgroundServer(models, ServerSettings(port=0, local_token=token)) as running:
+        running.models, running.token = models, token
+        yield running
+    models.close()
+
+
+# -- the state file -------------------------------------------------------------------------------
+
+
+def test_a_published_server_is_found_and_withdrawn(tiny_server):
+    path = publish(tiny_server.url, tiny_server.token)
+    assert path == state_path() and (path.stat().st_mode & 0o777) == 0o600  # only the user can read the token
+    found = find_server()
+    assert found == LocalServer(tiny_server.url, os.getpid(), tiny_server.token)
+    withdraw("not-the-token-of-this-server")  # another server's token: the file stays
+    assert path.exists()
+    withdraw(tiny_server.token)
+    assert not path.exists() and find_server() is None
+
+
+def test_a_stale_state_file_is_ignored_with_a_one_line_note(tiny_server, caplog):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    publish(tiny_server.url, tiny_server.token, pid=dead.pid)
+    with caplog.at_level(logging.WARNING, logger="mlxinfer"):
+        assert find_server() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"note: ignoring {state_path()}: its server (pid {dead.pid}) is no longer running"
+    ]
+    caplog.clear()
+    publish(tiny_server.url, new_token())  # a live server that does not know this token (another took the port)
+    with caplog.at_level(logging.WARNING, logger="mlxinfer"):
+        assert find_server() is None
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert "does not know its token" in note and "\n" not in note
+
+
+def test_a_state_file_others_could_read_or_pointing_elsewhere_is_ignored(tiny_server, caplog):
+    path = publish(tiny_server.url, tiny_server.token)
+    path.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="mlxinfer"):
+        assert find_server() is None
+    assert "not the user's own private file" in caplog.text
+    path.write_text(json.dumps({"url": "http://192.0.2.1:80", "pid": os.getpid(), "token": tiny_server.token}))
+    path.chmod(0o600)
+    assert find_server() is None  # the token is never sent beyond this machine
+    path.write_text("{not json")
+    assert find_server() is None
+    path.unlink()
+
+
+def test_the_identity_route_answers_only_with_the_token(tiny_server):
+    assert httpx.get(tiny_server.url + "/api/mlxinfer").status_code == 401
+    wrong = httpx.get(tiny_server.url + "/api/mlxinfer", headers={"Authorization": "Bearer " + "x" * 43})
+    assert wrong.status_code == 401
+    ok = httpx.get(tiny_server.url + "/api/mlxinfer", headers={"Authorization": f"Bearer {tiny_server.token}"})
+    assert ok.status_code == 200 and ok.json()["pid"] == os.getpid() and ok.json()["models"] == ["llama_classic"]
+
+
+# -- keep-alive -----------------------------------------------------------------------------------
+
+
+def test_an_idle_model_unloads_after_its_keep_alive_and_reloads_on_the_next_request(tiny_server):
+    models = tiny_server.models
+    first = chat(tiny_server.url)
+    assert first.status_code == 200 and models.is_loaded("llama_classic")
+    assert wait_for(lambda: not models.is_loaded("llama_classic"), 10)  # 0.6 s after the request ended
+    again = chat(tiny_server.url)
+    assert again.status_code == 200 and models.is_loaded("llama_classic")
+    assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
+
+
+def test_a_requests_keep_alive_overrides_the_default(tiny_server):
+    models = tiny_server.models
+    assert chat(tiny_server.url, keep_alive=-1).status_code == 200  # Ollama's "forever"
+    assert math.isinf(models.expires_in("llama_classic"))
+    time.sleep(1.0)
+    assert models.is_loaded("llama_classic")
+    assert chat(tiny_server.url, keep_alive="1h").status_code == 200
+    assert 3500 < models.expires_in("llama_classic") <= 3600
+    assert chat(tiny_server.url, keep_alive=0).status_code == 200  # unload right after
+    assert wait_for(lambda: not models.is_loaded("llama_classic"), 5)
+    bad = chat(tiny_server.url, keep_alive="soon")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
+
+
+def test_a_model_answering_does_not_unload(tiny_server):
+    models = tiny_server.models
+    served = models.get("llama_classic")
+    models.began(served, 0.0)  # a request in flight with keep_alive 0
+    time.sleep(0.8)
+    assert models.is_loaded("llama_classic") and models.expires_in("llama_classic") is None
+    models.ended(served)
+    assert wait_for(lambda: not models.is_loaded("llama_classic"), 5)
+
+
+# -- loading by name, by path, within the budget ---------------------------------------------------
+
+
+def test_models_load_by_name_and_by_path_only_for_the_users_front_ends(tmp_path):
+    other = TINY / "qwen3"
+    token = new_token()
+    models = ModelSet(catalog=lambda name: other if name == "my-qwen" else None)
+    models.add(mlxinfer.load(TINY / "llama_classic"))
+    with BackgroundServer(models, ServerSettings(port=0, local_token=token)) as server:
+        assert chat(server.url, "my-qwen").status_code == 200
+        assert models.is_loaded("my-qwen") and models.path_of("my-qwen") == other
+        unknown = chat(server.url, "nope")
+        assert unknown.status_code == 404 and "mlxinfer ls" in unknown.json()["error"]["message"]
+        by_path = str(TINY / "gemma3")
+        assert chat(server.url, by_path).status_code == 404  # a path from anyone else: never loaded
+        answered = chat(server.url, by_path, token=token)
+        assert answered.status_code == 200 and answered.json()["model"] == "gemma3"
+        assert chat(server.url, str(other), token=token).json()["model"] == "my-qwen"  # the same copy, not a second
+        assert sorted(models.ids) == ["gemma3", "llama_classic", "my-qwen"]
+    models.close()
+
+
+def test_a_model_that_does_not_fit_unloads_idle_ones_first(tmp_path):
+    small = mlxinfer.load(TINY / "llama_classic")
+    room = small.footprint.weights_bytes + small.cache_stats.bytes_held
+    models = ModelSet(catalog=lambda name: TINY / name, budget_bytes=room + room // 2)  # not two of them
+    models.add(small)
+    second = models.get("qwen3")
+    assert models.is_loaded("qwen3") and not models.is_loaded("llama_classic")  # the idle one made room
+    models.began(second, None)  # qwen3 answering: it cannot be unloaded for a third
+    with pytest.raises(APIError) as refused:
+        models.get("llama_classic")
+    assert refused.value.status == 503 and "does not fit" in str(refused.value)
+    models.ended(second)
+    assert models.get("llama_classic") and not models.is_loaded("qwen3")
+    models.close()
+
+
+# -- front ends attach: the real default model, separate processes --------------------------------
+
+
+def run_measured(command: list[str], env: dict[str, str]) -> tuple[subprocess.CompletedProcess, int]:
+    """Run `command`; its output and its peak RSS in bytes (measured by a parent that runs nothing else)."""
+    probe = (
+        "import json, resource, subprocess, sys\n"
+        "p = subprocess.run(sys.argv[1:], capture_output=True, text=True)\n"
+        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * (1 if sys.platform == 'darwin' else 1024)\n"
+        "print(json.dumps({'rc': p.returncode, 'out': p.stdout, 'err': p.stderr, 'rss': rss}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, *command], capture_output=True, text=True, env=env, timeout=600)
+    result = json.loads(done.stdout)
+    return subprocess.CompletedProcess(command, result["rc"], result["out"], result["err"]), result["rss"]
+
+
+@pytest.fixture(scope="module")
+def resident(smol_path: Path, tmp_path_factory):
+    """`mlxinfer serve` of the default model in its own process, published in a private runtime dir."""
+    runtime = tmp_path_factory.mktemp("resident-runtime")
+    runtime.chmod(0o700)
+    env = {**os.environ, "MLXINFER_RUNTIME_DIR": str(runtime), "MLXINFER_CACHE_DIR": str(smol_path.parents[1])}
+    process = subprocess.Popen([*CLI, "serve", "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
+    state = runtime / "server.json"
+    try:
+        assert wait_for(state.exists, 300), "the server never published its state file"
+        yield process, env, json.loads(state.read_text())
+    finally:
+        process.terminate()
+        process.wait(60)
+    assert not state.exists()  # withdrawn on the way out
+
+
+def test_a_second_front_end_attaches_without_a_second_copy_of_the_weights(resident, smol):
+    process, env, state = resident
+    command = [*CLI, "generate", "-p", "What is the capital of France?", "--max-tokens", "12"]
+    attached, attached_rss = run_measured(command, env)
+    local, local_rss = run_measured([*command, "--local"], env)
+    assert attached.returncode == 0 and local.returncode == 0, attached.stderr + local.stderr
+    assert f"Using the mlxinfer server at {state['url']} (pid {process.pid})" in attached.stderr
+    assert "Using" not in local.stderr
+    assert attached.stdout == local.stdout and "Paris" in attached.stdout  # greedy: the same answer either way
+    weights = smol.footprint.weights_bytes
+    # The attached process holds no weights: it is smaller than the one that loads them by at least their size.
+    assert attached_rss + weights < local_rss, (attached_rss, local_rss, weights)
+    server_rss = psutil.Process(process.pid).memory_info().rss
+    assert server_rss > weights  # the one copy is the server's
+
+
+def test_connect_and_ps_use_the_resident_server(resident):
+    process, env, state = resident
+    script = (
+        "import mlxinfer, json\n"
+        "m = mlxinfer.connect()\n"
+        "r = m.chat('What is the capital of France?', max_tokens=12)\n"
+        "print(json.dumps([type(m).__name__, r.text, r.stats.generated_tokens, r.finish_reason]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    kind, text, tokens, reason = json.loads(done.stdout)
+    assert kind == "RemoteModel" and "Paris" in text and tokens > 0 and reason in ("stop", "length")
+    ps = subprocess.run([*CLI, "ps", "--json"], capture_output=True, text=True, env=env, timeout=120)
+    (row,) = json.loads(ps.stdout)
+    assert row["name"] == "SmolLM2-135M-Instruct.Q4_1" and row["memory_bytes"] > 0
+    assert 0 < row["expires_in_s"] <= 300  # the default keep-alive: five minutes after the last request
+    table = subprocess.run([*CLI, "ps"], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert "SmolLM2-135M-Instruct.Q4_1" in table and " in 4 min" in table
+
+
+def test_remote_options_are_checked_before_sending(resident):
+    _, env, state = resident
+    server = LocalServer(state["url"], state["pid"], state["token"])
+    remote = RemoteModel(server, None)
+    with pytest.raises(SamplingError, match="connect\\(local=True\\)"):
+        remote.generate("hi", regex="[a-z]+")
+    with pytest.raises(SamplingError, match="temperature"):
+        remote.generate("hi", temperature=-1)
+    with pytest.raises(RemoteServerError, match="404"):
+        RemoteModel(server, "no-such-model").generate("hi", max_tokens=2)
+
+
+def test_without_a_server_front_ends_load_their_own_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXINFER_RUNTIME_DIR", str(tmp_path))
+    assert isinstance(mlxinfer.connect(TINY / "llama_classic"), mlxinfer.Model)
