@@ -451,16 +451,12 @@ def _resident_models(settings: Any, keep_alive: float, dtype: str | None, kv_bit
     """The server's models: more load by name on request (the list `mlxinfer ls` shows), within the memory
     the planner sees now, and each unloads `keep_alive` seconds after its last request."""
     from .memory import machine_memory
-    from .models.library import find_model
     from .server import ModelSet
-
-    def catalog(name: str) -> Path | None:
-        found = find_model(name)
-        return found.path if found is not None else None
+    from .server.models import local_catalog
 
     bits = int(kv_bits) if kv_bits else None
     return ModelSet(
-        catalog=catalog,
+        catalog=local_catalog,
         loader=functools.partial(load, dtype=dtype, kv_bits=bits),
         keep_alive_s=keep_alive,
         budget_bytes=machine_memory().usable_bytes(),

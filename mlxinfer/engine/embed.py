@@ -13,7 +13,9 @@ import numpy as np
 
 from ..cache import make_cache
 from ..errors import EmbeddingError, SamplingError
+from ..models.cohere2_layers import ScaledLayerNorm
 from ..models.decoder import DecoderLM
+from ..models.granitemoehybrid_layers import ScaledRMSNorm
 from ..untrusted import shown
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 from .sampling import is_int
@@ -120,7 +122,14 @@ def _pooled(decoder: DecoderLM, ids: list[int], pooling: str, kv_bits: int | Non
         mx.eval(pooled, [c.arrays for c in cache])
     if pooling == "mean":
         pooled = pooled / len(ids)
-    return np.array(pooled, dtype=np.float32)
+    return np.array(pooled / _head_scale(decoder), dtype=np.float32)
+
+
+def _head_scale(decoder: DecoderLM) -> float:
+    """The factor some families fold into their final norm for the head's sake (granite's 1 / logits_scaling,
+    cohere2's logit_scale): transformers' hidden states are the norm's output without it."""
+    norm = getattr(decoder.model, decoder.layout.final_norm)
+    return float(norm._scale) if isinstance(norm, (ScaledRMSNorm, ScaledLayerNorm)) else 1.0
 
 
 def check_ids(ids: Sequence[int], index: int, vocab_size: int) -> list[int]:

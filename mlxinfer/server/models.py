@@ -32,6 +32,7 @@ from ..display import mib
 from ..engine import Scheduler, SchedulerConfig
 from ..engine.threads import call_on_device_thread
 from ..models import disk_bytes
+from ..models.library import find_model
 from ..untrusted import shown
 from .errors import APIError
 
@@ -59,6 +60,13 @@ class _Slot:
     keep_alive_s: float | None = None  # the latest request's keep_alive; None: the set's default
     last_used: float = 0.0  # monotonic time the last request ended (or the model loaded)
     loaded_at: float = 0.0  # wall-clock time, for `ps`
+
+
+def local_catalog(name: str) -> Path | None:
+    """A local model's path by the name `mlxinfer ls` shows (the models folder, the Hugging Face cache, added
+    files), or None: what `mlxinfer serve` and the menubar helper load on a request that names one."""
+    found = find_model(name)
+    return found.path if found is not None else None
 
 
 def model_id(model: Model) -> str:

@@ -7,6 +7,7 @@ answer finishes, so an idle helper runs no loop and wakes no thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import webbrowser
@@ -18,9 +19,11 @@ from ..api import Model, load
 from ..display import mib
 from ..engine import GenerationStats
 from ..engine.threads import call_on_device_thread
+from ..errors import ServerConfigError
+from ..local_server import find_server, new_token, publish, withdraw
 from ..models import local_models
 from ..server import ModelSet, ServerSettings
-from ..server.models import model_id
+from ..server.models import local_catalog, model_id
 from ..server.run import BackgroundServer
 
 log = logging.getLogger("mlxinfer.menubar")
@@ -43,9 +46,11 @@ class MenubarController:
         open_url: Callable[[str], object] = webbrowser.open,
         default_model: Path | None = None,
     ):
+        # The helper is the user's resident server: front ends find it by the state file and its token.
+        settings = dataclasses.replace(settings, local_token=settings.local_token or new_token())
         self.settings, self.models_dir, self._loader, self._open_url = settings, models_dir, loader, open_url
         self.default_model = default_model
-        self.models = ModelSet()
+        self.models = ModelSet(catalog=local_catalog, loader=loader, config=settings.scheduler)
         self.server: BackgroundServer | None = None
         self.current: Path | None = None
         self.last_stats: GenerationStats | None = None
@@ -147,6 +152,7 @@ class MenubarController:
 
     def stop_server(self) -> None:
         if self.server is not None:
+            withdraw(self.settings.local_token)
             self.server.stop()
             self.server = None
         self.on_change()
@@ -172,7 +178,19 @@ class MenubarController:
 
     def _serve(self, server: BackgroundServer) -> None:
         self.server = server.start()
+        self._publish()
         self.on_change()
+
+    def _publish(self) -> None:
+        """Become the server `mlxinfer chat` and mlxinfer.connect() use, unless another one already is."""
+        other = find_server()
+        if other is not None:
+            log.warning("the mlxinfer server at %s (pid %d) stays the one front ends use", other.url, other.pid)
+            return
+        try:
+            publish(self.url, self.settings.local_token)
+        except (OSError, ServerConfigError) as e:
+            log.warning("front ends will not find this server: %s", e)
 
     def _finished(self, stats: GenerationStats) -> None:  # on a scheduler's thread
         if stats.generated_tokens:
