@@ -40,8 +40,10 @@ FORBIDDEN = {
     "chat": {"ui", "server", "engine", "cache", "models", "memory", "api", "bench", "cli", "convert", "quantize"},
     "hub": {"ui", "server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
 }
+# The client side of the resident server: it talks HTTP to the server, never imports it.
+FORBIDDEN["remote"] = {"ui", "server", "bench", "cli", "convert", "quantize"}
 # Leaf modules that every room may use: they import nothing of ours but errors.
-LEAVES = ("untrusted", "disk")
+LEAVES = ("untrusted", "disk", "local_server")
 ROOMS = (
     {p.parent.name for p in (ROOT / "mlxinfer").glob("*/__init__.py")}
     | {p.stem for p in (ROOT / "mlxinfer").glob("*.py") if p.stem != "__init__"}

@@ -56,6 +56,7 @@ class MenubarController:
         self.last_stats: GenerationStats | None = None
         self.on_change: Callable[[], None] = lambda: None  # the icon redraws its menu
         self._lock = threading.Lock()
+        self._names: dict[Path, str] = {}  # the menu's names of the models available_models found
 
     # -- what the menu shows ----------------------------------------------
 
@@ -101,12 +102,18 @@ class MenubarController:
         from ..models.library import CACHE, list_models
 
         found = local_models(self.models_dir) if self.models_dir != models_dir() else []
-        found += [m.path for m in list_models() if m.source != CACHE]
+        listed = [m for m in list_models() if m.source != CACHE]
+        self._names.update({m.path: m.name for m in listed})
+        found += [m.path for m in listed]
         paths = ([self.default_model] if self.default_model else []) + found
         unique: dict[str, Path] = {}
         for path in paths:  # a model listed twice (a link, models_dir being the usual folder) keeps its first place
             unique.setdefault(os.path.realpath(path), path)
         return list(unique.values())
+
+    def name_of(self, path: Path) -> str:
+        """The name `mlxinfer ls` gives a model (org/name for the Hugging Face cache, not its snapshot hash)."""
+        return self._names.get(path, path.stem if path.suffix == ".gguf" else path.name)
 
     # -- what the menu does -----------------------------------------------
 

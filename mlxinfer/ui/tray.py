@@ -52,7 +52,7 @@ def build_menu(controller: MenubarController, pystray: Any, on_quit: Callable[[A
     def models_menu() -> list[Any]:
         return [
             item(
-                path.name,
+                controller.name_of(path),
                 partial(_in_background, shown.wrap(controller.switch_model, path)),
                 checked=lambda _, p=path: controller.current == p,
                 radio=True,
