@@ -268,3 +268,13 @@ def test_remote_options_are_checked_before_sending(resident):
 def test_without_a_server_front_ends_load_their_own_model(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXINFER_RUNTIME_DIR", str(tmp_path))
     assert isinstance(mlxinfer.connect(TINY / "llama_classic"), mlxinfer.Model)
+
+
+def test_a_request_for_a_model_unloaded_as_it_arrived_gets_503_and_a_retry(tiny_server):
+    models = tiny_server.models
+    served = models.get("llama_classic")
+    models.unload("llama_classic")  # the keep-alive ran out between the lookup and the submit
+    with pytest.raises(APIError) as refused:
+        models.began(served, None)
+    assert refused.value.status == 503 and refused.value.retry_after_s == 1
+    assert chat(tiny_server.url).status_code == 200  # the retry loads it again

@@ -232,13 +232,17 @@ class ModelSet:
     # -- keep-alive -------------------------------------------------------
 
     def began(self, served: ServedModel, keep_alive_s: float | None) -> None:
-        """A request for `served` started: it stays loaded at least until the request ends."""
+        """A request for `served` started: it stays loaded at least until the request ends.
+
+        APIError 503 if it was unloaded meanwhile (its keep-alive ran out as the request was being prepared)."""
         with self._lock:
             slot = self._slots.get(served.id)
-            if slot is not None and slot.served is served:
-                slot.in_flight += 1
-                if keep_alive_s is not None:
-                    slot.keep_alive_s = keep_alive_s
+            if slot is None or slot.served is not served:
+                raise APIError(503, f"model {served.id} was unloaded as this request arrived; send it again",
+                               "model", "model_unloaded", retry_after_s=1)  # fmt: skip
+            slot.in_flight += 1
+            if keep_alive_s is not None:
+                slot.keep_alive_s = keep_alive_s
 
     def ended(self, served: ServedModel) -> None:
         """A request for `served` ended: its keep-alive counts from now."""
