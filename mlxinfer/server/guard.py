@@ -11,6 +11,7 @@ from __future__ import annotations
 import hmac
 
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import APIError
@@ -27,9 +28,16 @@ class GuardMiddleware:
         if scope["type"] == "http":
             refusal = self.check(scope["method"], scope["path"], Headers(scope=scope))
             if refusal is not None:
-                await refusal.response()(scope, receive, send)
+                await self._shaped(scope["path"], refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    def _shaped(path: str, refusal: APIError) -> Response:
+        """The refusal in the shape the route's clients read: Ollama's {"error": message} under /api/."""
+        if path.startswith("/api/"):
+            return JSONResponse({"error": refusal.message}, status_code=refusal.status, headers=refusal.headers())
+        return refusal.response()
 
     def check(self, method: str, path: str, headers: Headers) -> APIError | None:
         host = headers.get("host", "")

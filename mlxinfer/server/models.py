@@ -241,8 +241,7 @@ class ModelSet:
                 raise APIError(503, f"model {served.id} was unloaded as this request arrived; send it again",
                                "model", "model_unloaded", retry_after_s=1)  # fmt: skip
             slot.in_flight += 1
-            if keep_alive_s is not None:
-                slot.keep_alive_s = keep_alive_s
+            slot.keep_alive_s = keep_alive_s  # as in Ollama: each request's own, or (None) the default
 
     def ended(self, served: ServedModel) -> None:
         """A request for `served` ended: its keep-alive counts from now."""

@@ -89,13 +89,14 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def _ollama_errors(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-    """Every refusal in Ollama's shape, also those app.py renders in OpenAI's (`API.whole`'s error events)."""
+    """Every refusal in Ollama's shape, naming Ollama's fields; also those app.py renders in OpenAI's shape
+    (`API.whole`'s error events)."""
 
     async def run(request: Request) -> Response:
         try:
             response = await handler(request)
         except (APIError, MlxInferError, ClientDisconnect) as error:  # the request's fault, not a bug
-            return error_response(as_api_error(error))
+            return error_response(_renamed(as_api_error(error)))
         except Exception as error:  # noqa: BLE001 - a bug answers 500 in Ollama's shape; the server goes on
             log.exception("%s failed", request.url.path)
             return error_response(as_api_error(error))
@@ -131,25 +132,19 @@ class LoadOnly(Exception):  # noqa: N818 - not an error: /api/generate with no p
 
 def parse_ollama_chat(raw: bytes) -> tuple[Any, Any]:
     """An /api/chat body, checked as the OpenAI chat request it becomes."""
-    try:
-        return parse_chat(to_openai_chat(parse_json(raw)))
-    except APIError as error:
-        raise _renamed(error) from None
+    return parse_chat(to_openai_chat(parse_json(raw)))
 
 
 def parse_ollama_generate(raw: bytes) -> tuple[Any, Any]:
     """An /api/generate body: a chat of system + user prompt, or with `raw` the prompt as it is."""
-    try:
-        body = parse_json(raw)
-        prompt = body.get("prompt")
-        if prompt is None or prompt == "":  # Ollama's way to load (or, with keep_alive 0, unload) a model
-            model = body.get("model")
-            if not isinstance(model, str) or not model:
-                raise APIError(400, "model must name the model to load or unload", "model")
-            raise LoadOnly(model, keep_alive_s(body.get("keep_alive")))
-        return _generate_request(body, prompt)
-    except APIError as error:
-        raise _renamed(error) from None
+    body = parse_json(raw)
+    prompt = body.get("prompt")
+    if prompt is None or prompt == "":  # Ollama's way to load (or, with keep_alive 0, unload) a model
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise APIError(400, "model must name the model to load or unload", "model")
+        raise LoadOnly(model, keep_alive_s(body.get("keep_alive")))
+    return _generate_request(body, prompt)
 
 
 def _generate_request(body: dict[str, Any], prompt: Any) -> tuple[Any, Any]:
@@ -375,7 +370,9 @@ async def _load_or_unload(api: API, request: Request, only: LoadOnly) -> Respons
         reason = "unload"
     else:
         served = await run_in_threadpool(api.models.get, only.model, api.trusted(request))
-        api.models.began(served, only.keep_alive)  # the keep_alive counts from now
+        # The keep_alive (Ollama: the server's default when none is given) counts from now.
+        keep_alive = api.models.keep_alive_s if only.keep_alive is None else only.keep_alive
+        api.models.began(served, keep_alive)
         api.models.ended(served)
         name, reason = served.id, "load"
     return JSONResponse(
@@ -389,10 +386,11 @@ def _unload(api: API, name: str) -> str:
         if name not in api.models.ids and library.find_model(name) is None:
             raise APIError(404, f"model {shown(name)} not found", "model", "model_not_found")
         return name  # not loaded: nothing to do
-    # keep_alive 0 from now: a request still answering ends first and the reaper then unloads it.
-    api.models.began(served, 0.0)
-    api.models.ended(served)
-    if not any(row["name"] == served.id and row["in_flight"] for row in api.models.ps()):
+    if any(row["name"] == served.id and row["in_flight"] for row in api.models.ps()):
+        # keep_alive 0 from now: the requests still answering end first, then the reaper unloads it.
+        api.models.began(served, 0.0)
+        api.models.ended(served)
+    else:
         api.models.unload(served.id)  # idle: at once, so /api/ps no longer lists it when this answers
     return served.id
 
