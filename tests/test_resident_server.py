@@ -133,17 +133,20 @@ def test_a_requests_keep_alive_overrides_the_default(tiny_server):
     assert 3500 < models.expires_in("llama_classic") <= 3600
     assert chat(tiny_server.url, keep_alive=0).status_code == 200  # unload right after
     assert wait_for(lambda: not models.is_loaded("llama_classic"), 5)
+    assert chat(tiny_server.url).status_code == 200  # the next request's own keep-alive: the default again
+    assert models.is_loaded("llama_classic") and 0 < models.expires_in("llama_classic") <= 0.6
     bad = chat(tiny_server.url, keep_alive="soon")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
 
 
 def test_a_model_answering_does_not_unload(tiny_server):
     models = tiny_server.models
-    served = models.get("llama_classic")
-    models.began(served, 0.0)  # a request in flight with keep_alive 0
+    served = models.acquire("llama_classic")  # a request holds it
+    models.keep_alive("llama_classic", 0.0)
     time.sleep(0.8)
     assert models.is_loaded("llama_classic") and models.expires_in("llama_classic") is None
-    models.ended(served)
+    assert not models.unload("llama_classic", if_idle=True)  # what the reaper and the budget call
+    models.release(served, 0.0)
     assert wait_for(lambda: not models.is_loaded("llama_classic"), 5)
 
 
@@ -174,13 +177,12 @@ def test_a_model_that_does_not_fit_unloads_idle_ones_first(tmp_path):
     room = small.footprint.weights_bytes + small.cache_stats.bytes_held
     models = ModelSet(catalog=lambda name: TINY / name, budget_bytes=room + room // 2)  # not two of them
     models.add(small)
-    second = models.get("qwen3")
+    second = models.acquire("qwen3")  # held, as by a request answering
     assert models.is_loaded("qwen3") and not models.is_loaded("llama_classic")  # the idle one made room
-    models.began(second, None)  # qwen3 answering: it cannot be unloaded for a third
     with pytest.raises(APIError) as refused:
         models.get("llama_classic")
     assert refused.value.status == 503 and "does not fit" in str(refused.value)
-    models.ended(second)
+    models.release(second)
     assert models.get("llama_classic") and not models.is_loaded("qwen3")
     models.close()
 
@@ -270,11 +272,25 @@ def test_without_a_server_front_ends_load_their_own_model(tmp_path, monkeypatch)
     assert isinstance(mlxinfer.connect(TINY / "llama_classic"), mlxinfer.Model)
 
 
-def test_a_request_for_a_model_unloaded_as_it_arrived_gets_503_and_a_retry(tiny_server):
-    models = tiny_server.models
-    served = models.get("llama_classic")
-    models.unload("llama_classic")  # the keep-alive ran out between the lookup and the submit
-    with pytest.raises(APIError) as refused:
-        models.began(served, None)
-    assert refused.value.status == 503 and refused.value.retry_after_s == 1
-    assert chat(tiny_server.url).status_code == 200  # the retry loads it again
+def test_requests_hold_their_model_from_lookup_to_their_last_event(tiny_server):
+    """A held model is never unloaded by its keep-alive; every request gives it back exactly once, also when
+    it fails, streams, or its client leaves before the first byte."""
+    models, url = tiny_server.models, tiny_server.url
+    held = models.acquire_loaded("llama_classic")
+    models.keep_alive("llama_classic", 0.0)
+    time.sleep(0.3)
+    assert models.is_loaded("llama_classic")  # held: the expired keep-alive waits for the release
+    models.release(held)
+    anchor = models.acquire("llama_classic")  # one lease held throughout: a double release would show below it
+    stream = {"messages": HI, "max_tokens": 4, "stream": True}
+    assert chat(url, keep_alive=-1).status_code == 200
+    assert chat(url, max_tokens=10**6).status_code == 400  # refused after the lookup
+    with httpx.stream("POST", url + "/v1/chat/completions", json=stream) as r:
+        assert r.status_code == 200 and "[DONE]" in r.read().decode()
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**stream, "max_tokens": 200}):
+        pass  # gone before reading a byte
+    assert wait_for(lambda: models.ps()[0]["in_flight"] == 1, 20)
+    time.sleep(0.5)
+    assert models.ps()[0]["in_flight"] == 1  # each request gave it back exactly once
+    models.release(anchor)
+    assert models.ps()[0]["in_flight"] == 0

@@ -517,6 +517,7 @@ class BatchLoop:
             _emit(job, Delta(tail, 0))
         stats = job.stats
         stats.finish_reason = "stop" if sequence.text.stopped else reason
+        stats.stop_sequence = sequence.text.stop_string
         stats.total_s = now - job.submitted_at
         stats.peak_memory_bytes = max(stats.peak_memory_bytes, mx.get_peak_memory())
         if sequence.first_token_at:

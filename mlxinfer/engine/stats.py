@@ -26,6 +26,7 @@ class GenerationStats:
     total_s: float = 0.0
     peak_memory_bytes: int = 0
     finish_reason: str = ""  # "stop" (EOS or stop string), "length" (max_tokens or time limit) or "cancelled"
+    stop_sequence: str = ""  # the stop string generation stopped at ("" for EOS or any other reason)
     speculation: str = ""  # the drafter it decoded with: "lookup", "draft", or "" (plain decoding)
     drafted_tokens: int = 0  # drafts the target verified
     accepted_tokens: int = 0  # of those, the ones it kept

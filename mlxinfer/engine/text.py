@@ -68,15 +68,17 @@ class StopMatcher:
         self._state = 0
         self._pending = ""
         self.stopped = False
+        self.matched = ""  # the stop string the text stopped at
 
     def feed(self, text: str) -> str:
         """Text that is safe to emit now ("" once a stop string was seen)."""
         if self.stopped:
             return ""
         buffer = self._pending + text
-        start = self._earliest_stop(text, len(buffer) - len(text))
-        if start is not None:
-            self.stopped, self._pending = True, ""
+        found = self._earliest_stop(text, len(buffer) - len(text))
+        if found is not None:
+            start, length = found
+            self.stopped, self._pending, self.matched = True, "", buffer[start : start + length]
             return buffer[:start]
         hold = self._automaton.depth[self._state]
         self._pending = buffer[len(buffer) - hold :] if hold else ""
@@ -86,15 +88,17 @@ class StopMatcher:
         text, self._pending = self._pending, ""
         return text
 
-    def _earliest_stop(self, text: str, offset: int) -> int | None:
-        """Advance over `text` (at `offset` in the buffer); where the earliest-starting stop string begins, or None."""
+    def _earliest_stop(self, text: str, offset: int) -> tuple[int, int] | None:
+        """Advance over `text` (at `offset` in the buffer); where the earliest-starting stop string begins and its
+        length, or None."""
         automaton, state, earliest = self._automaton, self._state, None
         for end, char in enumerate(text, offset + 1):
             state = automaton.step(state, char)
             if automaton.match[state]:
-                start = end - automaton.match[state]  # the longest stop string ending here starts first
-                earliest = start if earliest is None else min(earliest, start)
-            if earliest is not None and end - automaton.depth[state] >= earliest:
+                length = automaton.match[state]  # the longest stop string ending here starts first
+                if earliest is None or end - length < earliest[0]:
+                    earliest = (end - length, length)
+            if earliest is not None and end - automaton.depth[state] >= earliest[0]:
                 break  # no stop string still in progress began before the one found
         self._state = state
         return earliest
@@ -111,6 +115,11 @@ class TextStream:
     def stopped(self) -> bool:
         """A stop string was seen: the text ends before it, and generation should end."""
         return self._matcher.stopped
+
+    @property
+    def stop_string(self) -> str:
+        """The stop string the text stopped at ("" if none)."""
+        return self._matcher.matched
 
     def add(self, token: int) -> str:
         return self._matcher.feed(self._detok.add(token))

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..chat.tools import MAX_TOOLS
-from ..engine import Delta, Event
-from ..engine.text import MAX_STOP_CHARS
 from ..errors import MlxInferError
 from ..untrusted import shown
 from .errors import APIError, as_api_error
 from .running import Done, Running
 from .schema import ChatRequest, GenerationParams, parse_chat, parse_json
-from .structured import prepare_chat
 
 if TYPE_CHECKING:
     from .app import API
@@ -48,8 +44,6 @@ ERROR_TYPES = {
     503: "overloaded_error",
 }
 # A stop string's characters, at most 4 UTF-8 bytes each, with byte-level tokens: every token it can span.
-TAIL_TOKENS = 4 * MAX_STOP_CHARS + 4
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def routes(api: API) -> list[Route]:
@@ -82,7 +76,7 @@ def to_openai(body: dict[str, Any], needs_max_tokens: bool = True) -> dict[str, 
     out["stop"] = body.get("stop_sequences")
     out["messages"] = _system(body.get("system")) + _messages(body.get("messages"))
     out["tools"] = _tools(body.get("tools"))
-    return {**out, **_tool_choice(body.get("tool_choice"))}
+    return {**out, **_tool_choice(body.get("tool_choice")), **_output_format(body.get("output_config"))}
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
@@ -217,6 +211,19 @@ def _tool_choice(choice: Any) -> dict[str, Any]:
     return out if serial is None else {**out, "parallel_tool_calls": not serial}
 
 
+def _output_format(config: Any) -> dict[str, Any]:
+    """Structured outputs: output_config.format {type: json_schema, schema} is OpenAI's json_schema format.
+    `effort` is a hint for Anthropic's own models: left unused."""
+    if config is None:
+        return {}
+    spec = config.get("format") if isinstance(config, dict) else config
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema":
+        raise APIError(400, f'output_config.format must be {{"type": "json_schema", "schema"}}, got {shown(spec)}')
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": spec.get("schema")}}}
+
+
 def parse(raw: bytes) -> tuple[ChatRequest, GenerationParams]:
     """A /v1/messages body (run by API.start on a preparing thread)."""
     return parse_chat(to_openai(parse_json(raw)))
@@ -270,29 +277,11 @@ class Blocks:
         return {"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta}
 
 
-class LastTokens:
-    """A job's events passed on unchanged, keeping the last token ids. The engine says a generation stopped
-    ("stop") but not whether on EOS or on which stop string, and the text it sends ends before the string."""
-
-    def __init__(self, events: Any) -> None:
-        self.events, self.ids = events, deque(maxlen=TAIL_TOKENS)
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        async for item in self.events:
-            if isinstance(item, Delta) and item.token is not None:
-                self.ids.append(item.token)
-            yield item
-
-
-def stop_reason(done: Done, running: Running, last: LastTokens) -> tuple[str, str | None]:
-    """Anthropic's stop_reason and stop_sequence. A stop string ended the generation when the last tokens'
-    text holds one (text never holds a stop string the engine did not stop at); else the model did (EOS)."""
-    if done.finish_reason != "stop" or not running.params.stop:
-        return STOP_REASONS.get(done.finish_reason, "end_turn"), None
-    tokenizer, special = running.served.model.tokenizer, running.job.keep_special_tokens
-    tail = tokenizer.decode(list(last.ids), skip_special_tokens=not special)  # as the engine decoded them
-    found = [(tail.find(stop), -len(stop), stop) for stop in running.params.stop if stop and stop in tail]
-    return ("stop_sequence", min(found)[2]) if found else ("end_turn", None)  # the earliest, then the longest
+def stop_reason(done: Done) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence (the engine says which stop string it stopped at)."""
+    if done.stats.stop_sequence:
+        return "stop_sequence", done.stats.stop_sequence
+    return STOP_REASONS.get(done.finish_reason, "end_turn"), None
 
 
 def usage(done: Done) -> dict[str, int]:
@@ -319,25 +308,6 @@ def sse(data: dict[str, Any]) -> str:
     return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-class Gathered:
-    """What API.whole reads of a Running (deltas, cancel): feeds the blocks, keeps a failure to answer
-    in Anthropic's shape."""
-
-    def __init__(self, running: Running, blocks: Blocks) -> None:
-        self.running, self.blocks, self.error = running, blocks, None
-
-    async def deltas(self) -> AsyncIterator[dict[str, Any] | Done | APIError]:
-        async for item in self.running.deltas():
-            if isinstance(item, dict):
-                self.blocks.feed(item)
-            elif isinstance(item, APIError):
-                self.error = item
-            yield item
-
-    def cancel(self) -> None:
-        self.running.cancel()
-
-
 def answered_in_anthropic_shape(
     handler: Callable[[Messages, Request], Awaitable[Response]],
 ) -> Callable[[Messages, Request], Awaitable[Response]]:
@@ -361,32 +331,27 @@ class Messages:
     @answered_in_anthropic_shape
     async def create(self, request: Request) -> Response:
         running = await self.api.start(request, parse)
-        last = LastTokens(running.events)
-        running.events = last  # before deltas() reads them
         head = {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "role": "assistant"}
         head["model"] = running.served.id
         if running.params.stream:
-            body = self._stream(running, last, head)
-            return StreamingResponse(body, media_type="text/event-stream", headers=STREAM_HEADERS)
-        gathered = Gathered(running, Blocks())
+            return running.streamed(self._stream(running, head), "text/event-stream")
+        blocks = Blocks()
 
         def render(done: Done) -> Response:
-            reason, sequence = stop_reason(done, running, last)
-            content = gathered.blocks.content
-            body = {**head, "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(done)}
-            return JSONResponse(body)
+            reason, sequence = stop_reason(done)
+            body = {**head, "content": blocks.content, "stop_reason": reason, "stop_sequence": sequence}
+            return JSONResponse({**body, "usage": usage(done)})
 
-        response = await self.api.whole(request, gathered, render)  # type: ignore[arg-type]  # Gathered: a Running's reader
-        return error_response(gathered.error) if gathered.error is not None else response
+        return await self.api.whole(request, running, render, on_delta=blocks.feed, error=error_response)
 
-    async def _stream(self, running: Running, last: LastTokens, head: dict[str, Any]) -> AsyncIterator[str]:
+    async def _stream(self, running: Running, head: dict[str, Any]) -> AsyncIterator[str]:
         blocks, start_usage = Blocks(), {"input_tokens": running.prompt_tokens, "output_tokens": 0}
         message = {**head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": start_usage}
         try:
             yield sse({"type": "message_start", "message": message})
             async for item in running.deltas():
                 if isinstance(item, Done):
-                    reason, sequence = stop_reason(item, running, last)
+                    reason, sequence = stop_reason(item)
                     for event in blocks.finish():
                         yield sse(event)
                     delta = {"stop_reason": reason, "stop_sequence": sequence}
@@ -403,8 +368,5 @@ class Messages:
     @answered_in_anthropic_shape
     async def count_tokens(self, request: Request) -> Response:
         """The prompt's tokens as the model would read them (template, tools), without generating."""
-        from .app import read_body  # app.py imports this module
-
-        raw = await read_body(request, self.api.settings)
-        _, prepared, _ = await self.api._prepare(raw, parse_count, prepare_chat, request)
+        prepared = await self.api.encode_only(request, parse_count)
         return JSONResponse({"input_tokens": len(prepared.ids)})

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
@@ -118,6 +119,18 @@ class API:
         served, prepared, params = await self._prepare(raw, parse, encode, request)
         return self._submit(request, served, prepared, params)
 
+    async def encode_only(
+        self,
+        request: Request,
+        parse: Callable[[bytes], tuple[Any, GenerationParams]],
+        encode: Callable[[Any, Any], Prepared] = prepare_chat,
+    ) -> Prepared:
+        """What `start` would queue, without queueing it (token counting); the model is given back at once."""
+        raw = await read_body(request, self.settings)
+        served, prepared, _ = await self._prepare(raw, parse, encode, request)
+        self.models.release(served)
+        return prepared
+
     async def _prepare(
         self,
         raw: bytes,
@@ -132,16 +145,39 @@ class API:
 
         def everything() -> tuple[Any, GenerationParams, ServedModel | None, Prepared | None]:
             body, params = parse(raw)
-            served = self.models.loaded(params.model, trusted)
-            return body, params, served, None if served is None else encode(served.model, body)
+            served = self.models.acquire_loaded(params.model, trusted)  # held: never unloaded under it
+            return body, params, served, None if served is None else self._encode(encode, served, body)
 
         body, params, served, prepared = await self.preparing.run(everything)
         if served is None or prepared is None:
-            served = await run_in_threadpool(self.models.get, params.model, trusted)  # loads it
-            prepared = await self.preparing.run(encode, served.model, body, admitted=True)
+            served = await run_in_threadpool(self.models.acquire, params.model, trusted)  # loads it
+            try:
+                prepared = await self.preparing.run(encode, served.model, body, admitted=True)
+            except BaseException:
+                self.models.release(served)
+                raise
         return served, prepared, params
 
+    def _encode(self, encode: Callable[[Any, Any], Prepared], served: ServedModel, body: Any) -> Prepared:
+        try:
+            return encode(served.model, body)
+        except BaseException:
+            self.models.release(served)
+            raise
+
     def _submit(self, request: Request, served: ServedModel, prepared: Prepared, params: GenerationParams) -> Running:
+        """Queue the job on the model held for it; the model is released when the job's events end (or here,
+        if it cannot be queued)."""
+        release = partial(self.models.release, served, params.keep_alive)
+        try:
+            job, events = self._queue(served, prepared, params)
+        except BaseException:
+            release()
+            raise
+        clock = TokenClock(self.metrics, request.state.arrived)
+        return Running(served, job, events, Answer(prepared.parser), params, clock, len(prepared.ids), release)
+
+    def _queue(self, served: ServedModel, prepared: Prepared, params: GenerationParams) -> tuple[Job, JobEvents]:
         ids = prepared.ids
         room = served.model.context_tokens - len(ids)
         if room < 1:
@@ -172,20 +208,12 @@ class API:
             keep_special_tokens=prepared.keep_special_tokens,
             speculate=served.model.speculate,
         )
-        self.models.began(served, params.keep_alive)
-        try:
-            served.scheduler.submit(job)
-        except BaseException:
-            self.models.ended(served)
-            raise
-        clock = TokenClock(self.metrics, request.state.arrived)
-        return Running(served, job, events, Answer(prepared.parser), params, clock, len(ids), self.models.ended)
+        served.scheduler.submit(job)
+        return job, events
 
     async def _openai(self, request: Request, running: Running, reply: Reply) -> Response:
         if running.params.stream:
-            body = self._stream(running, reply)
-            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+            return running.streamed(self._stream(running, reply), "text/event-stream")
         return await self.whole(request, running, lambda done: JSONResponse(reply.whole(running.answer, done.stats)))
 
     async def _stream(self, running: Running, reply: Reply) -> AsyncIterator[str]:
@@ -205,16 +233,25 @@ class API:
         finally:
             running.cancel()  # a no-op once it finished; frees the slot if the client left
 
-    async def whole(self, request: Request, running: Running, render: Callable[[Done], Response]) -> Response:
-        """The whole answer as one response (`render` shapes it); 499 (never sent) and the job cancelled
-        if the client leaves first; an error event becomes the error's response."""
+    async def whole(
+        self,
+        request: Request,
+        running: Running,
+        render: Callable[[Done], Response],
+        on_delta: Callable[[dict[str, Any]], Any] | None = None,
+        error: Callable[[APIError], Response] = APIError.response,
+    ) -> Response:
+        """The whole answer as one response (`render` shapes it; `on_delta` sees each delta on the way, `error`
+        shapes a failure); 499 (never sent) and the job cancelled if the client leaves first."""
 
         async def gather() -> Response:
             async for item in running.deltas():
                 if isinstance(item, Done):
                     return render(item)
                 if isinstance(item, APIError):
-                    return item.response()
+                    return error(item)
+                if on_delta is not None:
+                    on_delta(item)
             raise AssertionError("the event stream ended without a final event")
 
         body, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))

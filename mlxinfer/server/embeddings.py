@@ -59,14 +59,24 @@ def routes(api: API) -> list[Route]:
 
         def everything() -> tuple[EmbeddingRequest, ServedModel | None, list[list[int]] | None]:
             body = parse(raw)
-            served = api.models.loaded(body.model, trusted)
-            return body, served, None if served is None else prepare(served.model, body)
+            served = api.models.acquire_loaded(body.model, trusted)  # held: never unloaded under its passes
+            try:
+                return body, served, None if served is None else prepare(served.model, body)
+            except BaseException:
+                if served is not None:
+                    api.models.release(served)
+                raise
 
         body, served, ids = await api.preparing.run(everything)
-        if served is None or ids is None:  # a model that must load first loads outside the gate, as app.py's
-            served = await run_in_threadpool(api.models.get, body.model, trusted)
-            ids = await api.preparing.run(prepare, served.model, body, admitted=True)
-        return await passes.run(_answer, api, served, ids, body)
+        try:
+            if served is None:  # a model that must load first loads outside the gate, as app.py's
+                served = await run_in_threadpool(api.models.acquire, body.model, trusted)
+            if ids is None:
+                ids = await api.preparing.run(prepare, served.model, body, admitted=True)
+            return await passes.run(_answer, api, served, ids, body)
+        finally:
+            if served is not None:
+                api.models.release(served)
 
     return [Route("/v1/embeddings", api._counted("embeddings", embeddings), methods=["POST"])]
 
@@ -159,7 +169,6 @@ def _too_long(index: int, size: str, context: int) -> APIError:
 def _answer(api: API, served: ServedModel, ids: list[list[int]], body: EmbeddingRequest) -> Response:
     """Run the passes on a device thread and render the reply (on the calling worker, never the event loop)."""
     model = served.model
-    api.models.began(served, None)  # not unloaded while its passes run
     try:
         work = partial(
             embed,
@@ -173,8 +182,6 @@ def _answer(api: API, served: ServedModel, ids: list[list[int]], body: Embedding
         vectors = call_on_device_thread(work, "mlxinfer-embed")
     except EmbeddingError as e:
         raise APIError(400, str(e), "model", "model_not_supported") from None
-    finally:
-        api.models.ended(served)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
         for i, vector in enumerate(vectors)

@@ -99,7 +99,8 @@ class ModelSet:
         self.keep_alive_s, self.budget_bytes, self._clock = keep_alive_s, budget_bytes, clock
         self._wake = threading.Condition()
         self._reaper: threading.Thread | None = None
-        self._closed = False
+        self._closed = self._dirty = False
+        self._loading_bytes = 0  # memory reserved for models being loaded now (the budget counts them)
 
     def add(self, model: Model, config: SchedulerConfig | None = None, name: str | None = None) -> ServedModel:
         """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings
@@ -115,49 +116,104 @@ class ModelSet:
         )
         slot = _Slot(name or model_id(model), model.path, loader, config or self._config, verified=model.verified)
         with self._lock:
-            self._stop(self._slots.pop(slot.id, None), "the model was replaced")
-            self._serve(slot, model)
+            old = self._slots.pop(slot.id, None)
+            replaced = self._detach(old)
+            served = self._serve(slot, model)
             self._slots[slot.id] = slot
-        return slot.served
+        _stop(replaced, "the model was replaced")
+        self._arm()
+        return served
 
     def remove(self, name: str) -> None:
         """Stop serving `name` at all (its running requests end with an error)."""
         with self._lock:
-            self._stop(self._slots.pop(name, None), "the model was removed")
+            removed = self._detach(self._slots.pop(name, None))
+        _stop(removed, "the model was removed")
         _free_memory()
 
-    def unload(self, name: str) -> None:
-        """Free `name`'s memory (weights, KV, prompt cache); the next request for it loads it again."""
+    def unload(self, name: str, if_idle: bool = False) -> bool:
+        """Free `name`'s memory (weights, KV, prompt cache); the next request for it loads it again.
+
+        `if_idle`: only if no request holds it (checked in the same step that unloads). Whether it unloaded."""
         with self._lock:
             slot = self._slots.get(name)
-            self._stop(slot, "the model was unloaded")
-            if slot:
-                slot.served = None
+            if slot is None or slot.served is None or (if_idle and slot.in_flight):
+                return False
+            unloaded = self._detach(slot)
+        _stop(unloaded, "the model was unloaded")  # outside the lock: requests for other models go on meanwhile
         _free_memory()
         log.info("unloaded %s", name)
+        return True
 
     def loaded(self, name: str | None, allow_paths: bool = False) -> ServedModel | None:
-        """The model `name` names if it is loaded now (None: not known yet, or unloaded)."""
+        """The model `name` names if it is loaded now (None: not known yet, or unloaded). Not held: see `acquire`."""
         slot = self._find(name, allow_paths)
         return slot.served if slot is not None else None
 
-    def get(self, name: str | None, allow_paths: bool = False) -> ServedModel:
-        """The model called `name` (with no name, the first), loading it if it is not loaded.
-
-        `allow_paths`: `name` may also be a model's path (for the user's own front ends, never for others)."""
+    def acquire_loaded(self, name: str | None, allow_paths: bool = False) -> ServedModel | None:
+        """`name`'s model, held for a request (never unloaded until `release`), if it is loaded now."""
         slot = self._find(name, allow_paths)
-        if slot is None:
-            slot = self._new_slot(name, allow_paths)
-        served = slot.served
+        with self._lock:
+            return self._hold(slot) if slot is not None else None
+
+    def acquire(self, name: str | None, allow_paths: bool = False) -> ServedModel:
+        """The model called `name` (with no name, the first), loaded if it is not, and held for a request until
+        `release`. `allow_paths`: `name` may also be a model's path (the user's own front ends, never others)."""
+        slot = self._find(name, allow_paths) or self._new_slot(name, allow_paths)
+        with self._lock:
+            served = self._hold(slot)
         if served is not None:
             return served
         with slot.loading:
-            if slot.served is None:
-                self._make_room(slot)
-                model = call_on_device_thread(slot.loader)
+            with self._lock:
+                served = self._hold(slot)  # loaded by the request this one waited for
+            if served is None:
+                need = self._make_room(slot)
+                try:
+                    model = call_on_device_thread(slot.loader)
+                finally:
+                    with self._lock:
+                        self._loading_bytes -= need
                 with self._lock:
                     self._serve(slot, model)
-            return slot.served
+                    served = self._hold(slot)
+        self._arm()
+        return served
+
+    def get(self, name: str | None, allow_paths: bool = False) -> ServedModel:
+        """The model called `name`, loaded if it is not (a use: its keep-alive counts again from now)."""
+        served = self.acquire(name, allow_paths)
+        self.release(served)
+        return served
+
+    def release(self, served: ServedModel, keep_alive_s: float | None = None) -> None:
+        """A request that held `served` ended: it stays loaded for `keep_alive_s` from now (as in Ollama, each
+        request's own; None: the set's default)."""
+        with self._lock:
+            slot = self._slots.get(served.id)
+            if slot is not None and slot.served is served:
+                slot.in_flight = max(0, slot.in_flight - 1)
+                slot.last_used, slot.keep_alive_s = self._clock(), keep_alive_s
+        self._arm()
+
+    def keep_alive(self, name: str, keep_alive_s: float) -> None:
+        """Set `name`'s keep-alive from now without a request (Ollama's load / unload calls)."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is not None and slot.served is not None:
+                slot.last_used, slot.keep_alive_s = self._clock(), keep_alive_s
+        self._arm()
+
+    def _hold(self, slot: _Slot) -> ServedModel | None:  # under self._lock
+        if slot.served is not None:
+            slot.in_flight += 1
+        return slot.served
+
+    def _detach(self, slot: _Slot | None) -> ServedModel | None:  # under self._lock; stop what it returns
+        if slot is None or slot.served is None:
+            return None
+        served, slot.served, slot.in_flight = slot.served, None, 0
+        return served
 
     def _find(self, name: str | None, allow_paths: bool) -> _Slot | None:
         if name is None:
@@ -193,64 +249,46 @@ class ModelSet:
             self._slots[slot.id] = slot
             return slot
 
-    def _serve(self, slot: _Slot, model: Model) -> None:
+    def _serve(self, slot: _Slot, model: Model) -> ServedModel:  # under self._lock
         slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, slot.config))
-        slot.verified = model.verified
+        slot.verified, slot.in_flight, slot.keep_alive_s = model.verified, 0, None
         slot.last_used, slot.loaded_at = self._clock(), time.time()
-        self._arm()
+        self._dirty = True  # the reaper looks again (notified by the caller's _arm, or at its next wake-up)
+        return slot.served
 
     # -- memory -----------------------------------------------------------
 
-    def _make_room(self, slot: _Slot) -> None:
-        """Unload idle models, least recently used first, until `slot`'s model fits the budget with the rest."""
-        if self.budget_bytes is None:
-            return
-        need, _ = disk_bytes(slot.path)
+    def _make_room(self, slot: _Slot) -> int:
+        """Unload idle models, least recently used first, until `slot`'s model fits the budget beside the rest
+        (those loading now included); the bytes reserved for it (give them back once it loaded)."""
+        need = disk_bytes(slot.path)[0] if self.budget_bytes is not None else 0
         while True:
             with self._lock:
                 loaded = [s for s in self._slots.values() if s.served is not None and s is not slot]
-                used = sum(_memory_of(s.served) for s in loaded)
+                used = sum(_memory_of(s.served) for s in loaded) + self._loading_bytes
+                if self.budget_bytes is None or used + need <= self.budget_bytes:
+                    self._loading_bytes += need
+                    return need
                 idle = sorted((s for s in loaded if s.in_flight == 0), key=lambda s: s.last_used)
-            if used + need <= self.budget_bytes:
-                return
             if not idle:
                 busy = ", ".join(s.id for s in loaded) or "none"
                 raise APIError(
                     503,
                     f"model {slot.id} ({mib(need, 0)}) does not fit the server's memory budget of "
-                    f"{mib(self.budget_bytes, 0)} beside the models answering now ({busy}); retry when they are idle",
+                    f"{mib(self.budget_bytes, 0)} beside the models answering or loading now ({busy}); "
+                    "retry when they are idle",
                     "model",
                     "model_does_not_fit",
+                    retry_after_s=5,
                 )
             log.info("unloading %s to make room for %s", idle[0].id, slot.id)
-            self.unload(idle[0].id)
+            self.unload(idle[0].id, if_idle=True)  # a request that took it meanwhile keeps it: look again
 
     def memory_of(self, name: str) -> int:
         slot = self._slots.get(name)
         return _memory_of(slot.served) if slot is not None and slot.served is not None else 0
 
     # -- keep-alive -------------------------------------------------------
-
-    def began(self, served: ServedModel, keep_alive_s: float | None) -> None:
-        """A request for `served` started: it stays loaded at least until the request ends.
-
-        APIError 503 if it was unloaded meanwhile (its keep-alive ran out as the request was being prepared)."""
-        with self._lock:
-            slot = self._slots.get(served.id)
-            if slot is None or slot.served is not served:
-                raise APIError(503, f"model {served.id} was unloaded as this request arrived; send it again",
-                               "model", "model_unloaded", retry_after_s=1)  # fmt: skip
-            slot.in_flight += 1
-            slot.keep_alive_s = keep_alive_s  # as in Ollama: each request's own, or (None) the default
-
-    def ended(self, served: ServedModel) -> None:
-        """A request for `served` ended: its keep-alive counts from now."""
-        with self._lock:
-            slot = self._slots.get(served.id)
-            if slot is not None and slot.served is served:
-                slot.in_flight = max(0, slot.in_flight - 1)
-                slot.last_used = self._clock()
-        self._arm()
 
     def expires_in(self, name: str) -> float | None:
         """Seconds until `name` unloads (inf: never; None: not loaded, or answering now)."""
@@ -276,26 +314,32 @@ class ModelSet:
                 else:
                     following = min(following, expiry)
         for name in due:
-            self.unload(name)
+            self.unload(name, if_idle=True)  # a request that took it meanwhile keeps it
         return following
 
     def _arm(self) -> None:
-        """Make sure the reaper runs, and wake it to look at the expiries again."""
+        """Make sure the reaper runs, and have it look at the expiries again."""
         with self._wake:
             if self._reaper is None and not self._closed:
                 self._reaper = threading.Thread(target=self._reap, name="mlxinfer-keep-alive", daemon=True)
                 self._reaper.start()
+            self._dirty = True
             self._wake.notify()
 
     def _reap(self) -> None:
         while True:
-            following = self.unload_expired()
+            try:
+                following = self.unload_expired()
+            except Exception:  # noqa: BLE001 - a failed unload must not end keep-alive for good
+                log.exception("unloading idle models failed")
+                following = self._clock() + 1.0
             with self._wake:
                 if self._closed:
                     return
                 wait = following - self._clock()
-                if wait > 0:  # math.inf: until a request ends or a model loads
-                    self._wake.wait(None if math.isinf(wait) else wait)
+                if not self._dirty and wait > 0:  # a change since unload_expired looked: look again at once
+                    self._wake.wait(None if math.isinf(wait) else wait)  # inf: until a request ends or a load
+                self._dirty = False
 
     # -- what is served ---------------------------------------------------
 
@@ -361,15 +405,16 @@ class ModelSet:
             self._closed = True
             self._wake.notify()
         with self._lock:
-            for slot in self._slots.values():
-                self._stop(slot, reason)
-                slot.served = None
+            closing = [self._detach(slot) for slot in self._slots.values()]
+        for served in closing:
+            _stop(served, reason)
         _free_memory()
 
-    @staticmethod
-    def _stop(slot: _Slot | None, reason: str) -> None:
-        if slot is not None and slot.served is not None:
-            slot.served.scheduler.stop(reason)
+
+def _stop(served: ServedModel | None, reason: str) -> None:
+    """End a detached model's requests and its scheduler's thread (waits for it: never under ModelSet's lock)."""
+    if served is not None:
+        served.scheduler.stop(reason)
 
 
 def _memory_of(served: ServedModel) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .. import __version__
@@ -60,7 +60,6 @@ OPTIONS = {
 OLLAMA_NAMES = {ours: f"options.{theirs}" for theirs, ours in OPTIONS.items()}
 NS = 1_000_000_000
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded forever (keep_alive < 0)
-NDJSON_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def routes(api: API) -> list[Route]:
@@ -293,8 +292,7 @@ async def generate(api: API, request: Request) -> Response:
 async def _answer(api: API, request: Request, running: Running, chat: bool) -> Response:
     model = running.served.id
     if running.params.stream:
-        body = _lines(running, model, chat)
-        return StreamingResponse(body, media_type="application/x-ndjson", headers=NDJSON_HEADERS)
+        return running.streamed(_lines(running, model, chat), "application/x-ndjson")
     return await api.whole(request, running, lambda done: JSONResponse(_whole(model, running.answer, done, chat)))
 
 
@@ -372,8 +370,7 @@ async def _load_or_unload(api: API, request: Request, only: LoadOnly) -> Respons
         served = await run_in_threadpool(api.models.get, only.model, api.trusted(request))
         # The keep_alive (Ollama: the server's default when none is given) counts from now.
         keep_alive = api.models.keep_alive_s if only.keep_alive is None else only.keep_alive
-        api.models.began(served, keep_alive)
-        api.models.ended(served)
+        api.models.keep_alive(served.id, keep_alive)
         name, reason = served.id, "load"
     return JSONResponse(
         {"model": name, "created_at": _rfc3339(time.time()), "response": "", "done": True, "done_reason": reason}
@@ -386,12 +383,10 @@ def _unload(api: API, name: str) -> str:
         if name not in api.models.ids and library.find_model(name) is None:
             raise APIError(404, f"model {shown(name)} not found", "model", "model_not_found")
         return name  # not loaded: nothing to do
-    if any(row["name"] == served.id and row["in_flight"] for row in api.models.ps()):
-        # keep_alive 0 from now: the requests still answering end first, then the reaper unloads it.
-        api.models.began(served, 0.0)
-        api.models.ended(served)
-    else:
-        api.models.unload(served.id)  # idle: at once, so /api/ps no longer lists it when this answers
+    # Idle: unloaded at once, so /api/ps no longer lists it when this answers. Busy: keep_alive 0 from now,
+    # so the requests still answering end first, then the reaper unloads it.
+    if not api.models.unload(served.id, if_idle=True):
+        api.models.keep_alive(served.id, 0.0)
     return served.id
 
 

@@ -13,12 +13,17 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
 from ..engine import Delta, Event, Finished, GenerationStats, Job
 from .answer import Answer
 from .errors import APIError, as_api_error
 from .metrics import Metrics
 from .models import ServedModel
 from .schema import GenerationParams
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class JobEvents:
@@ -79,7 +84,7 @@ class Running:
     params: GenerationParams
     clock: TokenClock
     prompt_tokens: int
-    _release: Callable[[ServedModel], None]
+    _release: Callable[[], None]  # gives the model back (its keep-alive counts from then)
     _released: bool = field(default=False)
 
     async def deltas(self) -> AsyncIterator[dict[str, Any] | Done | APIError]:
@@ -104,7 +109,24 @@ class Running:
         self.served.scheduler.cancel(self.job)
         self._end()
 
+    def streamed(self, body: AsyncIterator[str], media_type: str) -> Response:
+        """`body` as a streaming response that cancels the job however the response ends, also when the client
+        left before the first byte (the body's own `finally` would then never run)."""
+        return _CancellingStream(self, body, media_type=media_type, headers=STREAM_HEADERS)
+
     def _end(self) -> None:
         if not self._released:  # the model's keep-alive counts from here
             self._released = True
-            self._release(self.served)
+            self._release()
+
+
+class _CancellingStream(StreamingResponse):
+    def __init__(self, running: Running, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._running = running
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._running.cancel()  # a no-op once the job finished
