@@ -31,6 +31,8 @@ log = logging.getLogger("mlxinfer")
 STATE_FILE = "server.json"
 MAX_STATE_BYTES = 4096
 PROBE_TIMEOUT_S = 2.0
+_POSIX = sys.platform != "win32"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 IDENTITY_PATH = "/api/mlxinfer"  # answers {"pid": ...} to a request that shows the token
 MAX_ANSWER_BYTES = 1 << 20
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
@@ -66,17 +68,22 @@ def new_token() -> str:
 
 
 def publish(url: str, token: str, pid: int | None = None) -> Path:
-    """Write the state file (readable by the user only) atomically; returns its path."""
+    """Write the state file (readable by the user only) atomically; returns its path.
+
+    ServerConfigError when the folder is not the user's own private one (a shared /tmp fallback another user
+    made first): the token must not land where others can read or redirect it."""
     folder = runtime_dir()
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = folder.stat()
-    if sys.platform != "win32" and (info.st_uid != os.getuid() or info.st_mode & 0o077):
-        # a shared /tmp fallback another user made first: the token must not land where others can read it
+    folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder.mkdir(exist_ok=True, mode=0o700)
+    info = folder.lstat()
+    if not stat.S_ISDIR(info.st_mode) or (_POSIX and (info.st_uid != os.getuid() or info.st_mode & 0o077)):
         raise ServerConfigError(f"{folder} is not a private folder of this user; set MLXINFER_RUNTIME_DIR")
     path = folder / STATE_FILE
     part = folder / f".{STATE_FILE}.{os.getpid()}.part"
     data = json.dumps({"url": url, "pid": os.getpid() if pid is None else pid, "token": token}).encode()
-    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        part.unlink()  # ours, left by a crash of a process with this PID
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)  # never through a planted link
     try:
         os.write(fd, data)
     finally:
@@ -96,7 +103,11 @@ def withdraw(token: str) -> None:
 
 def find_server() -> LocalServer | None:
     """The running resident server, or None (no state file, or a stale one: noted in one line)."""
-    path = state_path()
+    try:
+        path = state_path()
+    except OSError as e:  # platformdirs refuses a runtime folder someone else made
+        log.warning("note: no resident server is looked for: %s", e)
+        return None
     entry = _read(path)
     if entry is None:
         return None
@@ -115,17 +126,19 @@ def find_server() -> LocalServer | None:
 
 
 def _read(path: Path) -> dict | None:
+    """The state file's JSON object, if it is the user's own private regular file (not a link to one)."""
     try:
-        info = path.lstat()
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except OSError:  # none, or a link
+        return None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())  # of the file opened, not of whatever the path names by now
         if not stat.S_ISREG(info.st_mode):
             return None
-        if sys.platform != "win32" and (info.st_uid != os.getuid() or info.st_mode & 0o077):
+        if _POSIX and (info.st_uid != os.getuid() or info.st_mode & 0o077):
             log.warning("note: ignoring %s: it is not the user's own private file", path)
             return None
-        with path.open("rb") as f:
-            raw = f.read(MAX_STATE_BYTES + 1)
-    except OSError:
-        return None
+        raw = f.read(MAX_STATE_BYTES + 1)
     try:
         entry = json.loads(raw) if len(raw) <= MAX_STATE_BYTES else None
     except ValueError:
@@ -147,8 +160,9 @@ def _checked(entry: dict) -> LocalServer | None:
 
 
 def _is_loopback(host: str) -> bool:
+    """A loopback IP address (a name could resolve to where another user listens)."""
     try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 

@@ -7,6 +7,7 @@ model in this process only when no server runs or when asked to (`local=True`).
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "see
 LOCAL_ONLY = ("prefill_chunk_tokens", "use_cache", "snapshot_every", "speculate")
 MAX_LINE_BYTES = 1 << 20  # one server-sent event; the server's own are a few hundred bytes
 MAX_ERROR_BYTES = 64 << 10
+READ_TIMEOUT_S = 660.0  # between two reads: past the server's own request timeout (600 s), it is gone
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 
@@ -100,7 +102,7 @@ class RemoteStream:
     def __iter__(self) -> Iterator[str]:
         first: float | None = None
         try:
-            for data in _events(self._response):
+            for data in _events(self._response, self._owner.server.url):
                 self._owner.name = data.get("model", self._owner.name)
                 if "error" in data:
                     raise RemoteServerError(_message(data))
@@ -184,7 +186,7 @@ def _post(server: LocalServer, path: str, body: dict[str, Any]) -> Any:
     headers = {**server.headers, "Content-Type": "application/json"}
     request = urllib.request.Request(server.url + path, data=data, headers=headers, method="POST")
     try:
-        return _OPENER.open(request)
+        return _OPENER.open(request, timeout=READ_TIMEOUT_S)
     except urllib.error.HTTPError as e:
         try:
             detail = json.loads(e.read(MAX_ERROR_BYTES))
@@ -195,15 +197,19 @@ def _post(server: LocalServer, path: str, body: dict[str, Any]) -> Any:
         raise RemoteServerError(f"the server at {server.url} cannot be reached: {getattr(e, 'reason', e)}") from None
 
 
-def _events(response: Any) -> Iterator[dict[str, Any]]:
-    """The JSON payloads of a server-sent event stream, up to [DONE]."""
-    while line := response.readline(MAX_LINE_BYTES):
-        if not line.startswith(b"data: "):
-            continue
-        payload = line[6:].strip()
-        if payload == b"[DONE]":
-            return
-        yield json.loads(payload)
+def _events(response: Any, url: str) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream, up to [DONE]; RemoteServerError if it ends before."""
+    try:
+        while line := response.readline(MAX_LINE_BYTES):
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:].strip()
+            if payload == b"[DONE]":
+                return
+            yield json.loads(payload)
+    except (OSError, ValueError, http.client.HTTPException) as e:  # a dropped connection, a cut-off line
+        raise RemoteServerError(f"the server at {url} stopped answering mid-answer ({e!r})") from None
+    raise RemoteServerError(f"the server at {url} ended the answer before its end (did it stop?)")
 
 
 def _message(detail: Any) -> str:

@@ -294,3 +294,39 @@ def test_requests_hold_their_model_from_lookup_to_their_last_event(tiny_server):
     assert models.ps()[0]["in_flight"] == 1  # each request gave it back exactly once
     models.release(anchor)
     assert models.ps()[0]["in_flight"] == 0
+
+
+@pytest.mark.parametrize("path", ["/api/chat", "/api/generate", "/api/mlxinfer", "/v1/messages", "/v1/embeddings"])
+def test_every_route_keeps_the_host_origin_and_body_rules(tiny_server, path):
+    body = {"model": "llama_classic", "messages": HI, "max_tokens": 2}
+    rebinding = httpx.post(tiny_server.url + path, json=body, headers={"Host": "evil.example"})
+    assert rebinding.status_code == 403
+    other_site = httpx.post(tiny_server.url + path, json=body, headers={"Origin": "https://evil.example"})
+    assert other_site.status_code == 403
+    if path != "/api/mlxinfer":  # a GET route
+        too_big = httpx.post(tiny_server.url + path, content=b"{" + b" " * (5 << 20) + b"}")
+        assert too_big.status_code == 413
+
+
+def test_a_stream_cut_off_by_the_server_is_an_error_not_a_short_answer():
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Dying(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunk = {"model": "m", "choices": [{"delta": {"content": "Hel"}, "finish_reason": None}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())  # then the server goes away: no [DONE]
+
+        def log_message(self, *args):
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Dying) as stand_in:
+        threading.Thread(target=stand_in.serve_forever, daemon=True).start()
+        remote = RemoteModel(LocalServer(f"http://127.0.0.1:{stand_in.server_port}", os.getpid(), "t" * 32), None)
+        with pytest.raises(RemoteServerError, match="ended the answer before its end"):
+            remote.generate("hi", max_tokens=4)
+        stand_in.shutdown()

@@ -2,9 +2,10 @@
 
 plan_pull() reads only the file list, config.json and the shards' headers, and refuses what mlxinfer could
 not load (pickle-only repositories, unknown families, garbage headers). download() writes each file as
-`<name>.part` under cache_dir()/downloads/<org>--<name>/, resumes a .part with a Range request, checks the
-size and the Hub's sha256 and renames it into place; finish() moves the finished folder into the models
-folder in one rename.
+`<name>.part` under cache_dir()/downloads/<org>--<name>/<commit>/ (one folder per commit: a resume never mixes
+two commits' files), resumes a .part with a Range request, checks the size and the Hub's sha256 (LFS files) or
+git blob id (the others) and renames it into place; finish() moves the finished folder into the models folder
+in one rename, after checking that the target is a folder directly in the models folder named after the repo.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import errno
 import hashlib
 import http.client
 import os
+import re
 import shutil
 import sys
 import urllib.error
@@ -37,6 +39,7 @@ from .remote import (
     TIMEOUT_S,
     Listing,
     RemoteFile,
+    check_repo_id,
     fetch_config,
     fetch_header,
     file_url,
@@ -53,6 +56,9 @@ SIDE_FILES = frozenset({
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 MAX_SHARDS = 1000
 CHUNK_BYTES = 1 << 20
+UNCHECKED_REFETCH_BYTES = 1 << 20  # a leftover smaller than this with no hash listed is downloaded again
+RECHECK_BYTES = 16 << 20  # a finished file this small with a hash listed is hashed again on a resume
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,10 @@ class PullPlan:
         return sum(f.size - _have(self.folder, f) for f in self.files)
 
 
-def download_dir(repo_id: str) -> Path:
-    return cache_dir() / "downloads" / repo_id.replace("/", "--")
+def download_dir(repo_id: str, commit: str | None = None) -> Path:
+    """The repository's download folder in the cache, or (with `commit`) that commit's folder in it."""
+    folder = cache_dir() / "downloads" / check_repo_id(repo_id).replace("/", "--")
+    return folder / commit if commit is not None else folder
 
 
 def plan_pull(repo_id: str, revision: str = "main", target: Path | None = None, force: bool = False) -> PullPlan:
@@ -95,6 +103,9 @@ def plan_pull(repo_id: str, revision: str = "main", target: Path | None = None, 
         >>> plan = plan_pull("HuggingFaceTB/SmolLM2-135M-Instruct")
         >>> plan.family, plan.parameters, plan.download_bytes
     """
+    check_repo_id(repo_id)  # before any path is made of it: "ORG/." would name the models folder itself
+    if target is not None:
+        check_place(target, repo_id)
     listing = list_files(repo_id, revision)
     shards = [f for f in listing.files if f.name.endswith(".safetensors")]
     if not shards:
@@ -113,8 +124,21 @@ def plan_pull(repo_id: str, revision: str = "main", target: Path | None = None, 
     parameters = sum(fetch_header(listing, shard).parameters for shard in shards)
     wanted = tuple(f for f in listing.files if _wanted(f.name))
     target = target or models_dir() / repo_id.split("/")[1]
+    check_place(target, repo_id)
     check_target(target, force)
-    return PullPlan(listing, wanted, config, parameters, download_dir(repo_id), target, force)
+    return PullPlan(listing, wanted, config, parameters, download_dir(repo_id, listing.commit), target, force)
+
+
+def check_place(target: Path, repo_id: str) -> None:
+    """Refuse a target that is not directly in the models folder and named NAME or NAME-<bits>bit (for ORG/NAME):
+    it may be deleted (--force), so it must never be the models folder itself, a parent of it or anything else."""
+    name = check_repo_id(repo_id).split("/")[1]
+    named = target.name == name or re.fullmatch(rf"{re.escape(name)}-[0-9]{{1,2}}bit", target.name) is not None
+    if target.parent != models_dir() or not named or target.name in (".", ".."):
+        raise HubError(
+            f"{shown_path(target)}: not a folder named {name} (or {name}-<bits>bit) directly in the models folder "
+            f"{shown_path(models_dir())}; refused"
+        )
 
 
 def check_target(target: Path, force: bool) -> None:
@@ -144,6 +168,7 @@ def download(plan: PullPlan, progress: bool = True) -> Path:
         plan.folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HubError(f"{shown_path(plan.folder)}: {write_error(e, 'set MLXINFER_CACHE_DIR elsewhere')}") from None
+    _drop_stale(plan)
     with tqdm(
         total=plan.remaining_bytes(), unit="B", unit_scale=True, unit_divisor=1024, desc=plan.repo_id,
         file=sys.stderr, disable=not progress, dynamic_ncols=True,
@@ -159,6 +184,7 @@ def finish(plan: PullPlan, folder: Path | None = None) -> Path:
     missing = [f.name for f in plan.files if not (folder / f.name).is_file()]
     if missing:
         raise HubError(f"{plan.repo_id}: {listed(missing)} not downloaded yet; run the same pull again")
+    check_place(plan.target, plan.repo_id)  # checked again right before anything is deleted or replaced
     check_target(plan.target, plan.force)
     try:
         plan.target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +202,8 @@ def finish(plan: PullPlan, folder: Path | None = None) -> Path:
             shutil.rmtree(folder)
     except OSError as e:
         raise HubError(f"{shown_path(plan.target)}: {write_error(e, 'set MLXINFER_MODELS_DIR elsewhere')}") from None
+    with contextlib.suppress(OSError):  # the repository's download folder, once no commit is left in it
+        plan.folder.parent.rmdir()
     return plan.target
 
 
@@ -213,7 +241,14 @@ def _wanted(name: str) -> bool:
     return name in SIDE_FILES or name.endswith((".safetensors", ".safetensors.index.json"))
 
 
+def _unchecked(remote: RemoteFile) -> bool:
+    """A small file the Hub lists no hash for: a leftover of it is never trusted, it is downloaded again."""
+    return remote.sha256 is None and remote.blob_id is None and remote.size < UNCHECKED_REFETCH_BYTES
+
+
 def _have(folder: Path, remote: RemoteFile) -> int:
+    if _unchecked(remote):
+        return 0
     for path, done in ((folder / remote.name, True), (folder / f"{remote.name}.part", False)):
         with contextlib.suppress(OSError):
             size = path.stat().st_size
@@ -226,10 +261,13 @@ def _have(folder: Path, remote: RemoteFile) -> int:
 
 def _fetch(listing: Listing, remote: RemoteFile, folder: Path, bar: tqdm) -> None:
     final, part = folder / remote.name, folder / f"{remote.name}.part"
-    if final.is_file() and final.stat().st_size == remote.size:
-        return
+    if not _unchecked(remote) and final.is_file() and final.stat().st_size == remote.size:
+        if remote.size > RECHECK_BYTES or _matches(remote, final):  # a large one was checked before its rename
+            return
+        bar.total += remote.size  # remaining_bytes counted it as here
+        bar.refresh()
     have = part.stat().st_size if part.is_file() else 0
-    if have > remote.size:  # not this file's start (remaining_bytes counted it whole): begin again
+    if have > remote.size or _unchecked(remote):  # not this file's start, or not to be trusted: begin again
         have = 0
     if have < remote.size or not part.is_file():
         _transfer(listing, remote, part, have, bar)
@@ -288,21 +326,48 @@ def _write(out: Any, chunk: bytes, part: Path) -> None:
 
 
 def _verify(listing: Listing, remote: RemoteFile, part: Path) -> None:
-    """The size the Hub lists and, for LFS files, its sha256; a mismatch deletes the .part (it cannot resume)."""
+    """The size the Hub lists and its sha256 (LFS files) or git blob id (the others); a mismatch deletes the
+    .part (it cannot resume)."""
     source = f"{listing.repo_id}/{remote.name}"
     size = part.stat().st_size
     if size != remote.size:
         part.unlink()
         raise HubError(f"{source}: downloaded {size} bytes but the Hub lists {remote.size}; run the pull again")
-    if remote.sha256 is None:
-        return
-    digest = hashlib.sha256()
-    with part.open("rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            digest.update(chunk)
-    if digest.hexdigest() != remote.sha256:
+    if not _matches(remote, part):
         part.unlink()
-        raise HubError(f"{source}: its sha256 differs from the Hub's; the damaged download was deleted, pull again")
+        kind = "sha256" if remote.sha256 is not None else "git blob id"
+        raise HubError(f"{source}: its {kind} differs from the Hub's; the damaged download was deleted, pull again")
+
+
+def _matches(remote: RemoteFile, path: Path) -> bool:
+    """Whether `path` hashes to the sha256 or git blob id the Hub lists (True when it lists neither)."""
+    if remote.sha256 is not None:
+        digest, expected = hashlib.sha256(), remote.sha256
+    elif remote.blob_id is not None:
+        digest, expected = hashlib.sha1(usedforsecurity=False), remote.blob_id
+        digest.update(b"blob %d\0" % remote.size)
+    else:
+        return True
+    try:
+        with path.open("rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                digest.update(chunk)
+    except OSError as e:
+        raise HubError(f"{shown_path(path)}: cannot be read ({e.strerror or e})") from None
+    return digest.hexdigest() == expected
+
+
+def _drop_stale(plan: PullPlan) -> None:
+    """Delete the repository's downloads of other commits (a resume never continues them): only folders named
+    like a commit, directly in the repository's download folder."""
+    parent = plan.folder.parent
+    try:
+        stale = [p for p in parent.iterdir() if p != plan.folder and _COMMIT.fullmatch(p.name) and p.is_dir()]
+    except OSError:
+        return
+    for path in stale:
+        if path.parent == download_dir(plan.repo_id) and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _existing(path: Path) -> Path:

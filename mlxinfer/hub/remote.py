@@ -27,9 +27,12 @@ MAX_FILES = 10_000
 MAX_NAME_CHARS = 255
 MAX_CONFIG_BYTES = 4 << 20
 MAX_FILE_BYTES = 1 << 42  # 4 TiB: a larger size in a listing is garbage, not a shard
-_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,95}/[A-Za-z0-9_.\-]{1,96}")
+# One part of a Hub id (the Hub's rules): 1-96 of [A-Za-z0-9._-], not starting or ending with "-" or ".", and
+# never "--" or ".." (so never ".", "..", a hidden name or one that huggingface_hub's cache folder names split).
+_REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9._\-]{0,94}[A-Za-z0-9_])?")
 _REVISION = re.compile(r"[A-Za-z0-9_.\-/]{1,200}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_GIT_OID = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class RemoteFile:
     name: str  # checked: no path separators, no "..", printable
     size: int
     sha256: str | None  # the LFS sha256 the Hub lists for large files
+    blob_id: str | None = None  # the git blob id (sha1 of b"blob <size>\0" + content) of a file not in LFS
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,15 @@ def endpoint() -> str:
 
 
 def check_repo_id(repo_id: str) -> str:
-    if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id:
+    """`repo_id` if it is a Hub model id ORG/NAME whose NAME can be a folder name (never ".", ".." or hidden)."""
+    parts = repo_id.split("/") if isinstance(repo_id, str) else []
+    if len(parts) != 2 or not all(_is_repo_part(part) for part in parts):
         raise HubError(f"{plain(repo_id)}: not a Hub model id; expected ORG/NAME, e.g. HuggingFaceTB/SmolLM2-135M")
     return repo_id
+
+
+def _is_repo_part(part: str) -> bool:
+    return bool(_REPO_PART.fullmatch(part)) and "--" not in part and ".." not in part
 
 
 def check_revision(revision: str) -> str:
@@ -90,7 +100,12 @@ def _remote_file(repo_id: str, entry: Any) -> RemoteFile:
     sha = lfs.get("sha256") if isinstance(lfs, dict) else None
     if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
         raise HubError(f"{repo_id}/{name}: the Hub lists sha256 {shown(sha)}; expected 64 hex digits")
-    return RemoteFile(name, int(size), sha)
+    blob = None
+    if lfs is None:  # an LFS file's blobId is its pointer's, not its content's
+        blob = entry.get("blobId", entry.get("oid"))
+        if blob is not None and not (isinstance(blob, str) and _GIT_OID.fullmatch(blob)):
+            raise HubError(f"{repo_id}/{name}: the Hub lists blob id {shown(blob)}; expected 40 hex digits")
+    return RemoteFile(name, int(size), sha, blob)
 
 
 def _is_safe_name(name: str) -> bool:

@@ -99,8 +99,22 @@ def list_models() -> list[LocalModel]:
 
 
 def find_model(name: str) -> LocalModel | None:
-    """The first model called exactly `name` (case-sensitive), in list_models() order."""
-    return next((m for m in list_models() if m.name == name), None)
+    """The first model called exactly `name` (case-sensitive), in list_models() order.
+
+    Cheap enough for each request that names a model not loaded yet (and each 404): names are matched over the
+    folder listings first and only the hit is described; the Hugging Face cache is looked into only for an
+    "org/name" (that one repository's folder), never scanned whole."""
+    seen: set[Path] = set()
+    for entry, path, source in _entries(only=name):
+        key = _key(path)
+        if key in seen:  # as list_models(): a path once, under the name it was first listed with
+            continue
+        seen.add(key)
+        if entry == name:
+            if source == ADDED and _hf_listed(key):  # list_models() lists it as its hub cache repository
+                return None
+            return describe(name, path, source, _read_uses().get(str(key)))
+    return None
 
 
 def add_model(path: Path) -> LocalModel:
@@ -176,13 +190,21 @@ def loadable_family(raw: dict[str, Any], source: str) -> bool:
 # -- where models are ---------------------------------------------------------------------
 
 
-def _entries() -> Iterator[tuple[str, Path, str]]:
+def _entries(only: str | None = None) -> Iterator[tuple[str, Path, str]]:
+    """(name, path, source) of every model, in list_models() order, from folder listings only (no file is read
+    but an added GGUF's magic). With `only`, the entries that cannot be called `only` may be left out: the hub
+    cache is then looked into only for an "org/name" `only`, and only that repository's folder."""
     for folder, source in ((models_dir(), MODELS_DIR), (cache_dir() / "models", CACHE)):
         for path in local_models(folder):
             yield _name(path), path, source
-    yield from _hf_entries()
+    if only is None:
+        yield from _hf_entries()
+    elif "/" in only:
+        yield from _hf_entry(only)
     for text in _read_added():
         path = Path(text)
+        if only is not None and _name(path) != only:
+            continue
         if _is_loadable(path):
             yield _name(path), path, ADDED
         else:
@@ -193,23 +215,69 @@ def _hf_entries() -> Iterator[tuple[str, Path, str]]:
     """Each cached model repository's newest snapshot that holds config.json and *.safetensors."""
     info = _scan_hf_cache()
     for repo in sorted(info.repos if info else (), key=lambda r: r.repo_id):
-        if repo.repo_type != "model":
-            continue
-        snapshots = sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True)
-        path = next((r.snapshot_path for r in snapshots if _is_loadable(r.snapshot_path)), None)
+        path = _hf_snapshot(repo)
         if path is not None:
             yield repo.repo_id, path, HF_CACHE
+
+
+def _hf_snapshot(repo: Any) -> Path | None:
+    """A cached model repository's newest snapshot that holds config.json and *.safetensors, or None."""
+    if repo.repo_type != "model":
+        return None
+    snapshots = sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True)
+    return next((r.snapshot_path for r in snapshots if _is_loadable(r.snapshot_path)), None)
+
+
+def _hf_entry(repo_id: str) -> Iterator[tuple[str, Path, str]]:
+    """What _hf_entries() yields for `repo_id`, from that one repository's cache folder (never a whole scan)."""
+    org, _, name = repo_id.partition("/")
+    if not org or not name or "/" in name or "--" in repo_id or repo_id.startswith(".") or not repo_id.isprintable():
+        return  # not a name huggingface_hub's cache folders give
+    root = hf_cache_dir()
+    folder = root / f"models--{org}--{name}"
+    try:
+        if not folder.is_dir() or not _hf_cache_in_bounds(root):
+            return
+        from huggingface_hub.utils._cache_manager import _scan_cached_repo
+
+        repo = _scan_cached_repo(folder)
+    except ImportError:  # another huggingface_hub: the whole (bounded) scan
+        yield from (entry for entry in _hf_entries() if entry[0] == repo_id)
+        return
+    except Exception as e:  # noqa: BLE001 - a broken cache entry is no model, as in scan_cache_dir
+        log.warning("skipping %s in the Hugging Face cache: %s", shown_path(folder), first_line(e))
+        return
+    path = _hf_snapshot(repo) if repo.repo_id == repo_id else None
+    if path is not None:
+        yield repo_id, path, HF_CACHE
+
+
+def _hf_listed(key: Path) -> bool:
+    """Whether list_models() lists resolved path `key` (an added model) as a hub cache snapshot, before it."""
+    root = _key(hf_cache_dir())
+    try:
+        parts = key.relative_to(root).parts
+    except ValueError:
+        return False
+    repo = parts[0].split("--", 1) if parts else []
+    if len(parts) != 3 or parts[1] != "snapshots" or len(repo) != 2 or repo[0] != "models":
+        return False
+    return any(_key(path) == key for _, path, _ in _hf_entry(repo[1].replace("--", "/")))
+
+
+def _hf_cache_in_bounds(root: Path) -> bool:
+    """At most MAX_HF_REPOS entries in the hub cache folder (a larger one is skipped, with a warning)."""
+    with os.scandir(root) as listing:
+        count = sum(1 for _ in zip(listing, range(MAX_HF_REPOS + 1)))
+    if count > MAX_HF_REPOS:
+        log.warning("skipping the Hugging Face cache %s: more than %d entries", shown_path(root), MAX_HF_REPOS)
+    return count <= MAX_HF_REPOS
 
 
 def _scan_hf_cache() -> Any:
     root = hf_cache_dir()
     try:
-        if not root.is_dir():
-            return None
-        with os.scandir(root) as listing:
-            count = sum(1 for _ in zip(listing, range(MAX_HF_REPOS + 1)))
-        if count > MAX_HF_REPOS:
-            log.warning("skipping the Hugging Face cache %s: more than %d entries", shown_path(root), MAX_HF_REPOS)
+        if not root.is_dir() or not _hf_cache_in_bounds(root):
             return None
         from huggingface_hub import scan_cache_dir
 
@@ -454,24 +522,85 @@ def _folder_details(folder: Path) -> tuple[dict[str, Any], str | None, dict[str,
         mode = section.get("mode") or section.get("quant_method") or "affine"
         quantization = {"bits": section.get("bits"), "group_size": section.get("group_size"), "mode": mode}
         quantization = {k: v if isinstance(v, (int, str)) else None for k, v in quantization.items()}
-    return config, _folder_template(folder), quantization
+    return config, chat_template(folder), quantization
 
 
-def _folder_template(folder: Path) -> str | None:
-    """The chat template: chat_template.jinja, chat_template.json, else tokenizer_config.json's."""
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file or GGUF value; real ones are a few KB (the largest ~100 KB)
+MAX_TOKENIZER_CONFIG_BYTES = 64 << 20  # tokenizer_config.json: its added_tokens_decoder can take megabytes
+MAX_GGUF_ALL_KEYS = 1 << 16  # metadata keys walked looking for tokenizer.chat_template
+MAX_GGUF_ITEMS = 1 << 24  # items in one metadata array (a vocabulary: ~10^5)
+
+
+def chat_template(path: Path) -> str | None:
+    """A model's chat template, read without its weights or tokenizer, or None (with a warning when a file is
+    unreadable): a GGUF file's tokenizer.chat_template, else the folder's chat_template.jinja, tokenizer_config.json
+    "chat_template", then chat_template.json (the order mlxinfer's tokenizer uses; a list of named templates
+    gives "default"). Every read is bounded: MAX_TEMPLATE_BYTES per template, the GGUF header walked by sizes.
+
+    Example:
+        >>> chat_template(find_model("SmolLM2-4bit").path).startswith("{% for message in messages %}")
+        True
+    """
+    if path.suffix == ".gguf" and not path.is_dir():
+        return _gguf_template(path)
     try:
-        if (folder / "chat_template.jinja").is_file():
-            return read_text(folder / "chat_template.jinja", ConfigError)
-        for name in ("chat_template.json", "tokenizer_config.json"):
-            if (folder / name).is_file():
-                value = read_json_object(folder / name, ConfigError).get("chat_template")
-                if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
-                    value = next((t.get("template") for t in value if isinstance(t, dict)), None)
-                if isinstance(value, str):
-                    return value
+        if (path / "chat_template.jinja").is_file():
+            return read_text(path / "chat_template.jinja", ConfigError, limit=MAX_TEMPLATE_BYTES)
+        for name, limit in (("tokenizer_config.json", MAX_TOKENIZER_CONFIG_BYTES), ("chat_template.json", None)):
+            if (path / name).is_file():
+                value = read_json_object(path / name, ConfigError, limit=limit or MAX_TEMPLATE_BYTES)
+                template = _named_template(value.get("chat_template"))
+                if template is not None:
+                    return template if len(template) <= MAX_TEMPLATE_BYTES else None
     except ConfigError as e:
         log.warning("%s", e)
     return None
+
+
+def _named_template(value: Any) -> str | None:
+    if isinstance(value, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default") or next(iter(named.values()), None)
+    return value if isinstance(value, str) else None
+
+
+def _gguf_template(path: Path) -> str | None:
+    """tokenizer.chat_template from a GGUF header: keys are walked (arrays skipped by their sizes, at most
+    MAX_GGUF_ALL_KEYS keys) until it is found; a malformed header gives None."""
+    try:
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF" or _unpack(f, "<I") not in (2, 3):
+                return None
+            _unpack(f, "<Q")  # tensor count
+            for _ in range(min(_unpack(f, "<Q"), MAX_GGUF_ALL_KEYS)):
+                key, kind = _gguf_string(f), _unpack(f, "<I")
+                if key == "tokenizer.chat_template":
+                    if kind != 8:
+                        return None
+                    length = _unpack(f, "<Q")
+                    return f.read(length).decode("utf-8") if length <= MAX_TEMPLATE_BYTES else None
+                _skip_gguf_value(f, kind)
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+        log.warning("%s: no chat template read from its header (%s)", shown_path(path), first_line(e))
+    return None
+
+
+def _skip_gguf_value(f: BinaryIO, kind: int, depth: int = 0) -> None:
+    if kind in _GGUF_SCALARS:
+        f.seek(struct.calcsize(_GGUF_SCALARS[kind]), os.SEEK_CUR)
+    elif kind == 8:
+        f.seek(_unpack(f, "<Q"), os.SEEK_CUR)
+    elif kind == 9 and depth < 2:
+        item, count = _unpack(f, "<I"), _unpack(f, "<Q")
+        if count > MAX_GGUF_ITEMS:
+            raise ValueError(f"an array of {count} items")
+        if item in _GGUF_SCALARS:
+            f.seek(count * struct.calcsize(_GGUF_SCALARS[item]), os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(f, item, depth + 1)
+    else:
+        raise ValueError(f"metadata type {kind} cannot be skipped")
 
 
 def _gguf_details(path: Path) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:

@@ -57,10 +57,10 @@ class GuardMiddleware:
             )
         key = self.settings.api_key
         if key and method != "OPTIONS" and path.startswith(PROTECTED):
-            given = headers.get("authorization")
+            given = [headers.get("authorization")]
             if "x-api-key" in headers:  # Anthropic's clients send the key so
-                given = f"Bearer {headers['x-api-key']}"
-            if not (shows_token(given, key) or shows_token(given, self.settings.local_token)):
+                given.append(f"Bearer {headers['x-api-key']}")
+            if not any(shows_token(g, key) or shows_token(g, self.settings.local_token) for g in given):
                 return APIError(
                     401,
                     "a valid API key is needed: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",

@@ -21,6 +21,7 @@ from ..engine import GenerationStats
 from ..engine.threads import call_on_device_thread
 from ..errors import ServerConfigError
 from ..local_server import find_server, new_token, publish, withdraw
+from ..memory import machine_memory
 from ..models import local_models
 from ..server import ModelSet, ServerSettings
 from ..server.models import local_catalog, model_id
@@ -50,7 +51,8 @@ class MenubarController:
         settings = dataclasses.replace(settings, local_token=settings.local_token or new_token())
         self.settings, self.models_dir, self._loader, self._open_url = settings, models_dir, loader, open_url
         self.default_model = default_model
-        self.models = ModelSet(catalog=local_catalog, loader=loader, config=settings.scheduler)
+        budget = machine_memory().usable_bytes()  # as `mlxinfer serve`: other models load on request within it
+        self.models = ModelSet(catalog=local_catalog, loader=loader, budget_bytes=budget, config=settings.scheduler)
         self.server: BackgroundServer | None = None
         self.current: Path | None = None
         self.last_stats: GenerationStats | None = None
