@@ -85,6 +85,9 @@ def test_chat_whole_and_streamed_is_the_openai_answer(server):
     assert 0 < whole.eval_duration <= whole.total_duration < 60e9  # nanoseconds
     assert datetime.fromisoformat(whole.created_at.replace("Z", "+00:00")).tzinfo == timezone.utc
 
+    tagged = server.client.chat(model="chatml:latest", messages=HI, options=GREEDY)  # Ollama's default tag
+    assert tagged.message.content == whole.message.content
+
     parts = list(server.client.chat(model="chatml", messages=HI, options=GREEDY, stream=True))
     assert "".join(p.message.content for p in parts) == whole.message.content
     assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 2

@@ -192,7 +192,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         )
     stream = body.get("stream")
     return {
-        "model": body.get("model"),
+        "model": untagged(body.get("model")),
         "stream": True if stream is None else stream,  # Ollama streams unless told not to
         "keep_alive": body.get("keep_alive"),
         "response_format": _response_format(body.get("format")),
@@ -200,6 +200,11 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         "top_logprobs": body.get("top_logprobs"),
         **_options(body.get("options")),
     }
+
+
+def untagged(model: Any) -> Any:
+    """A model name without Ollama's default tag: clients send "name:latest" for "name"."""
+    return model[: -len(":latest")] if isinstance(model, str) and model.endswith(":latest") else model
 
 
 def _options(options: Any) -> dict[str, Any]:
