@@ -58,6 +58,8 @@ class FakeHub:
         self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
         self.cut_after: dict[str, int] = {}  # file -> bytes sent before the connection drops (once)
         self.ignore_range = False
+        self.repo, self.commit = REPO, COMMIT  # the repository served, and the commit its listing names
+        self.blob_ids = True  # list the git blob id of each file not in LFS, as the Hub's ?blobs=true does
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -66,9 +68,9 @@ class FakeHub:
 
             def do_GET(self) -> None:
                 hub.requests.append((self.path, self.headers.get("Range")))
-                if self.path.startswith(f"/api/models/{REPO}/revision/"):
+                if self.path.startswith(f"/api/models/{hub.repo}/revision/"):
                     return self._send(200, json.dumps(hub.listing()).encode())
-                prefix = f"/{REPO}/resolve/{COMMIT}/"
+                prefix = f"/{hub.repo}/resolve/{hub.commit}/"
                 name = self.path[len(prefix) :] if self.path.startswith(prefix) else None
                 if name not in hub.files:
                     return self._send(404, b"not found")
@@ -101,14 +103,26 @@ class FakeHub:
     def listing(self) -> dict:
         siblings = [{"rfilename": name, "size": len(body)} for name, body in self.files.items()]
         for entry in siblings:
+            body = self.files[entry["rfilename"]]
             if entry["rfilename"].endswith(".safetensors"):
-                entry["lfs"] = {"sha256": hashlib.sha256(self.files[entry["rfilename"]]).hexdigest()}
+                entry["lfs"] = {"sha256": hashlib.sha256(body).hexdigest()}
+                entry["blobId"] = hashlib.sha1(b"pointer file").hexdigest()  # an LFS file's: its pointer's
+            elif self.blob_ids:
+                entry["blobId"] = git_blob_id(body)
         siblings += [{"rfilename": name, "size": 1} for name in self.extra_names]
-        return {"sha": COMMIT, "siblings": siblings}
+        return {"sha": self.commit, "siblings": siblings}
 
     def weight_requests(self) -> list[str | None]:
         """The Range header of every request for the weights (None: the whole file)."""
         return [rng for path, rng in self.requests if path.endswith("/model.safetensors")]
+
+
+def git_blob_id(body: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest()
+
+
+def downloads(dirs: Dirs, commit: str = COMMIT) -> Path:
+    return dirs.cache / "downloads" / "tiny-org--tiny-llama" / commit
 
 
 @pytest.fixture
@@ -152,7 +166,7 @@ def test_an_interrupted_pull_resumes_from_the_part_file(hub_for, dirs):
     hub.cut_after["model.safetensors"] = 100_000
     first = run("pull", REPO, "--yes")
     assert first.exit_code == 1 and "run the same `mlxinfer pull` again to resume" in first.output
-    part = dirs.cache / "downloads" / "tiny-org--tiny-llama" / "model.safetensors.part"
+    part = downloads(dirs) / "model.safetensors.part"
     assert part.stat().st_size == 100_000
     second = run("pull", REPO, "--yes")
     assert second.exit_code == 0, second.output
@@ -163,7 +177,7 @@ def test_an_interrupted_pull_resumes_from_the_part_file(hub_for, dirs):
 def test_a_server_that_ignores_range_restarts_the_file(hub_for, dirs):
     hub = hub_for()
     hub.ignore_range = True
-    folder = dirs.cache / "downloads" / "tiny-org--tiny-llama"
+    folder = downloads(dirs)
     folder.mkdir(parents=True)
     (folder / "model.safetensors.part").write_bytes(b"\xff" * 5000)  # not the file's start: appending would break it
     result = run("pull", REPO, "--yes")
@@ -227,9 +241,123 @@ def test_pull_bits_4_converts_into_a_model_that_loads_and_generates(hub_for, dir
     assert result.exit_code == 0, result.output
     out = dirs.models / "tiny-llama-4bit"
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
-    assert not (dirs.cache / "downloads" / "tiny-org--tiny-llama").exists()  # the download was deleted
+    assert not downloads(dirs).exists()  # the download was deleted
     model = mlxinfer.load(out)
     assert model.generate("Hello", max_tokens=4, chat=False).stats.generated_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "repo", ["tiny-org/.", "tiny-org/..", "./x", "../x", "a/.x", "a/x.", "a/-x", "a/x-", "a/x--y", "a/x..y",
+             "a/x y", "a/", "/a", "a/b/c", "a", "a/" + "x" * 97, "a/x\u00e9"],
+)  # fmt: skip
+def test_a_repo_id_that_is_not_a_plain_folder_name_is_refused(repo):
+    from mlxinfer.errors import HubError
+    from mlxinfer.hub.remote import check_repo_id
+
+    with pytest.raises(HubError, match="not a Hub model id"):
+        check_repo_id(repo)
+
+
+def test_hub_style_repo_ids_are_accepted():
+    from mlxinfer.hub.remote import check_repo_id
+
+    for repo in ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-0.6B", "a/b_c", "_x/y_", "o/" + "x" * 96):
+        assert check_repo_id(repo) == repo
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_pull_of_a_dot_name_with_force_never_touches_the_models_dir(hub_for, dirs, name):
+    hub = hub_for()
+    hub.repo = f"tiny-org/{name}"  # the stand-in answers for it, as a hostile endpoint could
+    shutil.copytree(SOURCE, dirs.models / "keep")
+    for args in (("--force",), ("--force", "--bits", "4")):
+        result = run("pull", hub.repo, "--yes", *args)
+        assert result.exit_code == 1 and "not a Hub model id" in result.output, result.output
+    assert (dirs.models / "keep" / "config.json").is_file() and dirs.models.is_dir()
+    assert not any("/resolve/" in path for path, _ in hub.requests)
+
+
+def test_pull_targets_only_a_folder_named_after_the_repo_in_the_models_dir(hub_for, dirs, tmp_path):
+    import dataclasses
+
+    from mlxinfer.errors import HubError
+    from mlxinfer.hub import download, finish, plan_pull
+
+    hub_for()
+    (dirs.models / "keep").mkdir()
+    for target in (dirs.models, dirs.models / ".", dirs.models / "..", dirs.models / "keep", tmp_path / "tiny-llama"):
+        with pytest.raises(HubError, match="refused"):
+            plan_pull(REPO, target=target, force=True)
+    assert plan_pull(REPO, target=dirs.models / "tiny-llama-4bit").target.name == "tiny-llama-4bit"
+    plan = plan_pull(REPO, force=True)
+    download(plan, progress=False)
+    for target in (dirs.models, tmp_path, dirs.models / "keep"):  # changed after the plan: checked before deleting
+        with pytest.raises(HubError, match="refused"):
+            finish(dataclasses.replace(plan, target=target))
+    assert (dirs.models / "keep").is_dir() and tmp_path.is_dir()
+    assert finish(plan) == dirs.models / "tiny-llama"
+    assert_same_as_source(dirs.models / "tiny-llama")
+    assert not (dirs.cache / "downloads" / "tiny-org--tiny-llama").exists()
+
+
+OTHER_COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def weights_last(files: dict[str, bytes]) -> dict[str, bytes]:
+    """The files in the order the listing gives them: the side files first, so a cut weights download leaves them."""
+    return dict(sorted(files.items(), key=lambda kv: kv[0].endswith(".safetensors")))
+
+
+def other_commit_files() -> dict[str, bytes]:
+    """The same repository at a later commit: config.json and the weights changed, each keeping its size."""
+    files = weights_last(source_files())
+    files["config.json"] = files["config.json"].replace(b'"initializer_range": 0.2', b'"initializer_range": 0.3')
+    files["model.safetensors"] = files["model.safetensors"][:-4] + bytes(4)
+    assert files["model.safetensors"] != source_files()["model.safetensors"]
+    return files
+
+
+@pytest.mark.parametrize("blob_ids", [True, False])
+def test_a_resume_after_a_new_commit_never_mixes_the_two(hub_for, dirs, blob_ids):
+    hub = hub_for(weights_last(source_files()))
+    hub.blob_ids = blob_ids
+    hub.cut_after["model.safetensors"] = 100_000
+    assert run("pull", REPO, "--yes").exit_code == 1  # config.json and the others finished, the weights not
+    assert (downloads(dirs) / "config.json").read_bytes() == source_files()["config.json"]
+    hub.files, hub.commit = other_commit_files(), OTHER_COMMIT  # pushed meanwhile
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 0, result.output
+    assert hub.weight_requests()[-1] is None  # the first commit's .part was not continued
+    for name, body in other_commit_files().items():
+        assert (dirs.models / "tiny-llama" / name).read_bytes() == body, name
+    assert not (dirs.cache / "downloads" / "tiny-org--tiny-llama").exists()  # the old commit's folder too
+
+
+@pytest.mark.parametrize("blob_ids", [True, False])
+def test_a_damaged_leftover_side_file_is_downloaded_again(hub_for, dirs, blob_ids):
+    hub = hub_for(weights_last(source_files()))
+    hub.blob_ids = blob_ids
+    hub.cut_after["model.safetensors"] = 100_000
+    assert run("pull", REPO, "--yes").exit_code == 1
+    leftover = downloads(dirs) / "config.json"
+    leftover.write_bytes(other_commit_files()["config.json"])  # same size, other bytes
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 0, result.output
+    assert_same_as_source(dirs.models / "tiny-llama")
+
+
+def test_a_side_file_that_differs_from_its_git_blob_id_is_refused(hub_for, dirs):
+    hub = hub_for()
+    listing = hub.listing
+    hub.listing = lambda: {
+        **listing(),
+        "siblings": [
+            {**e, "blobId": "0" * 40} if e["rfilename"] == "tokenizer.json" else e for e in listing()["siblings"]
+        ],
+    }
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 1 and "tokenizer.json: its git blob id differs" in result.output, result.output
+    assert not (downloads(dirs) / "tokenizer.json").exists() and not list(dirs.models.iterdir())
 
 
 # -- ls / rm / show -------------------------------------------------------------------------------
@@ -351,3 +479,86 @@ def test_switch_model_offers_hf_cache_and_added_models(dirs, tmp_path):
     shutil.copytree(SOURCE, own / "llama_classic")
     controller = MenubarController(ServerSettings(port=0), models_dir=own)
     assert controller.available_models() == [own / "llama_classic", snapshot, added]
+
+
+# -- find_model: what the server asks for each name it has not loaded ----------------------------
+
+
+def test_find_model_describes_only_the_model_it_finds(dirs, tmp_path, monkeypatch):
+    shutil.copytree(SOURCE, dirs.models / "llama_classic")
+    tiny_gguf(dirs.models / "small.Q8_0.gguf")
+    hf_cache_entry(dirs.hf)
+    library.add_model(tiny_gguf(tmp_path / "mine.gguf"))
+    everything = library.list_models()
+    assert {m.name for m in everything} == {"llama_classic", "small.Q8_0", "org/tiny", "mine"}
+
+    import huggingface_hub
+
+    calls: list[str] = []
+    for name in ("describe", "_config", "gguf_facts", "disk_bytes", "_scan_hf_cache"):
+        real = getattr(library, name)
+        monkeypatch.setattr(
+            library, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+    monkeypatch.setattr(huggingface_hub, "scan_cache_dir", lambda *a: calls.append("scan_cache_dir"))
+    for unknown in ("nope", "org/nope", "../x", "nope/../../x", "a--b/c", ""):
+        assert library.find_model(unknown) is None
+    assert calls == []  # no config, GGUF header or size read, no hub cache scan
+    for model in everything:
+        calls.clear()
+        assert library.find_model(model.name) == model
+        assert calls.count("describe") == 1 and "_scan_hf_cache" not in calls and "scan_cache_dir" not in calls
+        assert len([c for c in calls if c in ("_config", "gguf_facts")]) == 1
+
+
+def test_find_model_follows_list_models_for_a_path_listed_twice(dirs, tmp_path):
+    snapshot = hf_cache_entry(dirs.hf)
+    library.add_model(snapshot)  # listed once: as the hub cache repository, not as an added model
+    assert [m.name for m in library.list_models()] == ["org/tiny"]
+    assert library.find_model(COMMIT) is None and library.find_model("org/tiny").source == "hf cache"
+    shutil.copytree(SOURCE, dirs.models / "b")
+    (dirs.models / "a").symlink_to(dirs.models / "b")  # "b" is the path "a" already listed
+    assert [m.name for m in library.list_models() if m.source == "models dir"] == ["a"]
+    assert library.find_model("b") is None and library.find_model("a").path == dirs.models / "a"
+
+
+# -- chat_template: the template of a model not loaded ---------------------------------------------
+
+
+def gguf_with_template(path: Path, template: str | None, tokens: int = 1000) -> Path:
+    """A GGUF header whose tokenizer arrays come before tokenizer.chat_template, as llama.cpp writes them."""
+
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text.encode())) + text.encode()
+
+    keys = string("general.architecture") + struct.pack("<I", 8) + string("llama")
+    keys += string("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, tokens)
+    keys += b"".join(string(f"tok{i}") for i in range(tokens))
+    keys += string("tokenizer.ggml.scores") + struct.pack("<IIQ", 9, 6, tokens) + bytes(4 * tokens)
+    count = 3
+    if template is not None:
+        keys += string("tokenizer.chat_template") + struct.pack("<I", 8) + string(template)
+        count += 1
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, count) + keys)
+    return path
+
+
+def test_chat_template_of_a_folder_and_a_gguf_file(dirs, tmp_path, monkeypatch):
+    folder = shutil.copytree(SOURCE, tmp_path / "m")
+    expected = json.loads((SOURCE / "tokenizer_config.json").read_text())["chat_template"]
+    assert library.chat_template(folder) == expected and "<|im_start|>" in expected
+    (folder / "chat_template.jinja").write_text("{{ jinja }}")
+    assert library.chat_template(folder) == "{{ jinja }}"
+    assert library.chat_template(tmp_path / "empty") is None
+    other = tmp_path / "named"
+    other.mkdir()
+    (other / "chat_template.json").write_text(
+        json.dumps({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]})
+    )
+    assert library.chat_template(other) == "D"
+    assert library.chat_template(gguf_with_template(tmp_path / "t.gguf", "{{ gguf }} é")) == "{{ gguf }} é"
+    assert library.chat_template(gguf_with_template(tmp_path / "none.gguf", None)) is None
+    assert library.chat_template(tiny_gguf(tmp_path / "tiny.gguf")) is None
+    monkeypatch.setattr(library, "MAX_TEMPLATE_BYTES", 8)  # bounded: a larger template is not read
+    assert library.chat_template(gguf_with_template(tmp_path / "t.gguf", "x" * 9)) is None
+    assert library.chat_template(folder) is None  # the .jinja file is too large
