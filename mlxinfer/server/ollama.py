@@ -30,8 +30,6 @@ from ..chat.messages import MAX_TOOL_CALLS
 from ..engine import GenerationStats
 from ..errors import MlxInferError
 from ..models import library
-from ..models.gguf_file import GGUFFile
-from ..tokenizer import Tokenizer
 from ..untrusted import is_int, shown
 from .answer import Answer
 from .errors import APIError, as_api_error
@@ -497,7 +495,7 @@ def _show_local(api: API, name: str) -> dict[str, Any]:
         "block_count": facts["layers"],
         "vocab_size": facts["vocab_size"],
     }
-    template = _template_of(local.path) or ""
+    template = library.chat_template(local.path) or ""
     fmt = output_format(template)
     details = _details(local.path, local.family, _quantization_level(local.bits))
     return _shown(details, sizes, template, fmt.tools is not None, fmt.reasoning is not None)
@@ -515,19 +513,6 @@ def _shown(details: dict[str, Any], sizes: dict[str, Any], template: str, tools:
         "model_info": info,
         "capabilities": capabilities,
     }
-
-
-def _template_of(path: Path) -> str | None:
-    """The chat template, read without the weights: the GGUF header, or the folder's tokenizer files."""
-    try:
-        if path.suffix == ".gguf" and not path.is_dir():
-            with GGUFFile(path) as gguf:
-                template = gguf.metadata.get("tokenizer.chat_template")
-                return template if isinstance(template, str) else None
-        return Tokenizer.from_folder(path).chat_template
-    except MlxInferError as error:  # an unreadable tokenizer: shown without a template, as Ollama would
-        log.warning("%s", error)
-        return None
 
 
 async def version(api: API, request: Request) -> Response:
