@@ -29,7 +29,6 @@ from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import check_kv_bits, footprint
-from .models.library import record_use
 from .tokenizer import Tokenizer, check_same_vocabulary
 from .untrusted import shown
 
@@ -455,6 +454,4 @@ def load(
     """
     loaded = load_model(path if path is not None else default_model_path(), dtype=dtype)
     draft = load_model(draft_model, dtype=dtype) if draft_model is not None else None
-    model = Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits, draft=draft, speculate=speculate)
-    record_use(model.path)  # `mlxinfer ls` shows when each model was last used
-    return model
+    return Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits, draft=draft, speculate=speculate)

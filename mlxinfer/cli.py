@@ -29,6 +29,7 @@ from .errors import DefaultModelError, GrammarError, MlxInferError, SamplingErro
 from .grammar import MAX_GRAMMAR_CHARS
 from .local_server import find_server, new_token, publish, server_identity, withdraw
 from .models import load_tokenizer
+from .models.library import record_use
 from .remote import RemoteModel, model_field
 from .untrusted import read_json_object
 
@@ -428,7 +429,9 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
     other = find_server()  # the user's resident server, if one runs already
     models = _resident_models(settings, keep_alive, dtype, kv_bits)
     speculation = {"draft_model": settings.draft_model, "speculate": settings.speculate}
-    name = models.add(_load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation), settings.scheduler).id
+    llm = _load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation)
+    record_use(llm.path)
+    name = models.add(llm, settings.scheduler).id
 
     def ready(url: str) -> None:  # once connections are answered, with the real port (also for --port 0)
         click.echo(f"Serving {name} on {url}/v1 (Ctrl-C to stop)", err=True)
@@ -457,7 +460,7 @@ def _resident_models(settings: Any, keep_alive: float, dtype: str | None, kv_bit
     bits = int(kv_bits) if kv_bits else None
     return ModelSet(
         catalog=local_catalog,
-        loader=functools.partial(load, dtype=dtype, kv_bits=bits),
+        loader=functools.partial(_recorded_load, dtype=dtype, kv_bits=bits),
         keep_alive_s=keep_alive,
         budget_bytes=machine_memory().usable_bytes(),
         config=settings.scheduler,
@@ -549,7 +552,7 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
     controller = MenubarController(
         settings,
         models_dir=models_dir or default_models_dir(),
-        loader=lambda path: load(path, kv_bits=bits),
+        loader=lambda path: _recorded_load(path, kv_bits=bits),
         default_model=default,
     )
     controller.start(path, on_bound=lambda: click.echo(f"Loading {path.name}...", err=True))  # a taken port: 1 line
@@ -722,7 +725,9 @@ def _model_for(model: str | None, local: bool, dtype: str | None, quiet: bool, *
     loads_here = local or dtype or options["kv_bits"] or options["draft_model"] or options["speculate"] != "auto"
     server = None if loads_here else find_server()
     if server is None:
-        return _load(model, dtype, quiet, **options)
+        llm = _load(model, dtype, quiet, **options)
+        record_use(llm.path)  # `mlxinfer ls` shows when each model was last used
+        return llm
     if not quiet:
         click.echo(f"Using the mlxinfer server at {server.url} (pid {server.pid}); --local loads it here", err=True)
     remote = RemoteModel(server, model_field(model))
@@ -763,6 +768,13 @@ def _load(
         click.echo(f"Loading {model or 'the default model (SmolLM2-135M-Instruct)'}{drafter}...", err=True)
     bits = int(kv_bits) if kv_bits else None
     return load(model, dtype=dtype, kv_bits=bits, draft_model=draft_model, speculate=speculate)
+
+
+def _recorded_load(path: str | Path | None, **options: Any) -> Model:
+    """`load`, noting the time for `mlxinfer ls` (the front ends' loads: `mlxinfer.load` itself writes nothing)."""
+    llm = load(path, **options)
+    record_use(llm.path)
+    return llm
 
 
 def _speculation(options: dict[str, Any]) -> dict[str, Any]:
