@@ -35,7 +35,7 @@ _POSIX = sys.platform != "win32"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 IDENTITY_PATH = "/api/mlxinfer"  # answers {"pid": ...} to a request that shows the token
 MAX_ANSWER_BYTES = 1 << 20
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def server_identity(server: LocalServer) -> dict:
     """What the server says of itself when shown the token: pid, version, models, loaded (RemoteServerError if not)."""
     request = urllib.request.Request(server.url + IDENTITY_PATH, headers=server.headers)
     try:
-        with _OPENER.open(request, timeout=PROBE_TIMEOUT_S) as response:
+        with OPENER.open(request, timeout=PROBE_TIMEOUT_S) as response:
             body = json.loads(response.read(MAX_ANSWER_BYTES))
     except urllib.error.HTTPError as e:
         raise RemoteServerError(f"HTTP {e.code}") from None

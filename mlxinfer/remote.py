@@ -20,7 +20,7 @@ from typing import Any
 from .api import GenerationResult, Model, load
 from .engine import GenerationStats, SamplingParams
 from .errors import RemoteServerError, SamplingError
-from .local_server import LocalServer, find_server
+from .local_server import OPENER, LocalServer, find_server
 
 log = logging.getLogger("mlxinfer")
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -28,7 +28,6 @@ LOCAL_ONLY = ("prefill_chunk_tokens", "use_cache", "snapshot_every", "speculate"
 MAX_LINE_BYTES = 1 << 20  # one server-sent event; the server's own are a few hundred bytes
 MAX_ERROR_BYTES = 64 << 10
 READ_TIMEOUT_S = 660.0  # between two reads: past the server's own request timeout (600 s), it is gone
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
 
 
 def connect(model: str | Path | None = None, *, local: bool = False, **load_options: Any) -> Model | RemoteModel:
@@ -186,7 +185,7 @@ def _post(server: LocalServer, path: str, body: dict[str, Any]) -> Any:
     headers = {**server.headers, "Content-Type": "application/json"}
     request = urllib.request.Request(server.url + path, data=data, headers=headers, method="POST")
     try:
-        return _OPENER.open(request, timeout=READ_TIMEOUT_S)
+        return OPENER.open(request, timeout=READ_TIMEOUT_S)
     except urllib.error.HTTPError as e:
         try:
             detail = json.loads(e.read(MAX_ERROR_BYTES))
