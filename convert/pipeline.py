@@ -435,15 +435,19 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
 def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: dict) -> tuple[list[str], int]:
     shapes = plan.shapes or {n: plan.source.tensors[n].shape for n in plan.names}
     writer = ShardWriter(folder, plan.settings.shard_bytes, header_bound(_written_names(plan, shapes)))
-    with tqdm(total=plan.params, unit="", unit_scale=True, desc="converting weights", disable=not progress) as bar:
-        for name, value in converted_tensors(plan.source, plan.names, plan.sanitize):
-            for out_name, array in _encode(plan, name, value, rounded):
-                mx.eval(array)
-                writer.add(out_name, array)
-            del value  # evaluated, its bytes (or, lazy, the tensors it was made of) are not needed again
-            bar.update(math.prod(shapes[name]))
-            bar.set_postfix_str(name, refresh=False)
-    return writer.finish(), writer.total_bytes
+    try:
+        with tqdm(total=plan.params, unit="", unit_scale=True, desc="converting weights", disable=not progress) as bar:
+            for name, value in converted_tensors(plan.source, plan.names, plan.sanitize):
+                for out_name, array in _encode(plan, name, value, rounded):
+                    mx.eval(array)
+                    writer.add(out_name, array)
+                del value  # evaluated, its bytes (or, lazy, the tensors it was made of) are not needed again
+                bar.update(math.prod(shapes[name]))
+                bar.set_postfix_str(name, refresh=False)
+        return writer.finish(), writer.total_bytes
+    except BaseException:
+        writer.abandon()
+        raise
 
 
 def _written_names(plan: ConversionPlan, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:

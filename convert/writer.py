@@ -122,6 +122,15 @@ class ShardWriter:
         self.total_bytes += self._written
         self._entries, self._written = {}, 0
 
+    def abandon(self) -> None:
+        """Close a shard that a failed write left open, dropping what its buffer still holds.
+
+        Left to the garbage collector, the buffer would be written whenever the file is collected: past a
+        file-size limit, once SIGXFSZ is deadly again, that kills the process after its error was shown."""
+        file, self._file = self._file, None
+        if file is not None:
+            file.raw.close()  # the buffered file's own close() would try to write the buffer once more
+
     def finish(self) -> list[str]:
         """Name the shards model-0000i-of-0000N and write the index; returns the file names."""
         self.flush()
