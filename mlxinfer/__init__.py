@@ -1,7 +1,11 @@
 """mlxinfer: fast, lean, trustworthy LLM inference on Apple Silicon, built on MLX."""
 
-from .api import GenerationResult, Model, load
-from .engine import GenerationStats, SamplingParams
+from . import blas
+
+blas.activate()  # before any matmul: MLX's CPU GEMMs reach OpenBLAS on Linux (see blas.py)
+
+from .api import GenerationResult, Model, load  # noqa: E402
+from .engine import GenerationStats, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -352,6 +352,7 @@ class Model:
     def __repr__(self) -> str:
         loaded = self._loaded
         quant = f", {loaded.quantized_layers} quantized layers" if loaded.quantized_layers else ""
+        quant += " run from float32" if loaded.weights.kept == "dense" else ""
         return (
             f"Model({loaded.path.name}: {self.architecture}, {loaded.config.num_layers} layers{quant}, "
             f"{mib(loaded.weights_bytes)}, compute {self.compute_dtype})"

@@ -107,6 +107,9 @@ def private_user_dirs(tmp_path_factory: pytest.TempPathFactory):
         runtime.chmod(0o700)
         mp.setenv("MLXINFER_RUNTIME_DIR", str(runtime))
         mp.setenv("MLXINFER_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+        # Quantized models stay quantized: "auto" decides by timing at load, which a busy CI machine could flip
+        # between tests comparing outputs. tests/test_cpu_speed.py runs "auto" and "dense" on purpose.
+        mp.setenv("MLXINFER_CPU_WEIGHTS", "quantized")
         yield
 
 

@@ -19,11 +19,13 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ModelNotFoundError, WeightMismatchError
+from ..memory.machine import machine_memory
 from ..tokenizer import Tokenizer
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
 from ..untrusted import listed
 from .checkpoint import Checkpoint, load_tensors, open_folder
 from .config import ModelConfig, normalize_config
+from .cpu_weights import WeightChoice, choose_cpu_weights, cpu_weights_mode
 from .decoder import DecoderLM, build_model
 from .dtype import choose_compute_dtype
 from .fallback import UNVERIFIED
@@ -49,9 +51,12 @@ class LoadedModel:
     quantized_layers: int
     weights_bytes: int
     load_s: float
+    weights: WeightChoice = WeightChoice("as stored", "not chosen")  # quantized or dequantized on this CPU
 
 
-def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(
+    path: str | Path, dtype: str | None = None, with_tokenizer: bool = True, cpu_weights: str | None = None
+) -> LoadedModel:
     """Load `path` (a model folder or a .gguf file) for inference.
 
     Example:
@@ -83,11 +88,12 @@ def load_model(path: str | Path, dtype: str | None = None, with_tokenizer: bool 
     model.update(tree_unflatten([(k, _cast(v, compute)) for k, v in weights.items()]))
     mx.eval(model.parameters(), _private_arrays(model))
     model.eval()
-    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    log.info("loaded %s: %d quantized layers, %.1f MB, %s", path, quantized, nbytes / 1e6, compute)
+    kept = choose_cpu_weights(model, compute, machine_memory().usable_bytes(), cpu_weights_mode(cpu_weights))
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # after the choice: what is held
+    log.info("loaded %s: %d quantized layers (%s), %.1f MB, %s", path, quantized, kept.kept, nbytes / 1e6, compute)
     if not config.verified:
         log.warning("%s: model_type %s is %s", path, config.model_type, UNVERIFIED)
-    return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start)
+    return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start, kept)
 
 
 def _read_gguf_checked(path: Path, compute: mx.Dtype) -> tuple[ModelConfig, dict[str, mx.array], dict[str, Any]]:

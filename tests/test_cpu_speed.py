@@ -1,0 +1,147 @@
+"""The CPU fast path: MLX's GEMMs reach OpenBLAS on Linux, and small quantized models run from float32 weights."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlxinfer.convert import convert
+
+import mlxinfer
+from mlxinfer import blas
+from mlxinfer.models import load_model
+from mlxinfer.models.cpu_weights import choose_cpu_weights, cpu_weights_mode
+
+from .conftest import TINY
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS is routed in on Linux only")
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **env},
+    )  # fmt: skip
+
+
+@linux
+def test_importing_mlxinfer_points_mlx_gemms_at_openblas():
+    report = blas.activate()
+    assert report.name.startswith("OpenBLAS") and report.note is None, report
+    assert blas.routed()  # read back from libmlx's GOT, not from the report
+
+
+@linux
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+@pytest.mark.parametrize("shape", [(1, 7, 5), (33, 64, 17), (128, 96, 200)])
+def test_routed_gemms_match_numpy(dtype, shape):
+    assert blas.routed()
+    m, k, n = shape
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal(s).astype(dtype) for s in ((m, k), (k, n)))
+    if dtype == np.complex64:
+        a, b = a + 1j * rng.standard_normal(a.shape).astype(np.float32), b * (1 - 0.5j)
+    want = a @ b
+    for x, y, expect in ((a, b, want), (b.T, a.T, want.T)):  # transposed operands take the other BLAS flags
+        got = np.array(mx.matmul(mx.array(x), mx.array(y), stream=mx.cpu))
+        np.testing.assert_allclose(got, expect, rtol=1e-4, atol=1e-4 * np.abs(expect).max())
+
+
+@linux
+def test_reference_blas_on_request_leaves_mlx_alone():
+    done = _python(
+        "import json, mlxinfer; from mlxinfer import blas; print(json.dumps([blas.activate().name, blas.routed()]))",
+        MLXINFER_BLAS="reference",
+    )
+    assert done.returncode == 0, done.stderr
+    name, routed = json.loads(done.stdout.splitlines()[-1])
+    assert name.startswith("reference BLAS") and routed is False
+
+
+@linux
+def test_a_wrong_probe_result_puts_the_reference_back_with_one_line():
+    done = _python(
+        """
+        import json, mlx.core as mx
+        from mlxinfer import blas
+        assert not blas.routed()  # MLXINFER_BLAS=reference: importing mlxinfer left the reference slots
+        real = blas.probe_gflops
+        calls = []
+        def probe(n=blas.PROBE_N):  # the second probe (through OpenBLAS) finds a wrong product
+            calls.append(n)
+            if len(calls) == 2:
+                raise ValueError("the probe matmul is wrong (relative error 1.0e+00)")
+            return real(n)
+        blas.probe_gflops = probe
+        report = blas._route_to_openblas()
+        print(json.dumps([report.name, report.note, blas.routed()]))
+        """,
+        MLXINFER_BLAS="reference",
+    )
+    assert done.returncode == 0, done.stderr
+    name, note, routed = json.loads(done.stdout.splitlines()[-1])
+    assert name.startswith("reference BLAS") and routed is False
+    assert "OpenBLAS was not used: the probe matmul is wrong" in note and "\n" not in note
+
+
+@pytest.fixture(scope="module")
+def tiny_4bit(tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "llama-4bit"
+    convert(TINY / "llama_classic", out, bits=4, evaluate=False, progress=False)
+    return out
+
+
+def test_dense_weights_compute_what_the_quantized_ones_do(tiny_4bit):
+    quantized = load_model(tiny_4bit, cpu_weights="quantized")
+    dense = load_model(tiny_4bit, cpu_weights="dense")
+    assert (quantized.weights.kept, dense.weights.kept) == ("quantized", "dense")
+    assert quantized.quantized_layers > 0
+    tokens = mx.array([[1, 5, 9, 2, 7, 3, 11, 4]])
+    want, got = quantized.model(tokens), dense.model(tokens)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
+    # What the planner counts is what is held: float32 weights, several times the packed ones.
+    assert dense.weights_bytes > 3 * quantized.weights_bytes
+
+
+def test_auto_keeps_quantized_weights_that_would_not_fit(tiny_4bit):
+    loaded = load_model(tiny_4bit, cpu_weights="quantized")
+    choice = choose_cpu_weights(loaded.model, mx.float32, usable_bytes=1024, mode="auto")
+    assert choice.kept == "quantized" and "usable memory" in choice.reason
+    choice = choose_cpu_weights(loaded.model, mx.float16, usable_bytes=2**40, mode="auto")
+    assert choice.kept == "quantized" and "float16" in choice.reason
+
+
+def test_auto_decides_by_timing_both_on_the_largest_layer(tiny_4bit, monkeypatch):
+    from mlxinfer.models import cpu_weights
+
+    for dense_s, kept in ((0.5, "dense"), (2.0, "quantized")):
+        monkeypatch.setattr(cpu_weights, "_time_both", lambda layer, rows, d=dense_s: (1.0, d))
+        loaded = load_model(tiny_4bit, cpu_weights="quantized")
+        choice = choose_cpu_weights(loaded.model, mx.float32, usable_bytes=2**40, mode="auto")
+        assert choice.kept == kept, choice
+
+
+def test_the_mode_comes_from_the_environment_and_is_checked(monkeypatch):
+    monkeypatch.setenv("MLXINFER_CPU_WEIGHTS", "Dense")
+    assert cpu_weights_mode() == "dense" and cpu_weights_mode("quantized") == "quantized"
+    monkeypatch.setenv("MLXINFER_CPU_WEIGHTS", "fast")
+    with pytest.raises(mlxinfer.errors.ConfigError, match="MLXINFER_CPU_WEIGHTS='fast'"):
+        cpu_weights_mode()
+
+
+def test_the_real_model_answers_the_same_from_float32_weights(monkeypatch):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    answers = {}
+    for mode in ("quantized", "dense"):
+        monkeypatch.setenv("MLXINFER_CPU_WEIGHTS", mode)
+        model = mlxinfer.load()
+        answers[mode] = model.chat(question, max_tokens=12).text
+        assert ("run from float32" in repr(model)) == (mode == "dense")
+    assert "Paris" in answers["dense"] and answers["dense"] == answers["quantized"], answers
