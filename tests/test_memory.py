@@ -400,3 +400,16 @@ def test_the_kv_per_position_is_what_the_widest_layers_cache_holds(name):
     mx.eval(decoder.hidden(mx.array([list(range(3, 7))], dtype=mx.uint32), caches))
     held = [sum(a.nbytes for a in c.state) // c.length for c in caches if not isinstance(c, StateCache)]
     assert footprint(model._loaded).kv_bytes_per_position == max(held)
+
+
+def test_on_cuda_the_plan_is_bounded_by_the_gpus_free_memory(monkeypatch):
+    """A discrete GPU holds the weights: its free memory (MLX's device_info), not the host's, bounds the plan."""
+    from mlxinfer.memory import machine
+
+    gpu_free = 3 * 2**30
+    monkeypatch.setattr(machine.mx.metal, "is_available", lambda: False)
+    monkeypatch.setattr(machine.mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(machine.mx, "device_info", lambda: {"total_memory": 8 * 2**30, "free_memory": gpu_free})
+    memory = machine.machine_memory()
+    assert memory.backend == "cuda" and memory.working_set_bytes == gpu_free
+    assert memory.usable_bytes() == min(gpu_free, memory.available_bytes - memory.headroom_bytes)

@@ -12,6 +12,10 @@ from typing import Any
 import mlx.core as mx
 import psutil
 
+from .. import blas
+
+VERSIONS = ("mlx", "mlx-lm", "mlxinfer", "transformers", "llama-cpp-python", "scipy-openblas32")
+
 
 def conditions() -> dict[str, Any]:
     """Machine, software versions and backend, as plain JSON-able values."""
@@ -26,7 +30,8 @@ def conditions() -> dict[str, Any]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "backend": _backend(),
-        "versions": {name: _version(name) for name in ("mlx", "mlx-lm", "mlxinfer", "transformers")},
+        "versions": {name: _version(name) for name in VERSIONS},
+        "blas": blas.activate().as_dict(),  # what MLX's CPU GEMMs reach in this process, and its GFLOP/s
     }
 
 

@@ -1,4 +1,4 @@
-"""The engines a benchmark can drive: ours and mlx-lm, behind one small interface.
+"""The engines a benchmark can drive: ours, mlx-lm and llama.cpp, behind one small interface.
 
 Both are driven at the token level (no detokenization, EOS ignored) so they do
 the same work: prefill the same prompt ids, then decode a fixed number of tokens
@@ -8,6 +8,7 @@ greedily.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -118,4 +119,40 @@ def _float_dtype(model: nn.Module) -> str:
     return "unknown"
 
 
-ENGINES: dict[str, Any] = {"mlxinfer": Ours, "mlx-lm": MlxLm}
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python, on the same GGUF file: the peer on CPUs (optional, built from source)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: Path, dtype: str | None):
+        from llama_cpp import Llama
+
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: llama.cpp reads .gguf files only")
+        threads = os.cpu_count() or 1  # the same cores MLX and OpenBLAS use
+        self._llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads, verbose=False)
+        self.compute_dtype = "gguf"
+        self.weights_bytes = self.decode_weights_bytes = path.stat().st_size
+
+    def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
+        start = time.perf_counter()
+        times = []
+        # generate() never stops at EOS by itself: greedy (top_k 1), n tokens, like the others here.
+        for _ in self._llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == n:
+                break
+        return start, times
+
+    def model_step_s(self, prompt: list[int], steps: int) -> float:
+        self._llm.reset()
+        self._llm.eval(prompt)
+        token = prompt[-1]
+        self._llm.eval([token])
+        start = time.perf_counter()
+        for _ in range(steps):
+            self._llm.eval([token])
+        return (time.perf_counter() - start) / steps
+
+
+ENGINES: dict[str, Any] = {"mlxinfer": Ours, "mlx-lm": MlxLm, "llama.cpp": LlamaCpp}

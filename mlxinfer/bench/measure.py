@@ -41,6 +41,7 @@ class RunSpec:
     runs: int = 3
     budget_s: float = 120.0  # warm runs stop once this much time is spent
     overhead_steps: int = 8
+    env: dict[str, str] = field(default_factory=dict)  # for the worker process, e.g. MLXINFER_CPU_WEIGHTS
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -33,6 +34,7 @@ def run_one(spec: RunSpec, timeout_s: float) -> Measurement:
         done = subprocess.run(
             [sys.executable, "-m", "mlxinfer.bench.worker"],
             input=json.dumps(asdict(spec)),
+            env={**os.environ, **spec.env},
             capture_output=True,
             text=True,
             timeout=timeout_s,

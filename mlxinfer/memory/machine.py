@@ -19,7 +19,7 @@ class MachineMemory:
     available_bytes: int  # free now, reclaimable caches included (psutil)
     swap_used_bytes: int
     backend: str  # "metal", "cuda" or "cpu"
-    working_set_bytes: int | None  # Metal's recommended maximum working set
+    working_set_bytes: int | None  # Metal's recommended maximum working set; on CUDA, the GPU's free memory
     max_buffer_bytes: int | None  # the largest single buffer the GPU allows
 
     @property
@@ -44,5 +44,9 @@ def machine_memory() -> MachineMemory:
         working_set = int(info.get("max_recommended_working_set_size", 0)) or None
         max_buffer = int(info.get("max_buffer_length", 0)) or None
     elif mx.cuda.is_available():
+        # A discrete GPU: weights and caches live in its own memory, so what it has free now bounds the plan
+        # (MLX's CUDA device_info reads it through NVML, so other processes' use counts).
+        info = mx.device_info()
         backend = "cuda"
+        working_set = int(info.get("free_memory") or info.get("total_memory") or info.get("memory_size") or 0) or None
     return MachineMemory(vm.total, vm.available, swap.used, backend, working_set, max_buffer)
