@@ -105,7 +105,8 @@ def main() -> None:
     stem = args.out / f"{date.today().isoformat()}-vm-batch"
     args.out.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    lines = ["| weights (kept) | streams | aggregate decode tok/s | vs batch 1 | of bandwidth ceiling |", "|---|---|---|---|---|"]
+    lines = ["| weights (kept) | streams | aggregate decode tok/s | vs batch 1 | of bandwidth ceiling |"]
+    lines.append("|---|---|---|---|---|")
     for r in rows:
         lines.append(
             f"| {r['weights']} ({r['kept']}) | {r['streams']} | {r['aggregate_tps']:.1f} | {r['vs_batch_1']:.2f}x "
