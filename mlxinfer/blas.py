@@ -29,6 +29,7 @@ import numpy as np
 
 GEMMS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # everything libmlx.so calls in a BLAS (MLX 0.32)
 PROBE_N = 256  # 34 MFLOP: ~15 ms on the reference BLAS, well under 1 ms on OpenBLAS
+PROBE_RUNS = 5
 SLOW_GFLOPS = 10.0  # below this, float32 prefill is BLAS-bound at reference speed: worth a fix
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class BlasReport:
     name: str
     gflops: float | None  # float32 GEMM measured by the probe; None where it was not run
     note: str | None = None  # why it is not faster, and what to do; None when all is well
+    threads: int | None = None  # OpenBLAS's threads (None: not OpenBLAS)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -69,7 +71,7 @@ def probe_gflops(n: int = PROBE_N) -> float:
     a, b = (rng.standard_normal((n, n), dtype=np.float32) for _ in range(2))
     x, y = mx.array(a), mx.array(b)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(PROBE_RUNS):  # the best run: a busy machine slows some runs, never speeds one up
         start = time.perf_counter()
         out = mx.matmul(x, y, stream=mx.cpu)
         mx.eval(out)
@@ -88,6 +90,8 @@ def _route_to_openblas() -> BlasReport:
     except ImportError:
         return BlasReport("reference BLAS (netlib)", before, _slow(before, "scipy-openblas32 is not installed"))
     openblas = _openblas(scipy_openblas32)
+    if "OPENBLAS_NUM_THREADS" not in os.environ:  # the user's choice stands (OpenBLAS read it when loaded)
+        openblas.scipy_openblas_set_num_threads(blas_threads())
     libmlx = _loaded_libmlx()
     slots = _jump_slots(libmlx, GEMMS)
     base = _load_base(libmlx)
@@ -104,7 +108,19 @@ def _route_to_openblas() -> BlasReport:
             _swap(base + slots[name], value)
         return BlasReport("reference BLAS (netlib)", before, _slow(before, f"OpenBLAS was not used: {failure}"))
     version = getattr(scipy_openblas32, "__version__", "")
-    return BlasReport(f"OpenBLAS {version} (scipy-openblas32)".replace("  ", " "), after)
+    threads = openblas.scipy_openblas_get_num_threads()
+    return BlasReport(f"OpenBLAS {version} (scipy-openblas32)".replace("  ", " "), after, threads=threads)
+
+
+def blas_threads() -> int:
+    """OpenBLAS threads: every core this process may use but one.
+
+    OpenBLAS's threads wait for each other at every GEMM, so one that is descheduled stalls the product. With
+    one of 2 cores busy (another process, or our own server's event loop), 2 threads ran a 256x256 GEMM at
+    2-3 GFLOP/s and 1 thread at ~90; with both cores idle, 2 threads reach ~150. The free core is the cheaper
+    bet. OPENBLAS_NUM_THREADS overrides."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 def routed() -> bool:

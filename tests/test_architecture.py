@@ -42,6 +42,8 @@ FORBIDDEN = {
 }
 # The client side of the resident server: it talks HTTP to the server, never imports it.
 FORBIDDEN["remote"] = {"ui", "server", "bench", "cli", "convert", "quantize"}
+# `mlxinfer doctor` reads the machine through the lower rooms; only the CLI uses it.
+FORBIDDEN["doctor"] = {"ui", "server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"}
 # Leaf modules that every room may use: they import nothing of ours but errors.
 LEAVES = ("untrusted", "disk", "local_server", "blas")
 ROOMS = (
