@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -91,23 +92,33 @@ def test_a_wrong_probe_result_puts_the_reference_back_with_one_line():
     assert "OpenBLAS was not used: the probe matmul is wrong" in note and "\n" not in note
 
 
-@pytest.fixture(scope="module")
-def tiny_4bit(tmp_path_factory):
-    out = tmp_path_factory.mktemp("q") / "llama-4bit"
-    convert(TINY / "llama_classic", out, bits=4, evaluate=False, progress=False)
+def _four_bit(tmp_path_factory, family: str) -> Path:
+    out = tmp_path_factory.mktemp("q") / f"{family}-4bit"
+    convert(TINY / family, out, bits=4, evaluate=False, progress=False)
     return out
 
 
-def test_dense_weights_compute_what_the_quantized_ones_do(tiny_4bit):
-    quantized = load_model(tiny_4bit, cpu_weights="quantized")
-    dense = load_model(tiny_4bit, cpu_weights="dense")
+@pytest.fixture(scope="module")
+def tiny_4bit(tmp_path_factory):
+    return _four_bit(tmp_path_factory, "llama_classic")
+
+
+# Dense, sliding-window, mixture of experts (experts stay quantized), hybrid recurrent, per-layer inputs.
+FAMILIES = ["llama_classic", "gemma3", "qwen3_moe", "lfm2", "qwen3_next", "gemma4", "granitemoehybrid"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_weights_compute_what_the_quantized_ones_do(tmp_path_factory, family):
+    path = _four_bit(tmp_path_factory, family)
+    quantized = load_model(path, cpu_weights="quantized")
+    dense = load_model(path, cpu_weights="dense")
     assert (quantized.weights.kept, dense.weights.kept) == ("quantized", "dense")
     assert quantized.quantized_layers > 0
     tokens = mx.array([[1, 5, 9, 2, 7, 3, 11, 4]])
     want, got = quantized.model(tokens), dense.model(tokens)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-4)
-    # What the planner counts is what is held: float32 weights, several times the packed ones.
-    assert dense.weights_bytes > 3 * quantized.weights_bytes
+    # What the planner counts is what is held: float32 weights, more than the packed ones.
+    assert dense.weights_bytes > 1.5 * quantized.weights_bytes
 
 
 def test_auto_keeps_quantized_weights_that_would_not_fit(tiny_4bit):

@@ -37,8 +37,12 @@ def test_cached_logits_equal_uncached(case):
     one_at_a_time = model.logits(ids, chunk_tokens=1)
     chunked = model.logits(ids, chunk_tokens=5)
     whole = model.logits(ids)
-    assert np.abs(one_at_a_time - whole).max() < 1e-4, name
-    assert np.abs(chunked - whole).max() < 1e-4, name
+    # Float32 rounding only: a BLAS that blocks a product by its row count (OpenBLAS) sums in another order
+    # for 1, 5 or 24 rows, and recurrent layers (Gated DeltaNet) carry that through every token: up to
+    # ~4e-5 of the logits' scale here, against the 1e-3 absolute allowed from transformers above.
+    tolerance = 1e-4 * max(1.0, float(np.abs(whole).max()))
+    assert np.abs(one_at_a_time - whole).max() < tolerance, name
+    assert np.abs(chunked - whole).max() < tolerance, name
 
 
 def test_classic_and_transformers5_configs_give_the_same_model():

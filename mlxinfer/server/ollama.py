@@ -422,10 +422,10 @@ def _tags(api: API) -> list[dict[str, Any]]:
 
 
 async def ps(api: API, request: Request) -> Response:
-    """The loaded models. size_vram equals size where MLX runs on the GPU's unified memory (Apple
-    silicon), and is 0 on the CPU backend."""
+    """The loaded models. size_vram equals size where MLX computes on a GPU (Apple silicon's unified
+    memory, or an NVIDIA card's), and is 0 on the CPU backend."""
     loaded = {served.id: served.model for served in api.models}
-    on_gpu = mx.metal.is_available()
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
     rows = []
     for row in api.models.ps():
         model = loaded.get(row["name"])
