@@ -2,8 +2,8 @@
 
 Every engine gets the same prompt token ids (the shipped prose) and decodes greedily with EOS ignored,
 each configuration in a fresh process (mlxinfer.bench.runner), one after the other:
-- mlxinfer on the GGUF file, as it loads by default (on a CPU: float32 weights where measured faster),
-  and with MLXINFER_CPU_WEIGHTS=quantized (the 4-bit kernels);
+- mlxinfer on the GGUF file, as it loads by default (on a CPU: float32 weights where measured faster, OpenBLAS
+  on every core but one), with OpenBLAS on every core, and with MLXINFER_CPU_WEIGHTS=quantized (4-bit kernels);
 - llama.cpp (llama-cpp-python, built from source: `pip install llama-cpp-python==0.3.36`) on the same GGUF;
 - mlx-lm on an MLX 4-bit folder converted from that GGUF (the Q4_1 grid copied, not re-rounded), computing
   in float32 (its bf16 default is ~7x slower on MLX's CPU backend).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from datetime import date
 from pathlib import Path
@@ -35,16 +36,15 @@ def specs(gguf: Path, folder: Path, ids: list[int], sizes, runs: int) -> list[Ru
     out = []
     for prompt, decode in sizes:
         common = dict(label=f"{prompt}/{decode}", prompt_ids=ids[:prompt], decode_tokens=decode, runs=runs)
+        threads = os.cpu_count() or 1
+
+        def ours(mode: str, common: dict = common, **env: str) -> RunSpec:
+            return RunSpec(engine="mlxinfer", model=str(gguf), mode=mode, dtype=None, env=env, **common)
+
         out += [
-            RunSpec(engine="mlxinfer", model=str(gguf), mode="default", dtype=None, **common),
-            RunSpec(
-                engine="mlxinfer",
-                model=str(gguf),
-                mode="quantized",
-                dtype=None,
-                env={"MLXINFER_CPU_WEIGHTS": "quantized"},
-                **common,
-            ),  # fmt: skip
+            ours("default"),
+            ours("quantized", MLXINFER_CPU_WEIGHTS="quantized"),
+            ours(f"{threads} BLAS threads", OPENBLAS_NUM_THREADS=str(threads)),
             RunSpec(engine="llama.cpp", model=str(gguf), mode="default", dtype=None, **common),
             RunSpec(engine="mlx-lm", model=str(folder), mode="matched", dtype="float32", **common),
         ]

@@ -135,6 +135,9 @@ class LlamaCpp:
         self.weights_bytes = self.decode_weights_bytes = path.stat().st_size
 
     def token_times(self, prompt: list[int], n: int) -> tuple[float, list[float]]:
+        # Forget the last run's tokens: generate() would otherwise reuse them as a cached prefix, and a warm
+        # run would skip the prefill it is here to time (the others here have no prefix cache on this path).
+        self._llm.reset()
         start = time.perf_counter()
         times = []
         # generate() never stops at EOS by itself: greedy (top_k 1), n tokens, like the others here.
