@@ -88,7 +88,7 @@ def _route_to_openblas() -> BlasReport:
     try:
         import scipy_openblas32
     except ImportError:
-        return BlasReport("reference BLAS (netlib)", before, _slow(before, "scipy-openblas32 is not installed"))
+        return BlasReport("reference BLAS (netlib)", before, _note("scipy-openblas32 is not installed", before))
     openblas = _openblas(scipy_openblas32)
     if "OPENBLAS_NUM_THREADS" not in os.environ:  # the user's choice stands (OpenBLAS read it when loaded)
         openblas.scipy_openblas_set_num_threads(blas_threads())
@@ -106,7 +106,7 @@ def _route_to_openblas() -> BlasReport:
     if failure:
         for name, value in saved.items():
             _swap(base + slots[name], value)
-        return BlasReport("reference BLAS (netlib)", before, _slow(before, f"OpenBLAS was not used: {failure}"))
+        return BlasReport("reference BLAS (netlib)", before, _note(f"OpenBLAS was not used: {failure}", before))
     version = getattr(scipy_openblas32, "__version__", "")
     threads = openblas.scipy_openblas_get_num_threads()
     return BlasReport(f"OpenBLAS {version} (scipy-openblas32)".replace("  ", " "), after, threads=threads)
@@ -137,12 +137,11 @@ def routed() -> bool:
     )
 
 
-def _slow(gflops: float, why: str) -> str | None:
-    if gflops >= SLOW_GFLOPS:
-        return None
+def _note(why: str, gflops: float) -> str:
+    """The one line logged when MLX keeps the reference BLAS."""
     return (
-        f"{why}; float32 matmul runs at {gflops:.1f} GFLOP/s. "
-        'Reinstall with `pip install -U "mlxinfer"` (it brings scipy-openblas32) or run `mlxinfer doctor`'
+        f"{why}; MLX's float32 matmul stays on the reference BLAS at {gflops:.1f} GFLOP/s "
+        "(`pip install scipy-openblas32 pyelftools` brings OpenBLAS; `mlxinfer doctor` says more)"
     )
 
 

@@ -125,8 +125,9 @@ def test_auto_keeps_quantized_weights_that_would_not_fit(tiny_4bit):
     loaded = load_model(tiny_4bit, cpu_weights="quantized")
     choice = choose_cpu_weights(loaded.model, mx.float32, usable_bytes=1024, mode="auto")
     assert choice.kept == "quantized" and "usable memory" in choice.reason
-    choice = choose_cpu_weights(loaded.model, mx.float16, usable_bytes=2**40, mode="auto")
-    assert choice.kept == "quantized" and "float16" in choice.reason
+    for mode in ("auto", "dense"):  # float32 weights under float16 activations would only mix dtypes
+        choice = choose_cpu_weights(loaded.model, mx.float16, usable_bytes=2**40, mode=mode)
+        assert choice.kept == "quantized" and "float16" in choice.reason
 
 
 def test_auto_decides_by_timing_both_on_the_largest_layer(tiny_4bit, monkeypatch):

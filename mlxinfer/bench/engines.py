@@ -1,6 +1,6 @@
 """The engines a benchmark can drive: ours, mlx-lm and llama.cpp, behind one small interface.
 
-Both are driven at the token level (no detokenization, EOS ignored) so they do
+All are driven at the token level (no detokenization, EOS ignored) so they do
 the same work: prefill the same prompt ids, then decode a fixed number of tokens
 greedily.
 """

@@ -49,10 +49,9 @@ def choose_cpu_weights(model: nn.Module, compute: mx.Dtype, usable_bytes: int, m
         return WeightChoice("as stored", "no quantized layers")
     if mode == "quantized":
         return WeightChoice("quantized", "MLXINFER_CPU_WEIGHTS=quantized")
-    if mode == "auto":
-        why_not = _why_not_dense(layers, compute, usable_bytes)
-        if why_not:
-            return WeightChoice("quantized", why_not)
+    why_not = _unsuited(compute) or (_not_worth_it(layers, usable_bytes) if mode == "auto" else None)
+    if why_not:
+        return WeightChoice("quantized", why_not)
     dequantize(model, layers)
     return WeightChoice("dense", "MLXINFER_CPU_WEIGHTS=dense" if mode == "dense" else "float32 measured faster here")
 
@@ -74,11 +73,17 @@ def dequantize(model: nn.Module, layers: dict[str, nn.Module]) -> None:
     mx.eval(model.parameters())
 
 
-def _why_not_dense(layers: dict[str, nn.Module], compute: mx.Dtype, usable_bytes: int) -> str | None:
+def _unsuited(compute: mx.Dtype) -> str | None:
+    """Why float32 weights do not belong on this device at all (whatever MLXINFER_CPU_WEIGHTS says)."""
     if mx.default_device().type == mx.DeviceType.gpu:
         return "GPU: quantized kernels are fast and decode is bandwidth-bound"
     if compute != mx.float32:
         return f"computing in {compute}, not float32"
+    return None
+
+
+def _not_worth_it(layers: dict[str, nn.Module], usable_bytes: int) -> str | None:
+    """Why auto keeps the stored weights here: too big for the memory, or not faster on this machine."""
     dense = sum(_dense_elements(m) for m in layers.values()) * 4
     if dense > DENSE_SHARE * usable_bytes:
         return f"float32 weights ({dense / 2**30:.1f} GiB) would take over {DENSE_SHARE:.0%} of usable memory"
