@@ -181,8 +181,10 @@ def memory() -> Check:
         "wired_limit": _wired_limit(seen.backend, seen.working_set_bytes),
     }
     summary = f"the planner sees {_gib(value['usable_bytes'])} usable of {_gib(seen.total_bytes)}"
-    if seen.working_set_bytes:
+    if seen.working_set_bytes and seen.backend == "metal":
         summary += f"; Metal working set {_gib(seen.working_set_bytes)}, wired limit {value['wired_limit']['note']}"
+    elif seen.working_set_bytes:  # CUDA: the card's own memory bounds the plan
+        summary += f"; the GPU has {_gib(seen.working_set_bytes)} free"
     if value["usable_bytes"] < LOW_MEMORY_BYTES:
         fix = "little memory is free: close other apps, or use a smaller or 4-bit model (`--kv-bits 4` helps too)"
         return Check("memory", WARN, summary, value, fix)

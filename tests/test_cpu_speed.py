@@ -98,6 +98,58 @@ def _four_bit(tmp_path_factory, family: str) -> Path:
     return out
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """The CPU fast path is for the CPU: on a Mac or an NVIDIA machine these tests still run it there."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)
+
+
+FALLBACK = """
+import json
+from mlxinfer import blas
+assert not blas.routed()  # MLXINFER_BLAS=reference: importing mlxinfer left the reference slots
+{setup}
+report = blas._route_to_openblas()
+print(json.dumps([report.name, report.note, any(blas.routed_slots().values())]))
+"""
+FALLBACKS = {
+    "no faster": (
+        "blas.probe_gflops = iter([5.0, 4.0]).__next__",  # the reference probe, then OpenBLAS's: slower
+        "it ran at 4.0 GFLOP/s, no faster than 5.0",
+    ),
+    "fails halfway through the swaps": (
+        "real, n = blas._swap, []\n"
+        "def swap(address, value):\n"
+        "    n.append(1)\n"
+        "    if len(n) == 3: raise OSError('mprotect refused')\n"
+        "    return real(address, value)\n"
+        "blas._swap = swap",
+        "mprotect refused",
+    ),
+}
+
+
+@linux
+@pytest.mark.parametrize("case", FALLBACKS)
+def test_every_fallback_puts_every_slot_back_and_says_why(case):
+    setup, why = FALLBACKS[case]
+    done = _python(FALLBACK.format(setup=setup), MLXINFER_BLAS="reference")
+    assert done.returncode == 0, done.stderr
+    name, note, routed = json.loads(done.stdout.splitlines()[-1])
+    assert name.startswith("reference BLAS") and routed is False
+    assert f"OpenBLAS was not used: {why}" in note and "\n" not in note
+
+
+@linux
+def test_a_blas_that_is_already_fast_is_left_alone():
+    done = _python(FALLBACK.format(setup="blas.probe_gflops = lambda n=0: 120.0"), MLXINFER_BLAS="reference")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == ["the BLAS MLX was built with", None, False]
+
+
 @pytest.fixture(scope="module")
 def tiny_4bit(tmp_path_factory):
     return _four_bit(tmp_path_factory, "llama_classic")

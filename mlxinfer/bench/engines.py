@@ -129,7 +129,7 @@ class LlamaCpp:
 
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: llama.cpp reads .gguf files only")
-        threads = os.cpu_count() or 1  # the same cores MLX and OpenBLAS use
+        threads = os.cpu_count() or 1  # every core, as llama.cpp is run (mlxinfer's BLAS leaves one: its rows say)
         self._llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads, verbose=False)
         self.compute_dtype = "gguf"
         self.weights_bytes = self.decode_weights_bytes = path.stat().st_size
