@@ -96,20 +96,18 @@ def _route_to_openblas() -> BlasReport:
     openblas = _openblas(scipy_openblas32)
     if "OPENBLAS_NUM_THREADS" not in os.environ:  # the user's choice stands (OpenBLAS read it when loaded)
         openblas.scipy_openblas_set_num_threads(blas_threads())
-    libmlx = _loaded_libmlx()
-    slots, base = _jump_slots(libmlx, GEMMS), _load_base(libmlx)
-    targets = {name: ctypes.cast(getattr(openblas, "scipy_" + name), ctypes.c_void_p).value for name in GEMMS}
+    slots, targets = _gemm_slots(), _openblas_gemms(openblas)
     saved: dict[str, int] = {}
     try:
         for name in GEMMS:
-            saved[name] = _swap(base + slots[name], targets[name])
+            saved[name] = _swap(slots[name], targets[name])
         _check_products()
         after = probe_gflops()
         if after <= before:
             raise ValueError(f"it ran at {after:.1f} GFLOP/s, no faster than {before:.1f}")
     except Exception as e:  # noqa: BLE001 - whatever went wrong, every slot swapped so far goes back
         for name, value in saved.items():
-            _swap(base + slots[name], value)
+            _swap(slots[name], value)
         return BlasReport("reference BLAS (netlib)", before, _note(f"OpenBLAS was not used: {e}", before))
     version = getattr(scipy_openblas32, "__version__", "")
     threads = openblas.scipy_openblas_get_num_threads()
@@ -148,14 +146,20 @@ def routed_slots() -> dict[str, bool]:
     """{GEMM: whether its slot in libmlx.so points at OpenBLAS's function now}."""
     import scipy_openblas32
 
-    openblas = _openblas(scipy_openblas32)
+    slots, targets = _gemm_slots(), _openblas_gemms(_openblas(scipy_openblas32))
+    return {name: ctypes.c_void_p.from_address(slots[name]).value == targets[name] for name in GEMMS}
+
+
+def _gemm_slots() -> dict[str, int]:
+    """{GEMM: the address of its GOT slot in the libmlx.so this process mapped}."""
     libmlx = _loaded_libmlx()
-    base, slots = _load_base(libmlx), _jump_slots(libmlx, GEMMS)
-    return {
-        name: ctypes.c_void_p.from_address(base + slots[name]).value
-        == ctypes.cast(getattr(openblas, "scipy_" + name), ctypes.c_void_p).value
-        for name in GEMMS
-    }
+    base = _load_base(libmlx)
+    return {name: base + offset for name, offset in _jump_slots(libmlx, GEMMS).items()}
+
+
+def _openblas_gemms(openblas: ctypes.CDLL) -> dict[str, int]:
+    """{GEMM: the address of OpenBLAS's function for it (same arguments, `scipy_`-prefixed name)}."""
+    return {name: ctypes.cast(getattr(openblas, "scipy_" + name), ctypes.c_void_p).value for name in GEMMS}
 
 
 def _note(why: str, gflops: float) -> str:
