@@ -84,6 +84,7 @@ class Model:
         kv_bits: int | None = None,
         draft: LoadedModel | None = None,
         speculate: str = "auto",
+        persist_prefixes: bool = True,
     ):
         self._loaded, self._draft = loaded, draft
         if draft is not None:
@@ -96,7 +97,9 @@ class Model:
         self._drafting = _drafting(draft, self.footprint, budget)
         self.prefix_cache = PrefixCache(
             budget - self._draft_prefix_budget,
-            store=prefix_store_for(loaded, self.footprint, self.kv_bits, self.context_tokens),
+            store=prefix_store_for(loaded, self.footprint, self.kv_bits, self.context_tokens)
+            if persist_prefixes
+            else None,
         )
         self.memory_limits = hold_limits(self, self.memory_plan())
 

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from . import __version__
 from .api import MAX_CHARS_PER_TOKEN, Model, load
 from .default_model import cache_dir, default_model_path
 from .display import mib, plural
+from .distributed.estimate import DEFAULT_LINK_GBPS, DEFAULT_MEMORY_GBPS
 from .engine.generate import check_max_tokens
 from .engine.sampling import SamplingParams
 from .engine.speculation import MODES, check_startup_mode
@@ -306,11 +308,47 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
 @click.argument("model", required=False)
 @click.option("--context", type=click.IntRange(1), default=None, help="Tokens to plan for [default: the model's].")
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Plan with a quantized KV cache.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default=None,
+    help="Compute dtype [default: this machine's; with --hosts, bfloat16 as Apple GPUs].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option(
+    "--hosts",
+    default=None,
+    help="Plan a pipeline over several Macs instead: each host's usable memory, comma-separated "
+    "(studio=192GB,mbp=64GB or 64,32 in GiB; GB means GiB, as Macs' memory is sold), or a "
+    "hostfile (mlx.launch's JSON, with memory_gb per host). The weights are not loaded.",
+)
+@click.option(
+    "--link-gbps",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help=f"With --hosts: each link's Gb/s where the hostfile gives none [default: {DEFAULT_LINK_GBPS:g}, "
+    "Thunderbolt 4; Thunderbolt 5 is 80, 10 Gigabit Ethernet 10, Gigabit Ethernet 1].",
+)
+@click.option(
+    "--memory-gbps",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help=f"With --hosts: each host's memory bandwidth in GB/s [default: {DEFAULT_MEMORY_GBPS:g}, a base "
+    "M2/M3; M4 120, Pro ~200-270, Max ~400-550, Ultra ~800].",
+)
 @_errors_as_one_line
-def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str | None, as_json: bool) -> None:
-    """What MODEL needs in memory at a context length, against what this machine can give.
+def plan(
+    model: str | None,
+    context: int | None,
+    kv_bits: str | None,
+    dtype: str | None,
+    as_json: bool,
+    hosts: str | None,
+    link_gbps: float | None,
+    memory_gbps: float | None,
+) -> None:
+    """What MODEL needs in memory at a context length, against what this machine can give; with --hosts, how
+    its layers split over several Macs by each one's memory, and the expected speed over their links.
 
     MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
 
@@ -318,7 +356,14 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
     Examples:
       mlxinfer plan                                  # the default model at its trained context
       mlxinfer plan ~/models/Qwen3-0.6B-4bit --context 32768 --kv-bits 8 --json
+      mlxinfer plan ~/models/Llama-3.3-70B-4bit --hosts studio=96GB,mbp=48GB --link-gbps 80
     """
+    if hosts is not None:
+        bits = int(kv_bits) if kv_bits else None
+        _plan_pipeline(model, hosts, context, bits, dtype, as_json, link_gbps, memory_gbps)
+        return
+    if link_gbps is not None or memory_gbps is not None:
+        raise click.UsageError("--link-gbps and --memory-gbps plan a pipeline: give --hosts too")
     llm = _load(model, dtype, quiet=True, kv_bits=kv_bits)
     memory_plan = llm.memory_plan(context)
     if as_json:
@@ -338,6 +383,31 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
     click.echo(f"verdict: {memory_plan.verdict} at {memory_plan.context} tokens; {memory_plan.context_limit()}")
     for tip in memory_plan.suggestions():
         click.echo(f"  - {tip}")
+
+
+def _plan_pipeline(
+    model: str | None,
+    hosts: str,
+    context: int | None,
+    kv_bits: int | None,
+    dtype: str | None,
+    as_json: bool,
+    link_gbps: float | None,
+    memory_gbps: float | None,
+) -> None:
+    """`plan --hosts`: the split and the estimate from the checkpoint's headers (no weights loaded)."""
+    from .distributed.hosts import parse_hosts
+    from .distributed.layer_sizes import read_layer_sizes
+    from .distributed.pipeline_plan import plan_pipeline
+
+    parsed = parse_hosts(hosts)  # a malformed --hosts fails before the model is looked at
+    sizes = read_layer_sizes(model or default_model_path(), context, dtype, kv_bits)
+    pipeline = plan_pipeline(sizes, parsed, link_gbps or DEFAULT_LINK_GBPS, memory_gbps or DEFAULT_MEMORY_GBPS)
+    if as_json:
+        click.echo(json.dumps(pipeline.to_dict(), indent=1))
+        return
+    for line in pipeline.lines():
+        click.echo(line)
 
 
 @main.command()
@@ -390,6 +460,26 @@ def plan(model: str | None, context: int | None, kv_bits: str | None, dtype: str
     help="How long a model stays loaded after its last request (seconds, 30s, 5m, 1h; -1: always) "
     "[env: MLXINFER_KEEP_ALIVE]. A request's keep_alive overrides it.",
 )
+@click.option(
+    "--hostfile",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Split MODEL over the hosts of this JSON file (mlx.launch's format); this machine is rank 0.",
+)
+@click.option(
+    "--parallel",
+    type=click.Choice(["pipeline", "tensor"]),
+    default="pipeline",
+    show_default=True,
+    help="With --hostfile: layers per host (pipeline) or every layer's heads split (tensor).",
+)
+@click.option(
+    "--stall-timeout",
+    type=click.FloatRange(min=1),
+    default=120.0,
+    show_default=True,
+    help="With --hostfile: seconds a rank may take to answer before the server reports unhealthy.",
+)
 @_speculation_options
 @_errors_as_one_line
 def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: Any) -> None:
@@ -402,6 +492,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
       mlxinfer serve                                   # the default model on http://127.0.0.1:8080
       mlxinfer serve ~/models/Qwen3-0.6B-4bit --port 9000
       mlxinfer serve ~/models/Qwen3-4B-4bit --draft-model ~/models/Qwen3-0.6B-4bit
+      mlxinfer serve ~/models/Llama-3.3-70B-4bit --hostfile hosts.json   # split over several Macs
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
     """
@@ -427,9 +518,12 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
     )
     sockets = listen(settings)  # before the load: a taken port is one line now, not after the loading
     other = find_server()  # the user's resident server, if one runs already
-    models = _resident_models(settings, keep_alive, dtype, kv_bits)
-    speculation = {"draft_model": settings.draft_model, "speculate": settings.speculate}
-    llm = _load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation)
+    if o["hostfile"] is not None:
+        models, llm = _distributed_models(model, settings, dtype, kv_bits, o)
+    else:
+        models = _resident_models(settings, keep_alive, dtype, kv_bits)
+        speculation = {"draft_model": settings.draft_model, "speculate": settings.speculate}
+        llm = _load(model, dtype, quiet=False, kv_bits=kv_bits, **speculation)
     record_use(llm.path)
     name = models.add(llm, settings.scheduler).id
 
@@ -465,6 +559,29 @@ def _resident_models(settings: Any, keep_alive: float, dtype: str | None, kv_bit
         budget_bytes=machine_memory().usable_bytes(),
         config=settings.scheduler,
     )
+
+
+def _distributed_models(
+    model: str | None, settings: Any, dtype: str | None, kv_bits: str | None, options: dict[str, Any]
+) -> tuple[Any, Model]:
+    """One model split over the hostfile's hosts, this process rank 0; it stays loaded and no other loads."""
+    from .distributed import Launch, read_hostfile, start_cluster
+    from .errors import ConfigError
+    from .server import ModelSet
+
+    if settings.draft_model is not None or settings.speculate not in ("auto", "off"):
+        raise ConfigError("--draft-model and --speculate do not run across ranks; leave them out with --hostfile")
+    hosts = read_hostfile(options["hostfile"])
+    path = str(Path(model).expanduser().resolve()) if model else str(default_model_path())
+    launch = Launch(path, options["parallel"], dtype, int(kv_bits) if kv_bits else None)
+    click.echo(f"Loading {path} over {len(hosts)} ranks ({launch.parallel} parallel)...", err=True)
+    cluster = start_cluster(hosts, launch, settings.scheduler, stall_s=options["stall_timeout"])
+
+    def refuse(_: Path) -> Model:
+        raise ConfigError("this server runs one model split over its ranks; it loads no other")
+
+    models = ModelSet(loader=refuse, keep_alive_s=math.inf, scheduler=cluster.scheduler)
+    return models, cluster.rank.model
 
 
 def _keep_alive_option(value: str) -> float:

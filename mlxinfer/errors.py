@@ -118,3 +118,8 @@ class RemoteServerError(MlxInferError):
 
 class EmbeddingError(UnsupportedModelError):
     """A model whose final hidden states cannot be had for embeddings (the reason is in the message)."""
+
+
+class ClusterError(MlxInferError):
+    """A distributed model lost a rank (its process ended or its link broke) or a rank stopped answering: the
+    requests it was serving end with this error and the server reports itself unhealthy; restart the ranks."""

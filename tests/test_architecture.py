@@ -44,6 +44,14 @@ FORBIDDEN = {
 FORBIDDEN["remote"] = {"ui", "server", "bench", "cli", "convert", "quantize"}
 # `mlxinfer doctor` reads the machine through the lower rooms; only the CLI uses it.
 FORBIDDEN["doctor"] = {"ui", "server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"}
+FORBIDDEN["distributed"] = {
+    "ui",
+    "server",
+    "bench",
+    "cli",
+    "convert",
+    "quantize",
+}  # serve's ranks (a Model each), plan's split
 # Leaf modules that every room may use: they import nothing of ours but errors.
 LEAVES = ("untrusted", "disk", "local_server", "blas")
 ROOMS = (

@@ -105,6 +105,8 @@ class BatchLoop:
         self.service_s = 5.0  # running mean of a request's time in the batch, for Retry-After
         self.plain_batch_steps: Counter[str] = Counter()  # batch steps not speculated while a row could, by reason
         self._costs = runtime.step_costs or StepCosts()  # the model's, shared with later loops where it has one
+        # What "now" is when requests expire: ranks of a distributed model all use rank 0's time (distributed/).
+        self.clock: Callable[[], float] = time.perf_counter
 
     def check(self, job: Job, within_context: bool = True) -> None:
         """A SamplingError now, before queueing, for a request that can never run (or, with
@@ -175,7 +177,7 @@ class BatchLoop:
 
     def drop_cancelled(self) -> None:
         """End cancelled and expired requests now (keeping what they computed for the prefix cache)."""
-        now = time.perf_counter()
+        now = self.clock()
         for job in [j for j in self._waiting if j.cancelled or j.expired(now)]:
             self._waiting.remove(job)
             if not job.cancelled:

@@ -42,6 +42,7 @@ class DecoderLM(nn.Module):
 
     verified = True  # a family checked against transformers (models/fallback.py runs the others)
     batchable = True  # rows of any length decode together (per-row masks)
+    stage = None  # a pipeline rank's place (models/shard.py): its layers only, hidden states to and fro
 
     def __init__(self, backbone: nn.Module, lm_head: nn.Module | None, layout: Layout):
         super().__init__()
@@ -57,6 +58,8 @@ class DecoderLM(nn.Module):
     def hidden(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
         """Final-norm hidden states, shape (B, L, hidden)."""
         h = self.embed(tokens)
+        if self.stage is not None:  # a later rank: the previous rank's hidden states, shaped like these
+            h = self.stage.receive(h)
         caches = cache if cache is not None else [None] * len(self.layers)
         first = caches[0]
         offset = first.length if first is not None else 0
@@ -70,6 +73,8 @@ class DecoderLM(nn.Module):
         for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
             # Recurrent layers need no mask: each row is prefilled alone and keeps its own state.
             h = layer(h, masks.get(kind), layer_cache)
+        if self.stage is not None:
+            h = self.stage.finish(h)
         return getattr(self.model, self.layout.final_norm)(h)
 
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,16 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, mx.array], dict[str
         return config, gguf_weights(gguf, config), gguf.metadata
 
 
-def gguf_weights(gguf: GGUFFile, config: dict[str, Any]) -> dict[str, mx.array]:
-    """Every tensor of an open GGUF file as MLX arrays under its Hugging Face name."""
+def gguf_weights(
+    gguf: GGUFFile, config: dict[str, Any], keep: Callable[[str], bool] | None = None
+) -> dict[str, mx.array]:
+    """Every tensor of an open GGUF file (or those whose Hugging Face name `keep` accepts) as MLX arrays under
+    its Hugging Face name; the others are never read."""
     weights: dict[str, mx.array] = {}
     _note_mxfp4(gguf)
     for hf_name, name in hf_names(gguf).items():
+        if keep is not None and not keep(hf_name):
+            continue
         try:
             weights.update(to_mlx(hf_name, from_llama_cpp(hf_name, gguf.read(name), config)))
         except WeightMismatchError as e:

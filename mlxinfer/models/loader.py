@@ -34,6 +34,7 @@ from .gguf_file import GGUFFile
 from .multimodal import text_checkpoint
 from .quantized import quantize_like
 from .safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
+from .shard import Stage, keep_layers, select_weights
 from .sizing import StoredTensor, check_before_build
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,14 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, dtype: str | None = None, with_tokenizer: bool = True, cpu_weights: str | None = None
+    path: str | Path,
+    dtype: str | None = None,
+    with_tokenizer: bool = True,
+    cpu_weights: str | None = None,
+    stage: Stage | None = None,
 ) -> LoadedModel:
-    """Load `path` (a model folder or a .gguf file) for inference.
+    """Load `path` (a model folder or a .gguf file) for inference; with `stage`, only that pipeline rank's
+    layers (plus the embeddings, final norm and head), the others' tensors never read.
 
     Example:
         >>> loaded = load_model("models/SmolLM2-135M-Instruct")
@@ -67,7 +73,7 @@ def load_model(
     path = Path(path).expanduser()
     compute = choose_compute_dtype(dtype)
     if path.is_file() and path.suffix == ".gguf":
-        config, weights, metadata = _read_gguf_checked(path, compute)
+        config, weights, metadata = _read_gguf_checked(path, compute, stage)
         tokenizer = tokenizer_from_gguf(metadata, f"{path}: GGUF") if with_tokenizer else None
     elif path.is_dir():
         checkpoint = open_folder(path)
@@ -82,6 +88,9 @@ def load_model(
     weights = _sanitize(weights, config)
     if config.spec.mlx_sanitize:
         weights = model.mlx_sanitize(weights)
+    if stage is not None:  # lazy arrays: another rank's tensors are dropped before anything reads them
+        weights = select_weights(weights, stage)
+        keep_layers(model, stage)
     quantize_mode = (config.quantization or {}).get("mode", "affine")
     quantized = quantize_like(model, weights, mode=quantize_mode)
     verify_weights(model, weights, source=str(path))
@@ -96,13 +105,17 @@ def load_model(
     return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start, kept)
 
 
-def _read_gguf_checked(path: Path, compute: mx.Dtype) -> tuple[ModelConfig, dict[str, mx.array], dict[str, Any]]:
-    """Config, weights and metadata of a GGUF file; the weights are read only once the config fits them."""
+def _read_gguf_checked(
+    path: Path, compute: mx.Dtype, stage: Stage | None = None
+) -> tuple[ModelConfig, dict[str, mx.array], dict[str, Any]]:
+    """Config, weights and metadata of a GGUF file; the weights are read only once the config fits them
+    (with `stage`, only its layers' and the shared ones)."""
     with GGUFFile(path) as gguf:
         raw = gguf_config(gguf)
         config = normalize_config(raw, source=f"{path} (GGUF metadata)")
         check_before_build(config, gguf_tensors(gguf, compute.size), str(path))
-        return config, gguf_weights(gguf, raw), gguf.metadata
+        keep = None if stage is None else (lambda name: stage.owns(name) is not None)
+        return config, gguf_weights(gguf, raw, keep), gguf.metadata
 
 
 def _folder_tensors(checkpoint: Checkpoint, compute: mx.Dtype) -> dict[str, StoredTensor]:

@@ -302,7 +302,11 @@ class API:
             }
             for name in self.models.ids
         ]
-        return JSONResponse({"status": "ok", "models": models, "memory_in_use_bytes": self.models.memory_in_use})
+        body = {"status": "ok", "models": models, "memory_in_use_bytes": self.models.memory_in_use}
+        broken = [reason for s in self.models.schedulers() if (reason := getattr(s, "broken", None))]
+        if broken:  # a distributed model lost a rank: nothing can be served until the ranks restart
+            return JSONResponse({**body, "status": "unhealthy", "reason": broken[0]}, status_code=503)
+        return JSONResponse(body)
 
     async def page(self, request: Request) -> Response:
         return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)

@@ -8,6 +8,7 @@ from starlette.responses import JSONResponse
 from ..errors import (
     BusyError,
     ChatTemplateError,
+    ClusterError,
     GrammarError,
     MemoryBudgetError,
     RequestTimeoutError,
@@ -87,6 +88,8 @@ def as_api_error(error: Exception) -> APIError:
         return APIError(503, str(error), code="insufficient_memory", retry_after_s=30)
     if isinstance(error, RequestTimeoutError):
         return APIError(503, str(error), code="timeout", retry_after_s=10)
+    if isinstance(error, ClusterError):
+        return APIError(503, str(error), code="rank_lost")
     if isinstance(error, ShutdownError):
         return APIError(503, f"{error}; retry when it is back", code="shutting_down")
     return APIError(500, f"generation failed: {type(error).__name__}: {error}", code="internal_error")

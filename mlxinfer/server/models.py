@@ -92,7 +92,9 @@ class ModelSet:
         budget_bytes: int | None = None,
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        scheduler: Callable[..., Scheduler] = Scheduler,
     ) -> None:
+        self._scheduler = scheduler  # a distributed model's is rank 0's, which the other ranks follow
         self._slots: dict[str, _Slot] = {}
         self._lock = threading.Lock()  # adding, removing and unloading, one at a time
         self._catalog, self._loader, self._config = catalog, loader, config
@@ -250,7 +252,7 @@ class ModelSet:
             return slot
 
     def _serve(self, slot: _Slot, model: Model) -> ServedModel:  # under self._lock
-        slot.served = ServedModel(slot.id, model, Scheduler(model.runtime, slot.config))
+        slot.served = ServedModel(slot.id, model, self._scheduler(model.runtime, slot.config))
         slot.verified, slot.in_flight, slot.keep_alive_s = model.verified, 0, None
         slot.last_used, slot.loaded_at = self._clock(), time.time()
         self._dirty = True  # the reaper looks again (notified by the caller's _arm, or at its next wake-up)

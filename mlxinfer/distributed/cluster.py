@@ -1,0 +1,164 @@
+"""One model over the ranks of an `mx.distributed` group: agree on the split, load each rank's part, serve.
+
+Every rank runs `join`: it says how much memory it can use, all ranks compute the
+same split from everyone's figures (distributed/split.py), and each loads only its
+part. Rank 0 then tells the others how it schedules (`hello`), and from there on
+the others follow its turns (distributed/follower.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from ..api import Model
+from ..engine import SchedulerConfig
+from ..errors import ConfigError, UnsupportedModelError
+from ..memory import machine_memory
+from ..memory.planner import default_prefix_cache_bytes
+from ..models import LoadedModel, load_model
+from ..models.config import ModelConfig, normalize_config
+from ..models.shard import Stage, shard_tensor
+from .channel import Channel
+from .replay import STALL_S, LeaderScheduler
+from .split import even_split, split_layers
+
+log = logging.getLogger("mlxinfer.distributed")
+
+PARALLEL = ("pipeline", "tensor")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every rank is started with (the same on all of them)."""
+
+    model: str
+    parallel: str = "pipeline"
+    dtype: str | None = None
+    kv_bits: int | None = None
+    split: tuple[int, ...] | None = None  # layers per rank, or None: by each rank's memory
+
+    def __post_init__(self) -> None:
+        if self.parallel not in PARALLEL:
+            raise ConfigError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Launch:
+        split = data.get("split")
+        return cls(**{**data, "split": tuple(split) if split is not None else None})
+
+
+@dataclass
+class Rank:
+    """This process's share of the model, ready to serve (rank 0) or to follow."""
+
+    group: Any
+    model: Model
+    stage: Stage | None
+    channel: Channel
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+
+def join(launch: Launch, group: Any) -> Rank:
+    """Load this rank's part of `launch.model` (collective: every rank of `group` calls it)."""
+    path = Path(launch.model).expanduser()
+    usable = agree(group, machine_memory().usable_bytes())
+    stage = None
+    if launch.parallel == "pipeline":
+        stage = _stage(path, group, usable, launch.split)
+    loaded = load_model(path, dtype=launch.dtype, stage=stage)
+    if launch.parallel == "tensor":
+        shard_tensor(loaded.model, group)
+        mx.eval(loaded.model.parameters())
+        loaded.weights_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+    log.info("rank %d of %d: %s", group.rank(), group.size(), _holds(loaded, stage))
+    channel = Channel(group)
+    budget = _prefix_budget(loaded, stage, channel)
+    model = Model(loaded, prefix_cache_bytes=budget, kv_bits=launch.kv_bits, speculate="off", persist_prefixes=False)
+    return Rank(group, model, stage, channel)
+
+
+def agree(group: Any, value: int) -> list[int]:
+    """Every rank's `value`, in rank order, on every rank."""
+    mine = mx.zeros((group.size(),), dtype=mx.int64)
+    mine[group.rank()] = value
+    everyone = mx.distributed.all_sum(mine, group=group)
+    mx.eval(everyone)
+    return [int(v) for v in everyone.tolist()]
+
+
+def leader_scheduler(rank: Rank, config: SchedulerConfig | None, stall_s: float = STALL_S) -> Any:
+    """Rank 0's Scheduler factory for the server: the other ranks learn its config first."""
+
+    def make(runtime: Any, slot_config: SchedulerConfig | None) -> LeaderScheduler:
+        chosen = slot_config or config or SchedulerConfig()
+        rank.channel.send({"scheduler": asdict(chosen)})
+        return LeaderScheduler(runtime, chosen, rank.channel, stall_s)
+
+    return make
+
+
+def _stage(path: Path, group: Any, usable: list[int], split: tuple[int, ...] | None) -> Stage:
+    config = _config_of(path)
+    total = len(config.layer_types)
+    if len(set(config.layer_types)) > 1:
+        # The loop's choices (state snapshots, which prefixes it keeps) follow the kinds of layers a rank holds:
+        # ranks holding different kinds would choose differently and wait for each other forever.
+        kinds = ", ".join(sorted(set(config.layer_types)))
+        raise UnsupportedModelError(
+            f"{path}: its layers mix kinds ({kinds}); pipeline ranks would hold different kinds, which is not "
+            "supported yet: use --parallel tensor, or one machine"
+        )
+    if split is None:
+        # Each layer's weights and its KV cache at the trained context scale alike; the shared part (embeddings,
+        # head) sits on every rank, so it is room lost on each rather than layers to place.
+        same = len(set(usable)) == 1
+        split = tuple(even_split(total, len(usable)) if same else split_layers([1] * total, 0, usable))
+    if len(split) != group.size() or sum(split) != total or min(split) < 1:
+        raise ConfigError(
+            f"the split {list(split)} must give each of {group.size()} ranks one of {total} layers or more"
+        )
+    start = sum(split[: group.rank()])
+    return Stage(group.rank(), group.size(), start, start + split[group.rank()], total, group)
+
+
+def _config_of(path: Path) -> ModelConfig:
+    if path.is_file() and path.suffix == ".gguf":
+        from ..models.gguf import gguf_config
+        from ..models.gguf_file import GGUFFile
+
+        with GGUFFile(path) as gguf:
+            return normalize_config(gguf_config(gguf), source=f"{path} (GGUF metadata)")
+    from ..models.checkpoint import open_folder
+
+    return normalize_config(open_folder(path).config, source=str(path / "config.json"))
+
+
+def _prefix_budget(loaded: LoadedModel, stage: Stage | None, channel: Channel) -> int:
+    """This rank's prefix-cache budget: rank 0's, per layer held, so every rank keeps and evicts the same
+    prefixes (an entry's bytes grow with the layers a rank holds). Off where layers differ in kind."""
+    kinds = set(loaded.model.cache_kinds)
+    if channel.rank == 0:
+        unit = default_prefix_cache_bytes() // max(1, len(loaded.model.layers)) if len(kinds) == 1 else 0
+        channel.send({"prefix_unit": unit})
+    else:
+        unit = channel.receive()["prefix_unit"]
+    if not unit:
+        log.info("the prefix cache is off: the layers differ in kind, so ranks would keep different prefixes")
+    return unit * len(loaded.model.layers)
+
+
+def _holds(loaded: LoadedModel, stage: Stage | None) -> str:
+    part = "its share of every layer" if stage is None else f"layers {stage.start}-{stage.end - 1} of {stage.total}"
+    return f"{part}, {loaded.weights_bytes / 2**20:.0f} MiB of weights"
