@@ -1,0 +1,196 @@
+"""One model over several ranks (mx.distributed, ring backend over loopback): the server's answers must be the
+single process's, token for token, and a lost rank must end requests with an error rather than hang."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+import mlxinfer
+from mlxinfer.engine import Job, SamplingParams
+from mlxinfer.grammar import constraint_for, regex
+from mlxinfer.models.shard import Stage, select_weights
+
+from .conftest import TINY
+
+PROMPTS = ["hello world, the", "Once upon a time", "1, 2, 3, 4,"]
+CLI = [sys.executable, "-c", "from mlxinfer.cli import main; main()"]
+
+
+def _hostfile(tmp_path: Path, ranks: int) -> Path:
+    path = tmp_path / f"hosts{ranks}.json"
+    path.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]}] * ranks))
+    return path
+
+
+@contextlib.contextmanager
+def served(model: Path, hostfile: Path, parallel: str = "pipeline", timeout: float = 240.0):
+    """`mlxinfer serve MODEL --hostfile` in its own process group; yields (base URL, process)."""
+    command = [*CLI, "serve", str(model), "--hostfile", str(hostfile)]
+    command += ["--parallel", parallel, "--port", "0", "--stall-timeout", "30"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.append(line)
+            if "Serving " in line:
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not found.wait(0.2):
+            assert process.poll() is None, "serve exited:\n" + "".join(lines)
+            assert time.monotonic() < deadline, "serve did not start:\n" + "".join(lines)
+        url = re.search(r"on (http://\S+)/v1", next(line for line in lines if "Serving " in line)).group(1)
+        yield url, process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(30)
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.load(response)
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 12) -> dict:
+    return _post(url, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def _one_process(model: Path, prompts: list[str], max_tokens: int = 12) -> list[str]:
+    llm = mlxinfer.load(model)
+    return [llm.generate(p, max_tokens=max_tokens, chat=False).text for p in prompts]
+
+
+CASES = [
+    ("pipeline", "llama_classic", 2),
+    ("pipeline", "qwen3", 2),
+    ("pipeline", "mistral", 2),
+    ("pipeline", "qwen3_moe", 3),
+    ("tensor", "llama_classic", 2),
+    ("tensor", "qwen3", 2),
+    ("tensor", "gemma3", 2),
+]
+
+
+@pytest.mark.parametrize("parallel,family,ranks", CASES, ids=[f"{p}-{f}-{n}" for p, f, n in CASES])
+def test_greedy_answers_equal_one_process(parallel, family, ranks, tmp_path):
+    expected = _one_process(TINY / family, PROMPTS)
+    with served(TINY / family, _hostfile(tmp_path, ranks), parallel) as (url, _):
+        alone = _complete(url, PROMPTS[0])
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # decoding together, in one batch on every rank
+            together = list(pool.map(lambda p: _complete(url, p), PROMPTS))
+        health = json.load(urllib.request.urlopen(url + "/health", timeout=30))
+    assert alone["choices"][0]["text"] == expected[0]
+    assert [r["choices"][0]["text"] for r in together] == expected
+    assert health["status"] == "ok"
+    if parallel == "pipeline" or family != "gemma3":  # one kind of layer: the prefix cache is on, on every rank
+        assert together[0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_real_model_from_two_ranks_answers_through_the_openai_client(smol_path, tmp_path):
+    openai = pytest.importorskip("openai")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = mlxinfer.load(smol_path).chat(question, max_tokens=12).text
+    with served(smol_path, _hostfile(tmp_path, 2)) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        answer = client.chat.completions.create(
+            model=smol_path.name.removesuffix(".gguf"), messages=question, max_tokens=12, temperature=0
+        )
+    assert "Paris" in answer.choices[0].message.content
+    assert answer.choices[0].message.content == expected
+
+
+def test_killing_a_rank_mid_stream_ends_the_stream_with_an_error_and_health_says_unhealthy(tmp_path):
+    with served(TINY / "llama_classic", _hostfile(tmp_path, 2)) as (url, process):
+        context = json.loads((TINY / "llama_classic" / "config.json").read_text())["max_position_embeddings"]
+        body = {"prompt": "hello", "max_tokens": context - 8, "temperature": 0, "stream": True}
+        request = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        follower = psutil.Process(process.pid).children()[0]
+        events, started = [], time.monotonic()
+        with urllib.request.urlopen(request, timeout=60) as stream:
+            for raw in stream:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        follower.kill()
+        assert time.monotonic() - started < 60
+        assert process.poll() is None  # rank 0 keeps serving: it answers that it cannot
+        assert events[-1] != "[DONE]" or any('"error"' in e for e in events)
+        assert any("rank" in e and '"error"' in e for e in events), events[-3:]
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(url + "/health", timeout=30)
+        assert health.value.code == 503
+        assert json.load(health.value)["status"] == "unhealthy"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _complete(url, "hello")
+        assert refused.value.code == 503
+
+
+def test_a_pipeline_over_layers_of_different_kinds_is_refused_in_one_line(tmp_path):
+    command = [*CLI, "serve", str(TINY / "gemma3"), "--hostfile"]
+    command += [str(_hostfile(tmp_path, 2)), "--port", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "mix kinds" in errors[0] and "--parallel tensor" in errors[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_stage_keeps_its_own_layers_renamed_and_the_shared_tensors():
+    weights = {f"model.layers.{i}.mlp.up_proj.weight": i for i in range(6)}
+    weights |= {"model.embed_tokens.weight": "e", "model.norm.weight": "n", "lm_head.weight": "h"}
+    kept = select_weights(weights, Stage(rank=1, size=3, start=2, end=4, total=6))
+    layers = {k: v for k, v in kept.items() if k.startswith("model.layers.")}
+    assert layers == {"model.layers.0.mlp.up_proj.weight": 2, "model.layers.1.mlp.up_proj.weight": 3}
+    assert {k: kept[k] for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")} == {
+        "model.embed_tokens.weight": "e",
+        "model.norm.weight": "n",
+        "lm_head.weight": "h",
+    }
+    assert len(kept) == 5
+
+
+def test_a_job_travels_to_another_rank_with_every_input():
+    from mlxinfer.distributed.replay import job_from_spec, job_spec
+
+    llm = mlxinfer.load(TINY / "llama_classic")
+    runtime = llm.runtime
+    grammar = regex("[a-z]{3}")
+
+    constraint = constraint_for(grammar, llm.tokenizer, llm.config.vocab_size, llm.eos_token_ids)
+    job = Job(
+        [1, 2, 3], lambda e: None, max_tokens=7, sampling=SamplingParams(temperature=0.5, top_k=3, seed=9),
+        stop=["x"], time_limit_s=12.5, prefill_chunk=16, eos_token_ids=frozenset({5}), use_cache=False,
+        constraint=constraint, keep_special_tokens=True, submitted_at=3.25,
+    )  # fmt: skip
+    spec = json.loads(json.dumps(job_spec(job, 4)))  # it crosses as JSON
+    twin = job_from_spec(spec, runtime, llm.config.vocab_size)
+    for name in ("prompt_ids", "max_tokens", "sampling", "time_limit_s", "prefill_chunk", "eos_token_ids"):
+        assert getattr(twin, name) == getattr(job, name), name
+    assert list(twin.stop) == ["x"] and twin.use_cache is False and twin.keep_special_tokens is True
+    assert twin.submitted_at == 3.25 and twin.constraint.grammar == grammar
