@@ -25,8 +25,9 @@ from ..models import LoadedModel, load_model
 from ..models.config import ModelConfig, normalize_config
 from ..models.shard import Stage, shard_tensor
 from .channel import Channel
+from .layer_sizes import read_layer_sizes
 from .replay import STALL_S, LeaderScheduler
-from .split import even_split, split_layers
+from .split import split_layers
 
 log = logging.getLogger("mlxinfer.distributed")
 
@@ -76,7 +77,7 @@ def join(launch: Launch, group: Any) -> Rank:
     usable = agree(group, machine_memory().usable_bytes())
     stage = None
     if launch.parallel == "pipeline":
-        stage = _stage(path, group, usable, launch.split)
+        stage = _stage(path, group, usable, launch)
     loaded = load_model(path, dtype=launch.dtype, stage=stage)
     if launch.parallel == "tensor":
         shard_tensor(loaded.model, group)
@@ -109,7 +110,8 @@ def leader_scheduler(rank: Rank, config: SchedulerConfig | None, stall_s: float 
     return make
 
 
-def _stage(path: Path, group: Any, usable: list[int], split: tuple[int, ...] | None) -> Stage:
+def _stage(path: Path, group: Any, usable: list[int], launch: Launch) -> Stage:
+    split, dtype, kv_bits = launch.split, launch.dtype, launch.kv_bits
     config = _config_of(path)
     total = len(config.layer_types)
     if len(set(config.layer_types)) > 1:
@@ -120,11 +122,10 @@ def _stage(path: Path, group: Any, usable: list[int], split: tuple[int, ...] | N
             f"{path}: its layers mix kinds ({kinds}); pipeline ranks would hold different kinds, which is not "
             "supported yet: use --parallel tensor, or one machine"
         )
-    if split is None:
-        # Each layer's weights and its KV cache at the trained context scale alike; the shared part (embeddings,
-        # head) sits on every rank, so it is room lost on each rather than layers to place.
-        same = len(set(usable)) == 1
-        split = tuple(even_split(total, len(usable)) if same else split_layers([1] * total, 0, usable))
+    if split is None:  # each rank's share of the layers' weights and KV cache follows its memory
+        sizes = read_layer_sizes(path, dtype=dtype, kv_bits=kv_bits)
+        layer_bytes = [w + kv for w, kv in zip(sizes.layer_weight_bytes, sizes.layer_kv_bytes)]
+        split = tuple(split_layers(layer_bytes, sizes.shared_weight_bytes + sizes.working_bytes, usable))
     if len(split) != group.size() or sum(split) != total or min(split) < 1:
         raise ConfigError(
             f"the split {list(split)} must give each of {group.size()} ranks one of {total} layers or more"
