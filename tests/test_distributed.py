@@ -151,6 +151,20 @@ def test_killing_a_rank_mid_stream_ends_the_stream_with_an_error_and_health_says
         assert refused.value.code == 503
 
 
+@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
+def test_embeddings_are_refused_and_the_server_goes_on(parallel, tmp_path):
+    expected = _one_process(TINY / "llama_classic", PROMPTS[:1])
+    with served(TINY / "llama_classic", _hostfile(tmp_path, 2), parallel) as (url, _):
+        request = urllib.request.Request(
+            url + "/v1/embeddings", json.dumps({"input": "hello"}).encode(), {"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        after = _complete(url, PROMPTS[0])
+    assert refused.value.code == 400 and "ranks" in json.load(refused.value)["error"]["message"]
+    assert after["choices"][0]["text"] == expected[0]
+
+
 def test_a_pipeline_over_layers_of_different_kinds_is_refused_in_one_line(tmp_path):
     command = [*CLI, "serve", str(TINY / "gemma3"), "--hostfile"]
     command += [str(_hostfile(tmp_path, 2)), "--port", "0"]

@@ -33,6 +33,9 @@ def embeddable(decoder: object, alongside_generation: bool = False) -> str | Non
             "it runs through mlx-lm's own model class (an unverified family), whose forward pass gives logits, "
             "not the final hidden states; embeddings need a family mlxinfer runs itself"
         )
+    if decoder.sharded:
+        # Its passes are collectives that every rank joins in the same order; a pass on rank 0 alone never ends.
+        return "it is split over the ranks of a distributed model, whose passes run only in generation turns"
     if alongside_generation and getattr(decoder, "pass_state", None) is not None:
         # Gemma 4 (models/gemma4_layers.py) keeps each pass's per-layer inputs and shared keys on the model:
         # a pass on another thread would overwrite those of a generation running at the same time.

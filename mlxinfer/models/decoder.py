@@ -43,6 +43,7 @@ class DecoderLM(nn.Module):
     verified = True  # a family checked against transformers (models/fallback.py runs the others)
     batchable = True  # rows of any length decode together (per-row masks)
     stage = None  # a pipeline rank's place (models/shard.py): its layers only, hidden states to and fro
+    sharded = False  # split over the ranks of an mx.distributed group (pipeline or tensor, models/shard.py)
 
     def __init__(self, backbone: nn.Module, lm_head: nn.Module | None, layout: Layout):
         super().__init__()

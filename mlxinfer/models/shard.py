@@ -92,7 +92,7 @@ def keep_layers(model: nn.Module, stage: Stage) -> None:
         raise UnsupportedModelError(f"the pipeline plan has {stage.total} layers but the model has {len(layers)}")
     model.model.layers = layers[stage.start : stage.end]
     model.layout = replace(model.layout, layer_types=model.layout.layer_types[stage.start : stage.end])
-    model.stage = stage
+    model.stage, model.sharded = stage, True
 
 
 # Per family: the attention and MLP projections that split by output columns and the ones that sum back.
@@ -137,3 +137,4 @@ def shard_tensor(model: nn.Module, group: Any, sent: Callable[[int], None] | Non
         for count in _HEAD_COUNTS:
             if isinstance(getattr(attn, count, None), int):
                 setattr(attn, count, getattr(attn, count) // size)
+    model.sharded = True
