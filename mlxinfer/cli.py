@@ -437,6 +437,13 @@ def _plan_pipeline(
     help="Requests waiting beyond that; more get 429.",
 )
 @click.option(
+    "--prefill-chunk",
+    type=click.IntRange(1, 65536),
+    default=256,
+    show_default=True,
+    help="Prompt tokens per prefill step; running streams wait at most one step for a new prompt.",
+)
+@click.option(
     "--request-timeout",
     type=click.FloatRange(min=1),
     default=600.0,
@@ -511,7 +518,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         cors_origins=o["cors_origin"],
         request_timeout_s=o["request_timeout"],
         max_connections=o["max_connections"],
-        scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"]),
+        scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"], prefill_chunk=o["prefill_chunk"]),
         speculate=o["speculate"],
         draft_model=o["draft_model"],
         local_token=new_token(),

@@ -17,12 +17,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..api import Model
+from ..cache import make_cache
+from ..cache.layers import cuttable
 from ..engine import SchedulerConfig
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError
 from ..memory import machine_memory
 from ..memory.planner import default_prefix_cache_bytes
 from ..models import LoadedModel, load_model
-from ..models.config import ModelConfig, normalize_config
+from ..models.config import SLIDING, ModelConfig, normalize_config
 from ..models.shard import Stage, shard_tensor
 from .channel import Channel
 from .layer_sizes import read_layer_sizes
@@ -114,14 +116,6 @@ def _stage(path: Path, group: Any, usable: list[int], launch: Launch) -> Stage:
     split, dtype, kv_bits = launch.split, launch.dtype, launch.kv_bits
     config = _config_of(path)
     total = len(config.layer_types)
-    if len(set(config.layer_types)) > 1:
-        # The loop's choices (state snapshots, which prefixes it keeps) follow the kinds of layers a rank holds:
-        # ranks holding different kinds would choose differently and wait for each other forever.
-        kinds = ", ".join(sorted(set(config.layer_types)))
-        raise UnsupportedModelError(
-            f"{path}: its layers mix kinds ({kinds}); pipeline ranks would hold different kinds, which is not "
-            "supported yet: use --parallel tensor, or one machine"
-        )
     if split is None:  # each rank's share of the layers' weights and KV cache follows its memory
         sizes = read_layer_sizes(path, dtype=dtype, kv_bits=kv_bits)
         layer_bytes = [w + kv for w, kv in zip(sizes.layer_weight_bytes, sizes.layer_kv_bytes)]
@@ -131,7 +125,9 @@ def _stage(path: Path, group: Any, usable: list[int], launch: Launch) -> Stage:
             f"the split {list(split)} must give each of {group.size()} ranks one of {total} layers or more"
         )
     start = sum(split[: group.rank()])
-    return Stage(group.rank(), group.size(), start, start + split[group.rank()], total, group)
+    window = config.sliding_window
+    whole = cuttable(make_cache(tuple((kind, window if kind == SLIDING else None) for kind in config.layer_types)))
+    return Stage(group.rank(), group.size(), start, start + split[group.rank()], total, group, cuttable=whole)
 
 
 def _config_of(path: Path) -> ModelConfig:

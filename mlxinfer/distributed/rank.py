@@ -10,6 +10,7 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 
 from ..engine import SchedulerConfig
@@ -22,6 +23,7 @@ from .launch import connect, rank_ring
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     faulthandler.enable()  # a crash in MLX says where, not just that the rank vanished
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: where a stuck rank waits
     rank_number = int(os.environ.get("MLX_RANK", "-1"))
     try:
         launch = Launch.from_json(json.loads(argv[0]))

@@ -62,7 +62,9 @@ class Prefill:
               every: int = SNAPSHOT_EVERY, marks: Iterable[int] = (),
               inherited: dict[int, Snapshot] | None = None, before_end: bool = True) -> Prefill:  # fmt: skip
         base = cache[0].length
-        stops = [] if cuttable(cache) else snapshot_positions(base, base + ids.size, every, marks, before_end)
+        stage = getattr(model, "stage", None)  # a pipeline rank: the whole model's layers decide, not its own
+        whole = cuttable(cache) if stage is None else stage.cuttable
+        stops = [] if whole else snapshot_positions(base, base + ids.size, every, marks, before_end)
         return cls(model, cache, ids, base, chunk, stops, dict(inherited or {}))
 
     @property
@@ -80,6 +82,10 @@ class Prefill:
         end = min(self.done + self.chunk, self.ids.size, stop - self.base)
         hidden = self.model.hidden(self.ids[None, self.done : end], self.cache)
         self.done = end
+        if getattr(self.model, "stage", None) is not None:
+            # A pipeline rank sends its output on and sums the last rank's within the pass's output, which the
+            # cache alone does not need: evaluate it, or the next rank waits for a send that never comes.
+            mx.eval(hidden)
         if self.position in self.stops:
             self.snapshots[self.position] = snapshot(self.cache)  # evaluates the chunk
         elif not self.finished:

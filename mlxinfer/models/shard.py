@@ -40,6 +40,9 @@ class Stage:
     end: int
     total: int
     group: Any = None  # mx.distributed.Group; None in the unit tests that only slice
+    # Whether every layer of the whole model can be cut at any position: the loop's choices (state snapshots)
+    # must follow the whole model on every rank, not the kinds of layers one rank happens to hold.
+    cuttable: bool = True
     sent_bytes: int = field(default=0, compare=False)  # hidden states sent and summed, for the bench
 
     @property
@@ -88,6 +91,11 @@ def select_weights(weights: dict[str, mx.array], stage: Stage) -> dict[str, mx.a
 def keep_layers(model: nn.Module, stage: Stage) -> None:
     """Cut a freshly built DecoderLM down to this rank's layers (still unevaluated: nothing is allocated)."""
     layers = model.model.layers
+    if getattr(model, "pass_state", None) is not None:
+        raise UnsupportedModelError(
+            "its layers share one pass's state (Gemma 4's per-layer inputs and shared keys and values), which "
+            "pipeline ranks cannot split: run it on one machine"
+        )
     if len(layers) != stage.total:
         raise UnsupportedModelError(f"the pipeline plan has {stage.total} layers but the model has {len(layers)}")
     model.model.layers = layers[stage.start : stage.end]
@@ -105,6 +113,8 @@ _HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads", "nu
 
 def tensor_parallel_check(model: nn.Module, size: int) -> str | None:
     """Why `model` cannot split its heads over `size` ranks, or None when it can."""
+    if getattr(model, "pass_state", None) is not None:
+        return "its layers share one pass's state (Gemma 4's shared keys and values): run it on one machine"
     for index, layer in enumerate(model.model.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None or not all(hasattr(attn, n) for n in (*_COLUMNS, *_ROWS)):
