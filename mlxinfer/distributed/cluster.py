@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from ..api import Model
 from ..cache import make_cache
@@ -25,7 +24,7 @@ from ..memory import machine_memory
 from ..memory.planner import default_prefix_cache_bytes
 from ..models import LoadedModel, load_model
 from ..models.config import SLIDING, ModelConfig, normalize_config
-from ..models.shard import Stage, shard_tensor
+from ..models.shard import Stage
 from .channel import Channel
 from .layer_sizes import read_layer_sizes
 from .replay import STALL_S, LeaderScheduler
@@ -80,12 +79,10 @@ def join(launch: Launch, group: Any) -> Rank:
     stage = None
     if launch.parallel == "pipeline":
         stage = _stage(path, group, usable, launch)
-    loaded = load_model(path, dtype=launch.dtype, stage=stage)
-    if launch.parallel == "tensor":
-        shard_tensor(loaded.model, group)
-        mx.eval(loaded.model.parameters())
-        loaded.weights_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
-    log.info("rank %d of %d: %s", group.rank(), group.size(), _holds(loaded, stage))
+    tensor_group = group if launch.parallel == "tensor" else None
+    loaded = load_model(path, dtype=launch.dtype, stage=stage, tensor_group=tensor_group)
+    log.info("rank %d of %d: %s; peak %.0f MiB while loading", group.rank(), group.size(), _holds(loaded, stage),
+             mx.get_peak_memory() / 2**20)  # fmt: skip
     channel = Channel(group)
     budget = _prefix_budget(loaded, stage, channel)
     model = Model(loaded, prefix_cache_bytes=budget, kv_bits=launch.kv_bits, speculate="off", persist_prefixes=False)

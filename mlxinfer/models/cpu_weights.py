@@ -18,6 +18,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import (
+    AllToShardedLinear,
+    QuantizedAllToShardedLinear,
+    QuantizedShardedToAllLinear,
+    ShardedToAllLinear,
+)
 from mlx.utils import tree_unflatten
 
 from ..errors import ConfigError
@@ -33,6 +39,9 @@ class WeightChoice:
 
     kept: str  # "quantized" (as stored), "dense" (dequantized to float32), or "as stored" (nothing quantized)
     reason: str
+
+
+_SHARDED = (QuantizedAllToShardedLinear, QuantizedShardedToAllLinear)
 
 
 def cpu_weights_mode(requested: str | None = None) -> str:
@@ -63,6 +72,8 @@ def dequantize(model: nn.Module, layers: dict[str, nn.Module]) -> None:
         weight = _dense_weight(module)
         if isinstance(module, nn.QuantizedEmbedding):
             twin = nn.Embedding(*weight.shape)
+        elif isinstance(module, _SHARDED):  # tensor parallel: the same share of the rows or columns, as floats
+            twin = _sharded_twin(module, weight)
         else:
             twin = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             if "bias" in module:
@@ -87,7 +98,8 @@ def _not_worth_it(layers: dict[str, nn.Module], usable_bytes: int) -> str | None
     dense = sum(_dense_elements(m) for m in layers.values()) * 4
     if dense > DENSE_SHARE * usable_bytes:
         return f"float32 weights ({dense / 2**30:.1f} GiB) would take over {DENSE_SHARE:.0%} of usable memory"
-    largest = max((m for m in layers.values() if isinstance(m, nn.QuantizedLinear)), key=_dense_elements, default=None)
+    linears = (m for m in layers.values() if not isinstance(m, nn.QuantizedEmbedding))
+    largest = max(linears, key=_dense_elements, default=None)
     if largest is None:
         return "only embeddings are quantized"
     for rows in (PREFILL_ROWS, 1):
@@ -97,7 +109,7 @@ def _not_worth_it(layers: dict[str, nn.Module], usable_bytes: int) -> str | None
     return None
 
 
-def _time_both(layer: nn.QuantizedLinear, rows: int) -> tuple[float, float]:
+def _time_both(layer: nn.Module, rows: int) -> tuple[float, float]:
     """Best-of-3 seconds for `rows` through `layer` as stored and from float32 weights (after a warm-up)."""
     weight = _dense_weight(layer)
     x = mx.random.normal((rows, weight.shape[1]), key=mx.random.key(0))
@@ -112,11 +124,26 @@ def _time_both(layer: nn.QuantizedLinear, rows: int) -> tuple[float, float]:
             times.append(time.perf_counter() - start)
         return min(times)
 
-    return best(lambda: layer(x)), best(lambda: x @ weight.T)
+    # The product alone: a tensor-parallel layer's sum across ranks must not run on one rank by itself.
+    args = (layer.scales, layer.get("biases"), True, layer.group_size, layer.bits)
+    quantized = lambda: mx.quantized_matmul(x, layer.weight, *args, mode=getattr(layer, "mode", "affine"))  # noqa: E731
+    return best(quantized), best(lambda: x @ weight.T)
+
+
+def _sharded_twin(module: nn.Module, weight: mx.array) -> nn.Module:
+    size, bias = module.group.size(), "bias" in module
+    out_dims, in_dims = weight.shape
+    if isinstance(module, QuantizedAllToShardedLinear):
+        twin = AllToShardedLinear(in_dims, out_dims * size, bias, group=module.group)
+    else:
+        twin = ShardedToAllLinear(in_dims * size, out_dims, bias, group=module.group)
+    if bias:
+        twin.bias = module.bias.astype(mx.float32)
+    return twin
 
 
 def _quantized(model: nn.Module) -> dict[str, nn.Module]:
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)  # experts (gather kernels) stay as stored
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, *_SHARDED)  # experts (gather kernels) stay as stored
     return {name: m for name, m in model.named_modules() if type(m) in kinds}
 
 

@@ -34,7 +34,7 @@ from .gguf_file import GGUFFile
 from .multimodal import text_checkpoint
 from .quantized import quantize_like
 from .safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
-from .shard import Stage, keep_layers, select_weights
+from .shard import Stage, keep_layers, select_weights, shard_tensor
 from .sizing import StoredTensor, check_before_build
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,11 @@ def load_model(
     with_tokenizer: bool = True,
     cpu_weights: str | None = None,
     stage: Stage | None = None,
+    tensor_group: Any = None,
 ) -> LoadedModel:
     """Load `path` (a model folder or a .gguf file) for inference; with `stage`, only that pipeline rank's
-    layers (plus the embeddings, final norm and head), the others' tensors never read.
+    layers (plus the embeddings, final norm and head), the others' tensors never read; with `tensor_group`, every
+    layer's share of the heads and MLP columns for that rank of the group (models/shard.py).
 
     Example:
         >>> loaded = load_model("models/SmolLM2-135M-Instruct")
@@ -95,6 +97,9 @@ def load_model(
     quantized = quantize_like(model, weights, mode=quantize_mode)
     verify_weights(model, weights, source=str(path))
     model.update(tree_unflatten([(k, _cast(v, compute)) for k, v in weights.items()]))
+    if tensor_group is not None:  # before anything is evaluated: each whole tensor only passes through
+        shard_tensor(model, tensor_group)
+    del weights  # the lazy arrays, or every whole tensor read stays held
     mx.eval(model.parameters(), _private_arrays(model))
     model.eval()
     kept = choose_cpu_weights(model, compute, machine_memory().usable_bytes(), cpu_weights_mode(cpu_weights))
