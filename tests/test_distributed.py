@@ -255,3 +255,26 @@ def test_a_job_travels_to_another_rank_with_every_input():
         assert getattr(twin, name) == getattr(job, name), name
     assert list(twin.stop) == ["x"] and twin.use_cache is False and twin.keep_special_tokens is True
     assert twin.submitted_at == 3.25 and twin.constraint.grammar == grammar
+
+
+def test_a_request_runs_only_where_every_rank_has_room():
+    from mlxinfer.engine import Failed, Finished, SchedulerConfig
+    from mlxinfer.engine.loop import BatchLoop
+    from mlxinfer.errors import MemoryBudgetError
+
+    llm = mlxinfer.load(TINY / "llama_classic")
+    verdicts = []
+
+    def run(others_have_room: bool) -> object:
+        loop = BatchLoop(llm.runtime, SchedulerConfig(max_batch=2))
+        loop.agree = lambda mine: verdicts.append(mine) or (mine and others_have_room)
+        events = []
+        loop.add(Job(llm.encode_prompt("hello", chat=False), events.append, max_tokens=4))
+        while loop.has_work():
+            loop.turn()
+        return events[-1]
+
+    assert isinstance(run(True), Finished)
+    assert verdicts and all(verdicts)  # this rank had room each time it was asked
+    ended = run(False)  # another rank has none: the request never starts here either
+    assert isinstance(ended, Failed) and isinstance(ended.error, MemoryBudgetError)

@@ -32,6 +32,10 @@ class Channel:
     def receive(self) -> dict[str, Any]:
         return json.loads(self._exchange(0, b"").decode())
 
+    def all_true(self, mine: bool) -> bool:
+        """Whether `mine` is true on every rank (each rank calls it at the same point)."""
+        return int(self._sum(mx.array([0 if mine else 1], dtype=mx.int32)).item()) == 0
+
     def _exchange(self, length: int, data: bytes) -> bytes:
         size = int(self._sum(mx.array([length], dtype=mx.int64)).item())
         if not 0 < size <= MAX_MESSAGE_BYTES:

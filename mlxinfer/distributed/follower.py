@@ -13,6 +13,7 @@ from .replay import apply_turn, job_from_spec, replayable
 def follow(runtime: ModelRuntime, config: SchedulerConfig, channel: Channel, vocab_size: int) -> None:
     """Run rank 0's turns here; returns when rank 0 stops serving, raises when it is gone."""
     loop = BatchLoop(replayable(runtime), config, log_failures=False)
+    loop.agree = channel.all_true
     jobs: dict[int, Job] = {}
     ended: list[int] = []
     while True:

@@ -6,8 +6,8 @@ ranks a turn record: the new requests, the ones cancelled since, and rank 0's cl
 generation runs through) on the same inputs, so admissions, prefill chunks, batch
 rows and prefix-cache hits match and every collective in the forward passes meets
 its partners. Nothing else may steer a turn: requests are seeded by rank 0,
-speculation is off and the loop does no memory fitting (what the planner sized at
-launch holds).
+speculation is off, and a request is admitted only where it fits on every rank
+(BatchLoop.agree: one collective per admission).
 
 A lost rank surfaces as an exception from a collective (the ring backend's
 "connection to a peer was lost"), or as a turn that never ends (a watchdog): either
@@ -90,9 +90,8 @@ def _dropped(event: Any) -> None:
 
 
 def replayable(runtime: ModelRuntime) -> ModelRuntime:
-    """`runtime` with what could steer ranks apart removed: memory fitting (each rank's own memory) and
-    drafting (timed)."""
-    return replace(runtime, footprint=None, draft=None, step_costs=None)
+    """`runtime` without what could steer ranks apart: drafting (timed)."""
+    return replace(runtime, draft=None, step_costs=None)
 
 
 def apply_turn(loop: BatchLoop, record: dict[str, Any], cancelled: dict[int, Job], new: list[Job]) -> bool:
@@ -136,6 +135,7 @@ class LeaderScheduler(Scheduler):
 
     def _run(self) -> None:
         loop = self._loop
+        loop.agree = self.channel.all_true  # set here, on the loop's thread, before its first turn
         while True:
             with self._cond:
                 if not (self._inbox or loop.has_work() or self._stopping or self._aborting):

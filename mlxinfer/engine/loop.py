@@ -107,6 +107,9 @@ class BatchLoop:
         self._costs = runtime.step_costs or StepCosts()  # the model's, shared with later loops where it has one
         # What "now" is when requests expire: ranks of a distributed model all use rank 0's time (distributed/).
         self.clock: Callable[[], float] = time.perf_counter
+        # A distributed model's ranks each hold part of it: a request fits only where it fits on every rank, so
+        # each rank's verdict is combined (all true) and memory is freed one prefix at a time, the same on all.
+        self.agree: Callable[[bool], bool] | None = None
 
     def check(self, job: Job, within_context: bool = True) -> None:
         """A SamplingError now, before queueing, for a request that can never run (or, with
@@ -229,9 +232,10 @@ class BatchLoop:
             needed = batch_peak_bytes(self.runtime.footprint, rows, len(job.prompt_ids), chunk) + held + others
             needed += self._draft_peak(job, chunk)
             usable = self._machine().usable_bytes(ours)
-            if needed <= usable:
+            fits = needed <= usable if self.agree is None else self.agree(needed <= usable)
+            if fits:
                 return chunk
-            if self._evict(needed - usable):
+            if self._evict(needed - usable if self.agree is None else 1):
                 mx.clear_cache()
             elif chunk > 16 and not self._batch.rows:
                 chunk //= 2
