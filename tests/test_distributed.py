@@ -139,23 +139,30 @@ def test_real_model_from_two_ranks_answers_through_the_openai_client(smol_path, 
     assert answer.choices[0].message.content == expected
 
 
+def _stream_and(url: str, act) -> tuple[list[str], float]:
+    """Stream a completion as long as the tiny model's context allows; `act()` after the third event.
+    Returns the events' data and the seconds the stream took."""
+    context = json.loads((TINY / "llama_classic" / "config.json").read_text())["max_position_embeddings"]
+    body = {"prompt": "hello", "max_tokens": context - 8, "temperature": 0, "stream": True}
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    events, started = [], time.monotonic()
+    with urllib.request.urlopen(request, timeout=60) as stream:
+        for raw in stream:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    act()
+    return events, time.monotonic() - started
+
+
 def test_killing_a_rank_mid_stream_ends_the_stream_with_an_error_and_health_says_unhealthy(tmp_path):
     with served(TINY / "llama_classic", _hostfile(tmp_path, 2)) as (url, process):
-        context = json.loads((TINY / "llama_classic" / "config.json").read_text())["max_position_embeddings"]
-        body = {"prompt": "hello", "max_tokens": context - 8, "temperature": 0, "stream": True}
-        request = urllib.request.Request(
-            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
         follower = psutil.Process(process.pid).children()[0]
-        events, started = [], time.monotonic()
-        with urllib.request.urlopen(request, timeout=60) as stream:
-            for raw in stream:
-                line = raw.decode().strip()
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 3:
-                        follower.kill()
-        assert time.monotonic() - started < 60
+        events, took = _stream_and(url, follower.kill)
+        assert took < 60
         assert process.poll() is None  # rank 0 keeps serving: it answers that it cannot
         assert events[-1] != "[DONE]" or any('"error"' in e for e in events)
         assert any("rank" in e and '"error"' in e for e in events), events[-3:]
@@ -185,27 +192,14 @@ def test_embeddings_are_refused_and_the_server_goes_on(parallel, tmp_path):
 def test_a_rank_that_stops_answering_ends_the_stream_after_the_stall_timeout(tmp_path):
     hosts = _hostfile(tmp_path, 2)
     with served(TINY / "llama_classic", hosts, "pipeline", "--stall-timeout", "5") as (url, process):
-        context = json.loads((TINY / "llama_classic" / "config.json").read_text())["max_position_embeddings"]
-        body = {"prompt": "hello", "max_tokens": context - 8, "temperature": 0, "stream": True}
-        request = urllib.request.Request(
-            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-        )
         follower = psutil.Process(process.pid).children()[0]
-        events, started = [], time.monotonic()
         try:
-            with urllib.request.urlopen(request, timeout=60) as stream:
-                for raw in stream:
-                    line = raw.decode().strip()
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        if len(events) == 3:
-                            follower.suspend()  # alive, holding its sockets, answering nothing
-            waited = time.monotonic() - started
+            events, took = _stream_and(url, follower.suspend)  # alive, holding its sockets, answering nothing
             with pytest.raises(urllib.error.HTTPError) as health:
                 urllib.request.urlopen(url + "/health", timeout=30)
         finally:
             follower.resume()
-        assert waited < 40
+        assert took < 40
         assert any("not answered" in e and '"error"' in e for e in events), events[-3:]
         assert health.value.code == 503 and "not answered" in json.load(health.value)["reason"]
 
