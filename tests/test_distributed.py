@@ -122,8 +122,10 @@ def test_ranks_holding_one_kind_of_layer_snapshot_where_the_whole_model_does(tmp
     ids = [*range(10, 20), 258, *range(30, 40), 258, *range(50, 56)]
     expected = mlxinfer.load(TINY / "gpt_oss").generate(ids, max_tokens=12).text
     with served(TINY / "gpt_oss", _hostfile(tmp_path, 4)) as (url, _):
-        answer = _post(url, {"prompt": ids, "max_tokens": 12, "temperature": 0})
-    assert answer["choices"][0]["text"] == expected
+        answers = [_post(url, {"prompt": ids, "max_tokens": 12, "temperature": 0}) for _ in range(2)]
+    assert [a["choices"][0]["text"] for a in answers] == [expected, expected]
+    # Rank 0 holds one kind of layer, the model two: the prefix cache must be off on every rank.
+    assert answers[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_real_model_from_two_ranks_answers_through_the_openai_client(smol_path, tmp_path):

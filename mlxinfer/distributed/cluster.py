@@ -84,7 +84,8 @@ def join(launch: Launch, group: Any) -> Rank:
     log.info("rank %d of %d: %s; peak %.0f MiB while loading", group.rank(), group.size(), _holds(loaded, stage),
              mx.get_peak_memory() / 2**20)  # fmt: skip
     channel = Channel(group)
-    budget = _prefix_budget(loaded, stage, channel)
+    one_kind = len(set(_config_of(path).layer_types)) == 1  # the whole model's, not this rank's layers
+    budget = _prefix_budget(loaded, one_kind, channel)
     model = Model(loaded, prefix_cache_bytes=budget, kv_bits=launch.kv_bits, speculate="off", persist_prefixes=False)
     return Rank(group, model, stage, channel)
 
@@ -139,12 +140,12 @@ def _config_of(path: Path) -> ModelConfig:
     return normalize_config(open_folder(path).config, source=str(path / "config.json"))
 
 
-def _prefix_budget(loaded: LoadedModel, stage: Stage | None, channel: Channel) -> int:
+def _prefix_budget(loaded: LoadedModel, one_kind: bool, channel: Channel) -> int:
     """This rank's prefix-cache budget: rank 0's, per layer held, so every rank keeps and evicts the same
-    prefixes (an entry's bytes grow with the layers a rank holds). Off where layers differ in kind."""
-    kinds = set(loaded.model.cache_kinds)
+    prefixes (an entry's bytes grow with the layers a rank holds). Off where the model's layers differ in kind:
+    a rank holding only some kinds would count an entry's bytes differently from the others."""
     if channel.rank == 0:
-        unit = default_prefix_cache_bytes() // max(1, len(loaded.model.layers)) if len(kinds) == 1 else 0
+        unit = default_prefix_cache_bytes() // max(1, len(loaded.model.layers)) if one_kind else 0
         channel.send({"prefix_unit": unit})
     else:
         unit = channel.receive()["prefix_unit"]
