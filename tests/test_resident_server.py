@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -330,3 +332,193 @@ def test_a_stream_cut_off_by_the_server_is_an_error_not_a_short_answer():
         with pytest.raises(RemoteServerError, match="ended the answer before its end"):
             remote.generate("hi", max_tokens=4)
         stand_in.shutdown()
+
+
+# -- a state file or a server that is not what it says: one note, and the command goes on ----------
+
+
+TOKEN = "k" * 40
+
+
+def plant(folder: Path, content: str | dict) -> Path:
+    """A state file as the user's own private file holds it (content is written as is, or as JSON)."""
+    path = folder / "server.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    path.chmod(0o600)
+    return path
+
+
+def one_note(caplog, path: Path, timeout_s: float = 10.0) -> str:
+    """find_server() in a thread that must end within timeout_s: None, and exactly one one-line note naming path."""
+    import threading
+
+    found: list = []
+    with caplog.at_level(logging.WARNING, logger="mlxinfer"):
+        probe = threading.Thread(target=lambda: found.append(find_server()), daemon=True)
+        probe.start()
+        probe.join(timeout_s)
+    assert not probe.is_alive(), "find_server() hung"
+    assert found == [None]
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert note.startswith(f"note: ignoring {path}: ") and "\n" not in note and len(note) < 400
+    return note
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "runtime"
+    folder.mkdir(mode=0o700)
+    monkeypatch.setenv("MLXINFER_RUNTIME_DIR", str(folder))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"url": "http://127.0.0.1:99999", "pid": "me", "token": TOKEN},  # a port out of range
+        {"url": "http://127.0.0.1:8o8o", "pid": "me", "token": TOKEN},  # letters in the port
+        {"url": "http://[::1:8080", "pid": "me", "token": TOKEN},  # an unclosed IPv6 bracket
+        {"url": "http://127.0.0.1:1", "pid": 2**70, "token": TOKEN},  # no such PID can exist
+        "[" * 2000 + "]" * 2000,  # deeply nested JSON, within the size limit
+    ],
+    ids=["port-range", "port-letters", "ipv6-bracket", "huge-pid", "nested-json"],
+)
+def test_a_malformed_state_file_is_one_note(runtime, caplog, entry):
+    if isinstance(entry, dict) and entry["pid"] == "me":
+        entry = {**entry, "pid": os.getpid()}  # alive: only the URL is wrong
+    one_note(caplog, plant(runtime, entry))
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_directory_or_a_fifo_in_the_state_files_place_is_one_note(runtime, caplog, kind):
+    path = runtime / "server.json"
+    if kind == "directory":
+        path.mkdir(mode=0o700)
+    else:
+        os.mkfifo(path, 0o600)  # no writer: a blocking open waits for one forever
+    try:
+        assert "not a regular file" in one_note(caplog, path, timeout_s=5)
+    finally:
+        if kind == "fifo":
+            with contextlib.suppress(OSError):  # wake an open that hangs (today's code) so its thread ends
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+
+
+class StandIn:
+    """A loopback TCP server that answers every connection with `answer(connection)`, in a thread;
+    `requests` holds the raw request heads it read."""
+
+    def __init__(self, answer, host: str = "127.0.0.1"):
+        import socket
+        import threading
+
+        self.answer, self.requests, self.stop = answer, [], threading.Event()
+        self.sock = socket.create_server((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        self.sock.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                connection, _ = self.sock.accept()
+            except OSError:
+                continue
+            with connection:
+                connection.settimeout(5)
+                head = b""
+                while b"\r\n\r\n" not in head and (chunk := connection.recv(65536)):
+                    head += chunk
+                length = next(
+                    (int(v) for k, v in re.findall(rb"\n([\w-]+): *(\d+)", head) if k.lower() == b"content-length"), 0
+                )
+                while len(head.partition(b"\r\n\r\n")[2]) < length and (chunk := connection.recv(65536)):
+                    head += chunk  # the body too: closing on unread bytes would reset the connection
+                self.requests.append(head.decode("latin-1"))
+                with contextlib.suppress(OSError):
+                    self.answer(self, connection)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(15)
+        self.sock.close()
+
+
+@pytest.fixture
+def stand_in():
+    servers = []
+
+    def start(answer, host: str = "127.0.0.1") -> StandIn:
+        servers.append(StandIn(answer, host))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_a_server_that_drips_its_answer_is_given_up_on_at_a_deadline(runtime, caplog, stand_in, monkeypatch):
+    def drip(server, connection):  # a byte every 0.2 s: each read succeeds, the answer never ends
+        for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"x" * 10_000:
+            if server.stop.wait(0.2):
+                return
+            connection.sendall(bytes([byte]))
+
+    monkeypatch.setattr("mlxinfer.local_server.PROBE_TIMEOUT_S", 0.6)
+    server = stand_in(drip)
+    started = time.monotonic()
+    note = one_note(caplog, plant(runtime, {"url": server.url, "pid": os.getpid(), "token": TOKEN}), timeout_s=4)
+    assert "did not answer" in note and time.monotonic() - started < 3
+
+
+def test_an_answer_that_is_not_http_is_one_note(runtime, caplog, stand_in):
+    server = stand_in(lambda server, connection: connection.sendall(b"SSH-2.0-OpenSSH_9.6\r\n" + b"\x00" * 64))
+    note = one_note(caplog, plant(runtime, {"url": server.url, "pid": os.getpid(), "token": TOKEN}))
+    assert "did not answer" in note
+
+
+def loopback_elsewhere() -> str:
+    """Another loopback address than 127.0.0.1 where the platform routes one (Linux: all of 127/8)."""
+    import socket
+
+    try:
+        socket.create_server(("127.0.0.2", 0)).close()
+    except OSError:
+        return "127.0.0.1"
+    return "127.0.0.2"
+
+
+@pytest.mark.parametrize("caller", ["identity", "generate"])
+def test_the_token_never_follows_a_redirect(runtime, caplog, stand_in, caller):
+    elsewhere = stand_in(lambda server, connection: connection.sendall(b"HTTP/1.1 404 Not Found\r\n\r\n"),
+                         host=loopback_elsewhere())  # fmt: skip
+
+    def redirect(server, connection):
+        location = elsewhere.url + "/api/mlxinfer"
+        connection.sendall(f"HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 0\r\n\r\n".encode())
+
+    server = stand_in(redirect)
+    if caller == "identity":
+        assert "302" in one_note(caplog, plant(runtime, {"url": server.url, "pid": os.getpid(), "token": TOKEN}))
+    else:
+        with pytest.raises(RemoteServerError, match="302"):
+            RemoteModel(LocalServer(server.url, os.getpid(), TOKEN), None).generate("hi", max_tokens=2)
+    assert len(server.requests) == 1 and f"Bearer {TOKEN}" in server.requests[0]
+    time.sleep(0.2)  # a request that followed the redirect would have arrived by now
+    assert elsewhere.requests == []  # neither the token nor anything else reached the address the redirect named
+
+
+def test_a_local_server_is_only_ever_a_loopback_address():
+    with pytest.raises(RemoteServerError, match="loopback"):
+        LocalServer("http://192.0.2.1:80", os.getpid(), TOKEN)  # the token would leave this machine
+
+
+def test_generate_goes_on_locally_after_one_note_on_a_malformed_state_file(runtime):
+    path = plant(runtime, {"url": "http://127.0.0.1:99999", "pid": os.getpid(), "token": TOKEN})
+    command = [*CLI, "generate", str(TINY / "llama_classic"), "-p", "hi", "--raw", "--max-tokens", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stderr.splitlines() if "server" in line]
+    assert notes == [f"note: ignoring {path}: it does not describe a local mlxinfer server"]
+    assert "Traceback" not in done.stderr and "2 generated" in done.stderr
