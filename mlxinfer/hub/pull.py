@@ -6,6 +6,8 @@ not load (pickle-only repositories, unknown families, garbage headers). download
 two commits' files), resumes a .part with a Range request, checks the size and the Hub's sha256 (LFS files) or
 git blob id (the others) and renames it into place; finish() moves the finished folder into the models folder
 in one rename, after checking that the target is a folder directly in the models folder named after the repo.
+Nothing below cache_dir()/downloads is opened, written, moved or deleted through a link (local_files.py), and every
+request keeps to the time limits of transport.py.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import http.client
 import os
 import re
 import shutil
+import stat
 import sys
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,18 +36,9 @@ from ..models import ModelConfig, models_dir, normalize_config
 from ..models.config import FULL, SLIDING
 from ..models.dtype import choose_compute_dtype
 from ..untrusted import listed, shown_path
-from .remote import (
-    TIMEOUT_S,
-    Listing,
-    RemoteFile,
-    check_repo_id,
-    fetch_config,
-    fetch_header,
-    file_url,
-    list_files,
-    reason_of,
-    request,
-)
+from .local_files import open_own, own_file, own_folder, remove_own_folder
+from .remote import Listing, RemoteFile, check_repo_id, fetch_config, fetch_header, file_url, list_files, request
+from .transport import NETWORK_ERRORS, open_url, reason_of
 
 # Side files a model folder needs (config, tokenizer, chat template); weights are *.safetensors only.
 SIDE_FILES = frozenset({
@@ -90,9 +82,14 @@ class PullPlan:
         return sum(f.size - _have(self.folder, f) for f in self.files)
 
 
+def downloads_root() -> Path:
+    """Where every download folder is: the one folder there that may be a link (to another disk, say)."""
+    return cache_dir() / "downloads"
+
+
 def download_dir(repo_id: str, commit: str | None = None) -> Path:
     """The repository's download folder in the cache, or (with `commit`) that commit's folder in it."""
-    folder = cache_dir() / "downloads" / check_repo_id(repo_id).replace("/", "--")
+    folder = downloads_root() / check_repo_id(repo_id).replace("/", "--")
     return folder / commit if commit is not None else folder
 
 
@@ -165,7 +162,7 @@ def check_disk(plan: PullPlan, extra_bytes: int = 0) -> None:
 def download(plan: PullPlan, progress: bool = True) -> Path:
     """Download every file of `plan` into its folder (resuming .part files); returns the folder."""
     try:
-        plan.folder.mkdir(parents=True, exist_ok=True)
+        _own_download_folder(plan.folder, create=True)
     except OSError as e:
         raise HubError(f"{shown_path(plan.folder)}: {write_error(e, 'set MLXINFER_CACHE_DIR elsewhere')}") from None
     _drop_stale(plan)
@@ -181,7 +178,8 @@ def download(plan: PullPlan, progress: bool = True) -> Path:
 def finish(plan: PullPlan, folder: Path | None = None) -> Path:
     """Move the finished download (or `folder`) to plan.target in one rename (a copy then a rename across disks)."""
     folder = folder or plan.folder
-    missing = [f.name for f in plan.files if not (folder / f.name).is_file()]
+    _own_download_folder(folder)  # a link there is refused, never moved
+    missing = [f.name for f in plan.files if own_file(folder / f.name) is None]
     if missing:
         raise HubError(f"{plan.repo_id}: {listed(missing)} not downloaded yet; run the same pull again")
     check_place(plan.target, plan.repo_id)  # checked again right before anything is deleted or replaced
@@ -197,9 +195,9 @@ def finish(plan: PullPlan, folder: Path | None = None) -> Path:
                 raise
             staging = plan.target.with_name(f".{plan.target.name}.pulling")
             _delete(staging) if os.path.lexists(staging) else None
-            shutil.copytree(folder, staging)
+            shutil.copytree(folder, staging, symlinks=True)  # a link planted meanwhile is copied, not followed
             os.replace(staging, plan.target)
-            shutil.rmtree(folder)
+            remove_own_folder(folder)
     except OSError as e:
         raise HubError(f"{shown_path(plan.target)}: {write_error(e, 'set MLXINFER_MODELS_DIR elsewhere')}") from None
     with contextlib.suppress(OSError):  # the repository's download folder, once no commit is left in it
@@ -251,7 +249,8 @@ def _have(folder: Path, remote: RemoteFile) -> int:
         return 0
     for path, done in ((folder / remote.name, True), (folder / f"{remote.name}.part", False)):
         with contextlib.suppress(OSError):
-            size = path.stat().st_size
+            info = path.lstat()  # an estimate: a link or odd file counts nothing (download() refuses it)
+            size = info.st_size if stat.S_ISREG(info.st_mode) else 0
             if done and size == remote.size:
                 return size
             if not done and size <= remote.size:
@@ -261,15 +260,17 @@ def _have(folder: Path, remote: RemoteFile) -> int:
 
 def _fetch(listing: Listing, remote: RemoteFile, folder: Path, bar: tqdm) -> None:
     final, part = folder / remote.name, folder / f"{remote.name}.part"
-    if not _unchecked(remote) and final.is_file() and final.stat().st_size == remote.size:
+    done = own_file(final)  # a link (or another odd file) under either name is refused, never followed
+    if not _unchecked(remote) and done is not None and done.st_size == remote.size:
         if remote.size > RECHECK_BYTES or _matches(remote, final):  # a large one was checked before its rename
             return
         bar.total += remote.size  # remaining_bytes counted it as here
         bar.refresh()
-    have = part.stat().st_size if part.is_file() else 0
+    partial = own_file(part)
+    have = partial.st_size if partial is not None else 0
     if have > remote.size or _unchecked(remote):  # not this file's start, or not to be trusted: begin again
         have = 0
-    if have < remote.size or not part.is_file():
+    if have < remote.size or partial is None:
         _transfer(listing, remote, part, have, bar)
     _verify(listing, remote, part)
     os.replace(part, final)
@@ -280,7 +281,7 @@ def _transfer(listing: Listing, remote: RemoteFile, part: Path, have: int, bar: 
     source = f"{listing.repo_id}/{remote.name}"
     req = request(file_url(listing.repo_id, listing.commit, remote.name), (have, None) if have else None)
     try:
-        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as response:
+        with open_url(req) as response:
             if have and response.status != 206:  # the whole file again, from its first byte
                 bar.total += have
                 bar.refresh()
@@ -288,7 +289,7 @@ def _transfer(listing: Listing, remote: RemoteFile, part: Path, have: int, bar: 
             elif have and not str(response.headers.get("Content-Range", "")).startswith(f"bytes {have}-"):
                 raise HubError(f"{source}: the server answered another byte range than bytes {have}-; retry later")
             with _open(part, "ab" if have else "wb", source) as out:
-                while chunk := response.read(CHUNK_BYTES):
+                while chunk := response.read1(CHUNK_BYTES):  # what came is written before any stall
                     have += len(chunk)
                     if have > remote.size:
                         raise HubError(f"{source}: the server sent more than the {remote.size} bytes it lists; refused")
@@ -296,7 +297,7 @@ def _transfer(listing: Listing, remote: RemoteFile, part: Path, have: int, bar: 
                     bar.update(len(chunk))
     except urllib.error.HTTPError as e:
         raise HubError(f"{source}: the Hub answered HTTP {e.code}; run the same pull again later") from None
-    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as e:
+    except NETWORK_ERRORS as e:  # the network, a stall or malformed HTTP: what came stays, to resume
         raise HubError(
             f"{source}: the download stopped at {have} of {remote.size} bytes ({reason_of(e)}); "
             "run the same `mlxinfer pull` again to resume it"
@@ -311,7 +312,7 @@ def _transfer(listing: Listing, remote: RemoteFile, part: Path, have: int, bar: 
 @contextlib.contextmanager
 def _open(part: Path, mode: str, source: str) -> Any:
     try:
-        f = part.open(mode)
+        f = open_own(part, mode)
     except OSError as e:
         raise HubError(f"{shown_path(part)}: {write_error(e, 'set MLXINFER_CACHE_DIR elsewhere')}") from None
     with f:
@@ -329,7 +330,8 @@ def _verify(listing: Listing, remote: RemoteFile, part: Path) -> None:
     """The size the Hub lists and its sha256 (LFS files) or git blob id (the others); a mismatch deletes the
     .part (it cannot resume)."""
     source = f"{listing.repo_id}/{remote.name}"
-    size = part.stat().st_size
+    info = own_file(part)
+    size = info.st_size if info is not None else 0
     if size != remote.size:
         part.unlink()
         raise HubError(f"{source}: downloaded {size} bytes but the Hub lists {remote.size}; run the pull again")
@@ -349,7 +351,7 @@ def _matches(remote: RemoteFile, path: Path) -> bool:
     else:
         return True
     try:
-        with path.open("rb") as f:
+        with open_own(path, "rb") as f:
             while chunk := f.read(CHUNK_BYTES):
                 digest.update(chunk)
     except OSError as e:
@@ -360,14 +362,22 @@ def _matches(remote: RemoteFile, path: Path) -> bool:
 def _drop_stale(plan: PullPlan) -> None:
     """Delete the repository's downloads of other commits (a resume never continues them): only folders named
     like a commit, directly in the repository's download folder."""
-    parent = plan.folder.parent
+    parent = plan.folder.parent  # checked by own_folder: not a link
     try:
-        stale = [p for p in parent.iterdir() if p != plan.folder and _COMMIT.fullmatch(p.name) and p.is_dir()]
+        with os.scandir(parent) as entries:
+            stale = [Path(e.path) for e in entries if e.name != plan.folder.name and _COMMIT.fullmatch(e.name)]
     except OSError:
         return
     for path in stale:
-        if path.parent == download_dir(plan.repo_id) and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
+        remove_own_folder(path)  # a link named like a commit is left alone
+
+
+def _own_download_folder(folder: Path, create: bool = False) -> Path | None:
+    """`folder` if it and each folder between it and downloads_root() is a folder, not a link (made if `create`)."""
+    root = downloads_root()
+    if not folder.is_relative_to(root):  # a folder handed to finish(): only it is checked
+        return own_folder(folder.parent, (folder.name,), create)
+    return own_folder(root, folder.relative_to(root).parts, create)
 
 
 def _existing(path: Path) -> Path:

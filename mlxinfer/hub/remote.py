@@ -1,8 +1,8 @@
 """What a Hugging Face Hub repository holds, asked over plain HTTP and trusted for nothing.
 
 The file listing (`/api/models/{repo}/revision/{rev}?blobs=true`), config.json and each safetensors shard's
-header (two Range requests) are read with a size limit each; every file name is checked before it can become
-a path. HF_ENDPOINT and HF_TOKEN are honoured like huggingface_hub does.
+header (two Range requests) are read with a size limit each, and within the time limits of transport.py; every
+file name is checked before it can become a path. HF_ENDPOINT and HF_TOKEN are honoured like huggingface_hub does.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from ..errors import CorruptFileError, HubError
 from ..models.safetensors_header import MAX_HEADER_BYTES, _check_entry, _check_no_overlap
 from ..untrusted import first_line, is_int, plain, shown
+from .transport import NETWORK_ERRORS, open_url, reason_of
 
-TIMEOUT_S = 30
 MAX_LISTING_BYTES = 16 << 20  # a listing of 10,000 files is ~2 MB
 MAX_FILES = 10_000
 MAX_NAME_CHARS = 255
@@ -183,7 +183,10 @@ def fetch_header(listing: Listing, shard: RemoteFile) -> ShardHeader:
 
 def request(url: str, byte_range: tuple[int, int | None] | None = None) -> urllib.request.Request:
     """A GET for `url`, with HF_TOKEN (never sent on to a redirect's host) and a Range header if asked."""
-    req = urllib.request.Request(url, headers={"User-Agent": "mlxinfer"})
+    try:
+        req = urllib.request.Request(url, headers={"User-Agent": "mlxinfer"})
+    except ValueError as e:  # a malformed HF_ENDPOINT
+        raise HubError(f"{plain(url)}: not a URL ({first_line(e)}); check HF_ENDPOINT") from None
     if byte_range is not None:
         start, end = byte_range
         req.add_header("Range", f"bytes={start}-{'' if end is None else end}")
@@ -194,8 +197,9 @@ def request(url: str, byte_range: tuple[int, int | None] | None = None) -> urlli
 
 def read(url: str, limit: int, what: str, byte_range: tuple[int, int] | None = None) -> bytes:
     """The body of a GET, at most `limit` bytes (more is refused); an HTTP or network error names `what`."""
+    req = request(url, byte_range)
     try:
-        with urllib.request.urlopen(request(url, byte_range), timeout=TIMEOUT_S) as response:
+        with open_url(req) as response:
             if byte_range is not None and response.status == 200:  # Range ignored: read only the part asked for
                 start, end = byte_range
                 body = response.read(end + 1)[start:]
@@ -203,17 +207,13 @@ def read(url: str, limit: int, what: str, byte_range: tuple[int, int] | None = N
             body = response.read(limit + 1)
     except urllib.error.HTTPError as e:
         raise HubError(f"{what}: the Hub answered HTTP {e.code}{_advice(e.code)}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        raise HubError(f"{what}: cannot reach {endpoint()} ({reason_of(e)})") from None
+    except NETWORK_ERRORS as e:
+        raise HubError(
+            f"{what}: no usable answer from {endpoint()} ({reason_of(e)}); check HF_ENDPOINT or retry later"
+        ) from None
     if len(body) > limit:
         raise HubError(f"{what}: more than {limit} bytes; refused")
     return body
-
-
-def reason_of(error: BaseException) -> str:
-    """Why a request failed, on one short line (URLError wraps the socket's error in `reason`)."""
-    reason = getattr(error, "reason", error)
-    return first_line(reason) if isinstance(reason, BaseException) else plain(str(reason))
 
 
 def _advice(code: int) -> str:
