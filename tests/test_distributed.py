@@ -38,9 +38,11 @@ def _hostfile(tmp_path: Path, ranks: int) -> Path:
 
 
 @contextlib.contextmanager
-def served(model: Path, hostfile: Path, parallel: str = "pipeline", *options: str, timeout: float = 240.0):
-    """`mlxinfer serve MODEL --hostfile` in its own process group; yields (base URL, process)."""
-    command = [*CLI, "serve", str(model), "--hostfile", str(hostfile)]
+def served(
+    model: Path, hostfile: Path, parallel: str = "pipeline", *options: str, timeout: float = 240.0, cli: list = CLI
+):
+    """`mlxinfer serve MODEL --hostfile` (run by `cli`) in its own process group; yields (base URL, process)."""
+    command = [*cli, "serve", str(model), "--hostfile", str(hostfile)]
     command += ["--parallel", parallel, "--port", "0", "--stall-timeout", "30", *options]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: list[str] = []

@@ -193,8 +193,17 @@ def test_planning_needs_each_hosts_memory(tmp_path):
         ([{"ssh": 5}], "host 0: ssh must be a non-empty printable string"),
         ([{"ssh": "a\nb"}], "ssh must be a non-empty printable string"),
         (["a"], "host 0: expected an object"),
-        ([{"ssh": "a", "ips": "10.0.0.1"}], r"host 0 \(a\): ips must be a list of IP addresses"),
-        ([{"ssh": "a", "ips": ["mac.local"]}], "ips must be a list of IP addresses"),
+        ([{"ssh": "a", "ips": "10.0.0.1"}], r"host 0 \(a\): ips must be a list of IPv4 addresses"),
+        ([{"ssh": "a", "ips": ["mac.local"]}], "ips must be a list of IPv4 addresses"),
+        ([{"ssh": "a", "ips": ["fe80::1"]}], r"IPv4 addresses .*MLX's ring backend connects over IPv4"),
+        # ssh would read a host name starting with "-" as an option
+        ([{"ssh": "-oProxyCommand=touch /tmp/x"}], r"host 0: ssh '-oProxyCommand=touch /tmp/x' is not a host name"),
+        ([{"ssh": "a"}, {"ssh": "alice@-p22"}], r"host 1: ssh 'alice@-p22' is not a host name or address"),
+        ([{"ssh": "mac 1.local"}], "is not a host name or address"),
+        ([{"ssh": "mac1..local"}], "is not a host name or address"),
+        ([{"ssh": "mac1;reboot"}], "is not a host name or address"),
+        ([{"ssh": "[::1]"}], "is not a host name or address"),
+        ([{"ssh": "10.0.0.256"}], "is not a host name or address"),
         ([{"ssh": "a", "memory_gb": "64GB"}], r"host 0 \(a\): memory_gb must be a number"),
         ([{"ssh": "a", "memory_gb": -1}], "memory_gb must be a number"),
         ([{"ssh": "a", "memory_gb": True}], "memory_gb must be a number"),
@@ -210,6 +219,59 @@ def test_bad_hostfiles_are_one_line_naming_the_file(tmp_path, data, words):
     with pytest.raises(HostsError, match=words) as e:
         read_hostfile(path)
     assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hosts_are_named_as_ssh_spells_them(tmp_path):
+    names = [
+        "mac1.local",
+        "Mac-Studio",
+        "gpu_box",
+        "localhost",
+        "10.0.0.2",
+        "fe80::1",
+        "fe80::1%en0",
+        "alice@mbp.local",
+    ]
+    hosts = read_hostfile(write(tmp_path, [{"ssh": name} for name in names]))
+    assert [h.ssh for h in hosts] == names
+
+
+# Reads /dev/zero, a named pipe with no writer and a folder as hostfiles, in a process whose memory is capped:
+# each must be refused at once, not read without end (it grew to 4 GiB in 3 s) or waited on.
+NOT_FILES = """
+import json, os, resource, sys
+from mlxinfer.distributed.hosts import HostsError, parse_hosts, read_hostfile
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+for read, path in [(read_hostfile, "/dev/zero"), (read_hostfile, sys.argv[1]), (parse_hosts, "/dev/zero"),
+                   (parse_hosts, sys.argv[1]), (read_hostfile, os.path.dirname(sys.argv[1]))]:
+    try:
+        read(path)
+    except HostsError as e:
+        print(e, flush=True)
+"""
+
+
+def test_only_regular_files_are_read_as_hostfiles(tmp_path):
+    fifo = tmp_path / "hosts.json"
+    os.mkfifo(fifo)
+    result = subprocess.run([sys.executable, "-c", NOT_FILES, str(fifo)], capture_output=True, text=True, timeout=60)
+    refusal = ": not a regular file; a hostfile is a JSON file"
+    paths = ["/dev/zero", str(fifo), "/dev/zero", str(fifo), str(tmp_path)]
+    assert result.stdout.splitlines() == [path + refusal for path in paths], result.stderr[-2000:]
+
+
+def test_plan_hosts_from_a_device_is_one_line(tmp_path):
+    def capped() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    command = [sys.executable, "-c", "from mlxinfer.cli import main; main()", "plan", str(TINY / "llama_classic")]
+    result = subprocess.run(
+        [*command, "--hosts", "/dev/zero"], capture_output=True, text=True, timeout=60, preexec_fn=capped
+    )
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == "Error: /dev/zero: not a regular file; a hostfile is a JSON file"
 
 
 def test_oversized_and_binary_hostfiles_are_refused(tmp_path):

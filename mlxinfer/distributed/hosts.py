@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -31,6 +33,13 @@ MLX_FILE_FIELDS = ("backend", "envs", "hosts")  # the object form of MLX's hostf
 _SIZE = re.compile(r"(\d{1,9}(?:\.\d{1,6})?)\s*(?:([kmgt])(?:i?b)?)?", re.IGNORECASE)
 _UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+# What `ssh` may be given: a host name (labels of letters, digits and inner hyphens as in RFC 1123, and
+# underscores, which ~/.ssh/config aliases use) or an IP address, optionally after `user@`. Nothing may start
+# with "-": ssh would read it as an option (-oProxyCommand=...).
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}")
+_SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,32}")  # an IPv6 zone, as in fe80::1%en0
+SSH_EXAMPLE = "a host name (mac1.local), an address (10.0.0.2, fe80::1%en0), optionally after user@"
 HOSTS_EXAMPLE = "e.g. --hosts studio=192GB,mbp=64GB or --hosts 64,32 (GiB) or --hosts hosts.json"
 
 
@@ -133,10 +142,7 @@ def _sized_hosts(entries: list[str]) -> list[Host]:
 
 def _read_json(path: Path, where: str) -> Any:
     try:
-        size = path.stat().st_size
-        if size > MAX_HOSTFILE_BYTES:
-            raise HostsError(f"{where}: {size} bytes is more than the {MAX_HOSTFILE_BYTES} a hostfile may have")
-        text = path.read_bytes().decode("utf-8")
+        text = _read_capped(path, where).decode("utf-8")
     except UnicodeDecodeError as e:
         raise HostsError(f"{where}: not UTF-8 text (byte {e.start}); a hostfile is JSON") from None
     except FileNotFoundError:
@@ -149,6 +155,24 @@ def _read_json(path: Path, where: str) -> Any:
         raise HostsError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError, a repeated key, NaN, an integer too long to convert
         raise HostsError(f"{where}: not valid JSON ({first_line(e)})") from None
+
+
+def _read_capped(path: Path, where: str) -> bytes:
+    """At most MAX_HOSTFILE_BYTES of a regular file. The size a device (/dev/zero) reports is 0, so the cap is on
+    what is read; O_NONBLOCK keeps a named pipe from holding the open until a writer comes."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HostsError(f"{where}: not a regular file; a hostfile is a JSON file")
+        chunks, left = [], MAX_HOSTFILE_BYTES + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise HostsError(f"{where}: more than the {MAX_HOSTFILE_BYTES} bytes a hostfile may have")
+    return b"".join(chunks)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -183,11 +207,14 @@ def _host(entry: Any, where: str) -> Host:
     if unknown:
         known = ", ".join(MLX_HOST_FIELDS + OUR_HOST_FIELDS)
         raise HostsError(f"{where}: unknown field {shown(unknown[0])}; a host has {known}")
-    ssh = _text(entry.get("ssh"), f"{where}: ssh")
+    ssh = _ssh(_text(entry.get("ssh"), f"{where}: ssh"), where)
     where = f"{where} ({ssh})"
     ips = entry.get("ips", [])
-    if not (isinstance(ips, list) and len(ips) <= MAX_HOSTS and all(_is_ip(ip) for ip in ips)):
-        raise HostsError(f'{where}: ips must be a list of IP addresses such as ["192.168.1.2"], got {shown(ips)}')
+    if not (isinstance(ips, list) and len(ips) <= MAX_HOSTS and all(_is_ipv4(ip) for ip in ips)):
+        raise HostsError(
+            f'{where}: ips must be a list of IPv4 addresses such as ["192.168.1.2"] (MLX\'s ring backend connects '
+            f"over IPv4), got {shown(ips)}"
+        )
     _check_rdma(entry.get("rdma", []), where)
     return Host(
         name=ssh,
@@ -207,11 +234,36 @@ def _text(value: Any, where: str) -> str:
     return value
 
 
+def _ssh(value: str, where: str) -> str:
+    """`value` if it names a host as written (see _LABEL); anything else is refused before it reaches ssh."""
+    user, at, host = value.rpartition("@")
+    if (not at or _USER.fullmatch(user)) and (_is_host_name(host) or _is_address(host)):
+        return value
+    raise HostsError(f"{where}: ssh {shown(value)} is not a host name or address; give {SSH_EXAMPLE}")
+
+
+def _is_host_name(text: str) -> bool:
+    labels = text.split(".")
+    # An all-digit last label is a mistyped address (10.0.0.256), not a name
+    return len(text) <= 253 and all(_LABEL.fullmatch(label) for label in labels) and not labels[-1].isdigit()
+
+
+def _is_address(text: str) -> bool:
+    address, percent, scope = text.partition("%")
+    if percent and not (":" in address and _SCOPE.fullmatch(scope)):
+        return False
+    return _is_ip(address)
+
+
 def _is_ip(value: Any) -> bool:
     try:
         return isinstance(value, str) and len(value) <= 64 and bool(ipaddress.ip_address(value))
     except ValueError:
         return False
+
+
+def _is_ipv4(value: Any) -> bool:
+    return _is_ip(value) and ipaddress.ip_address(value).version == 4
 
 
 def _check_rdma(value: Any, where: str) -> None:
