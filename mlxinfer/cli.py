@@ -1144,7 +1144,8 @@ def pull(hub_id: str, bits: str | None, revision: str, force: bool, yes: bool) -
     files; an interrupted pull resumes when run again. The finished folder moves to
     $MLXINFER_MODELS_DIR/NAME (default ~/models/NAME). With --bits, it is converted
     into NAME-4bit / NAME-8bit instead (no quality report: `mlxinfer eval` gives
-    one) and the download folder is deleted. HF_ENDPOINT and HF_TOKEN are honoured.
+    one) and the download folder is deleted. HF_ENDPOINT and HF_TOKEN are honoured;
+    MLXINFER_HUB_STALL_S (default 60) is how long a download may bring under 1 KiB.
 
     \b
     Examples:

@@ -189,7 +189,7 @@ def _post(server: LocalServer, path: str, body: dict[str, Any]) -> Any:
     except urllib.error.HTTPError as e:
         try:
             detail = json.loads(e.read(MAX_ERROR_BYTES))
-        except ValueError:
+        except (ValueError, RecursionError, OSError):  # not JSON, nested past the parser, or cut off
             detail = {}
         raise RemoteServerError(f"the server at {server.url} answered {e.code}: {_message(detail)}") from None
     except OSError as e:
@@ -206,7 +206,7 @@ def _events(response: Any, url: str) -> Iterator[dict[str, Any]]:
             if payload == b"[DONE]":
                 return
             yield json.loads(payload)
-    except (OSError, ValueError, http.client.HTTPException) as e:  # a dropped connection, a cut-off line
+    except (OSError, ValueError, RecursionError, http.client.HTTPException) as e:  # dropped, cut off, nested deep
         raise RemoteServerError(f"the server at {url} stopped answering mid-answer ({e!r})") from None
     raise RemoteServerError(f"the server at {url} ended the answer before its end (did it stop?)")
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
 import reprlib
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,13 +91,42 @@ def is_finite_number(value: Any) -> bool:
         return False
 
 
-def read_text(path: Path, error: type[MlxInferError], limit: int = MAX_SIDE_FILE_BYTES) -> str:
-    """The UTF-8 text of `path`, or `error` naming the file (too large, unreadable, not UTF-8)."""
+class NotRegularFileError(OSError):
+    """What read_capped found is a folder, a device or a named pipe: nothing to read as a file."""
+
+
+class TooLargeError(OSError):
+    """The file holds more than read_capped's limit."""
+
+
+def read_capped(path: Path, limit: int) -> bytes:
+    """The bytes of `path`, a regular file of at most `limit` bytes (NotRegularFileError, TooLargeError, OSError).
+
+    The cap is on what is read, not on the size the file reports: a device (/dev/zero) reports 0 and never ends.
+    O_NONBLOCK keeps a named pipe from holding the open until a writer comes; it is refused once open."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     try:
-        size = path.stat().st_size
-        if size > limit:
-            raise error(f"{path}: {size} bytes is more than the {limit} this file may have; it is not a model file")
-        return path.read_bytes().decode("utf-8")
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFileError("not a regular file")
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    if left <= 0:
+        raise TooLargeError(f"more than the {limit} bytes it may have")
+    return b"".join(chunks)
+
+
+def read_text(path: Path, error: type[MlxInferError], limit: int = MAX_SIDE_FILE_BYTES) -> str:
+    """The UTF-8 text of `path`, or `error` naming the file (too large, not a file, unreadable, not UTF-8)."""
+    try:
+        return read_capped(path, limit).decode("utf-8")
+    except TooLargeError:
+        raise error(f"{path}: more than the {limit} bytes this file may have; it is not a model file") from None
+    except NotRegularFileError:
+        raise error(f"{path}: not a regular file; a model's side files are plain files") from None
     except UnicodeDecodeError as e:
         raise error(f"{path}: not UTF-8 text (byte {e.start}); re-download or re-save the file as UTF-8") from None
     except OSError as e:

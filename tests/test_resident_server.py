@@ -522,3 +522,21 @@ def test_generate_goes_on_locally_after_one_note_on_a_malformed_state_file(runti
     notes = [line for line in done.stderr.splitlines() if "server" in line]
     assert notes == [f"note: ignoring {path}: it does not describe a local mlxinfer server"]
     assert "Traceback" not in done.stderr and "2 generated" in done.stderr
+
+
+NESTED = b"[" * 200_000 + b"]" * 200_000  # deeper than json.loads goes: a RecursionError, not a ValueError
+
+
+@pytest.mark.parametrize("status", [b"500 Internal Server Error", b"200 OK"])
+def test_an_answer_nested_past_the_parser_is_a_remote_error(stand_in, status):
+    kind = b"application/json" if status.startswith(b"5") else b"text/event-stream"
+    body = NESTED if status.startswith(b"5") else b"data: " + NESTED + b"\n\n"
+
+    def answer(server, connection):
+        head = b"HTTP/1.1 " + status + b"\r\nContent-Type: " + kind + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+        connection.sendall(head + body)
+
+    server = stand_in(answer)
+    remote = RemoteModel(LocalServer(server.url, os.getpid(), TOKEN), None)
+    with pytest.raises(RemoteServerError, match="500" if status.startswith(b"5") else "stopped answering"):
+        remote.generate("hi", max_tokens=2)

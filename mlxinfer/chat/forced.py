@@ -14,9 +14,8 @@ import json
 import re
 from typing import Any
 
-import llguidance
-
 from ..errors import GrammarError
+from ..grammar import check_in_child
 from .formats import CALLS, REASONING, OutputFormat, call_markup, markup, require_tool_syntax
 from .gemma_grammar import GemmaValues
 from .tools import Tool, ToolChoice, refuse
@@ -39,6 +38,7 @@ class _Lark:
         self.ids = {text: i for i, text in specials.items() if text in markup}
         self._split = re.compile("|".join(re.escape(t) for t in sorted(self.ids, key=len, reverse=True)))
         self.rules: list[str] = []
+        self.checks: list[tuple[int, str]] = []  # (tool index, a grammar of its schema alone) to compile first
 
     def lit(self, text: str) -> str:
         """Markup (or text around it) as a sequence: special-token texts as `<[ID]>`, the rest as string literals.
@@ -88,7 +88,7 @@ def call_grammar(
 
     With `parallel`, one or more calls, else exactly one. `prompt_text` (the rendered prompt) tells
     whether the template already opened a reasoning block. Raises ToolCallError for a format with no
-    tool syntax or a choice that forces nothing, GrammarError for a parameters schema llguidance refuses.
+    tool syntax or a choice that forces nothing, GrammarError for a parameters schema that cannot be compiled.
 
     Example:
         >>> grammar = call_grammar(fmt, tools, ToolChoice("named", "get_weather"), False, tokenizer)
@@ -103,6 +103,7 @@ def call_grammar(
         raise refuse(f"tool_choice names {choice.name!r}, which is not in tools", "tool_choice")
     lark = _Lark(tokenizer, markup(fmt))
     head, sep, tail = _BUILDERS[fmt.tools or ""](lark, fmt, chosen)
+    _check_tools(lark)
     calls = " | ".join(f"call_{i}" for i, _ in chosen)
     body = f"{head} call ({sep} call)* {tail}" if parallel and fmt.tools != "harmony" else f"{head} call {tail}"
     reasoning = _reasoning(lark, fmt, prompt_text)
@@ -111,16 +112,20 @@ def call_grammar(
 
 
 def _check_schema(lark: _Lark, name: str, schema: dict[str, Any], index: int, options: dict[str, Any]) -> str:
-    """The schema's %json rule, after llguidance accepts it alone (so a refusal names the tool)."""
+    """The schema's %json rule, to be tried alone (`_check_tools`) so that a refusal names the tool."""
     rule = lark.json(name, schema, options)
-    error = llguidance.LLMatcher.validate_grammar(f"start: {rule}\n{lark.rules[-1]}\n")
-    if error and not error.startswith("WARNING"):
-        raise refuse(
-            f"tools[{index}].function.parameters cannot be enforced: {error.splitlines()[0]}",
-            f"tools[{index}].function.parameters",
-            GrammarError,
-        )
+    lark.checks.append((index, f"start: {rule}\n{lark.rules[-1]}\n"))
     return rule
+
+
+def _check_tools(lark: _Lark) -> None:
+    """Every tool's schema compiled alone, all in one child process (llguidance's native code may crash or run
+    away on a hostile schema; see grammar/isolated.py); a ToolCallError names the first one refused."""
+    verdicts = check_in_child([text for _, text in lark.checks], "tools")
+    for (index, _), error in zip(lark.checks, verdicts):
+        if error is not None:
+            where = f"tools[{index}].function.parameters"
+            raise refuse(f"{where} cannot be enforced: {error}", where, GrammarError)
 
 
 def _hermes(lark: _Lark, fmt: OutputFormat, chosen: list[tuple[int, Tool]]) -> tuple[str, str, str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import GrammarError, ToolCallError
-from ..grammar import check_no_options
+from ..grammar import check_schema
 from ..untrusted import shown
 
 MAX_TOOLS = 128  # OpenAI's limit
@@ -93,7 +93,7 @@ def _parameters(schema: Any, where: str) -> dict[str, Any]:
     if not isinstance(schema, dict):
         raise refuse(f"{where} must be a JSON schema object, got {shown(schema)}", where)
     try:
-        check_no_options(schema, where)
+        check_schema(schema, where)
     except GrammarError as e:
         raise refuse(str(e), where) from None
     kind = schema.get("type", "object")

@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
-import stat
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..untrusted import first_line, is_finite_number, is_int, shown, shown_path
+from ..untrusted import (
+    NotRegularFileError,
+    TooLargeError,
+    first_line,
+    is_finite_number,
+    is_int,
+    read_capped,
+    shown,
+    shown_path,
+)
 
 MAX_HOSTFILE_BYTES = 64 << 10
 MAX_HOSTS = 64
@@ -142,7 +149,11 @@ def _sized_hosts(entries: list[str]) -> list[Host]:
 
 def _read_json(path: Path, where: str) -> Any:
     try:
-        text = _read_capped(path, where).decode("utf-8")
+        text = read_capped(path, MAX_HOSTFILE_BYTES).decode("utf-8")
+    except NotRegularFileError:
+        raise HostsError(f"{where}: not a regular file; a hostfile is a JSON file") from None
+    except TooLargeError:
+        raise HostsError(f"{where}: more than the {MAX_HOSTFILE_BYTES} bytes a hostfile may have") from None
     except UnicodeDecodeError as e:
         raise HostsError(f"{where}: not UTF-8 text (byte {e.start}); a hostfile is JSON") from None
     except FileNotFoundError:
@@ -155,24 +166,6 @@ def _read_json(path: Path, where: str) -> Any:
         raise HostsError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as e:  # JSONDecodeError, a repeated key, NaN, an integer too long to convert
         raise HostsError(f"{where}: not valid JSON ({first_line(e)})") from None
-
-
-def _read_capped(path: Path, where: str) -> bytes:
-    """At most MAX_HOSTFILE_BYTES of a regular file. The size a device (/dev/zero) reports is 0, so the cap is on
-    what is read; O_NONBLOCK keeps a named pipe from holding the open until a writer comes."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise HostsError(f"{where}: not a regular file; a hostfile is a JSON file")
-        chunks, left = [], MAX_HOSTFILE_BYTES + 1
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-    if left <= 0:
-        raise HostsError(f"{where}: more than the {MAX_HOSTFILE_BYTES} bytes a hostfile may have")
-    return b"".join(chunks)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -7,11 +7,12 @@ mask the sampler applies on the device.
 """
 
 from .compiled import Constraint, Vocabulary, constraint_for, vocabulary
+from .isolated import cancelled_by, check_in_child, end_compiles
 from .mask import allowed_tokens, draft_masks
 from .spec import (
     MAX_GRAMMAR_CHARS,
     Grammar,
-    check_no_options,
+    check_schema,
     choices,
     json_object,
     json_schema,
@@ -26,8 +27,11 @@ __all__ = [
     "Grammar",
     "Vocabulary",
     "allowed_tokens",
+    "cancelled_by",
+    "check_in_child",
+    "end_compiles",
     "draft_masks",
-    "check_no_options",
+    "check_schema",
     "choices",
     "constraint_for",
     "json_object",

@@ -2,7 +2,8 @@
 
 Compiling a schema into a matcher is the expensive part (milliseconds to a second for
 large schemas; llguidance drops the GIL while it runs): it happens once per grammar
-and tokenizer, on the thread that prepares the request, never on the scheduler's.
+and tokenizer, on the thread that prepares the request, never on the scheduler's,
+and only after the same grammar compiled in a child process (`isolated.py`).
 Each request then gets a cheap copy of the compiled matcher, whose state advances
 with the tokens it draws.
 """
@@ -20,11 +21,10 @@ import numpy as np
 
 from ..errors import GrammarError
 from ..tokenizer import Tokenizer
+from .isolated import LIMITS, check_in_child, first_line
 from .spec import Grammar
 
 CACHED_GRAMMARS = 64  # compiled matchers kept per tokenizer (least recently used go first)
-# Work one grammar may demand, whatever its text: llguidance's fuel and sizes, well under its defaults' worst case.
-LIMITS = dict(step_lexer_fuel=200_000, step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000)
 
 
 @dataclass
@@ -61,17 +61,23 @@ class Vocabulary:
             self._compiled.pop(grammar.text, None)
 
     def _build(self, grammar: Grammar) -> llguidance.LLMatcher:
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar.text, self.tokens)
+        # First in a child, where a crash or a runaway ends only the child.
+        refused = check_in_child([grammar.text], grammar.where)[0]
+        if refused is not None:
+            raise GrammarError(f"{grammar.where}: {refused}")
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar.text, self.tokens, limits=llguidance.LLParserLimits(**LIMITS)
+        )
         if failed:
-            raise GrammarError(f"{grammar.where}: {_first_line(messages)}")
+            raise GrammarError(f"{grammar.where}: {first_line(messages)}")
         if messages:  # warnings are features the grammar would drop: say so rather than enforce less
-            raise GrammarError(f"{grammar.where} uses what the matcher does not support: {_first_line(messages)}")
+            raise GrammarError(f"{grammar.where} uses what the matcher does not support: {first_line(messages)}")
         # Silent: a failure is raised as a GrammarError to the request, not printed on the server's stderr.
         matcher = llguidance.LLMatcher(
             self.tokens, grammar.text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS)
         )
         if matcher.is_error():
-            raise GrammarError(f"{grammar.where}: {_first_line([matcher.get_error()])}")
+            raise GrammarError(f"{grammar.where}: {first_line([matcher.get_error()])}")
         return matcher
 
 
@@ -147,8 +153,3 @@ def constraint_for(grammar: Grammar, tokenizer: Tokenizer, size: int, eos_token_
     """A fresh constraint for one request (compiling `grammar` for this tokenizer unless cached)."""
     vocab = vocabulary(tokenizer, size, eos_token_ids)
     return Constraint(vocab.compile(grammar), vocab, grammar)
-
-
-def _first_line(messages: Sequence[str]) -> str:
-    text = " ".join(" ".join(m.split()) for m in messages)  # llguidance errors span lines with a caret diagram
-    return text if len(text) <= 300 else text[:300] + "..."

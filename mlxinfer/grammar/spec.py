@@ -17,6 +17,7 @@ import llguidance
 
 from ..errors import GrammarError
 from ..untrusted import shown
+from .bounds import check_bounds
 
 MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar; real ones are a few KB
 MAX_CHOICES = 1024
@@ -97,8 +98,15 @@ def schema_of(schema: Any, where: str = "schema") -> dict[str, Any]:
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, Mapping):
         raise GrammarError(f"{where} must be a JSON schema object (or a pydantic model class), got {shown(schema)}")
-    check_no_options(schema, where)
+    check_schema(schema, where)
     return dict(schema)
+
+
+def check_schema(schema: Mapping[str, Any], where: str) -> None:
+    """A GrammarError if a request's `schema` sets the matcher's options or holds more than it may (bounds.py):
+    checked where the schema arrives, before anything compiles it."""
+    check_no_options(schema, where)
+    check_bounds(schema, where)
 
 
 def check_no_options(schema: Mapping[str, Any], where: str) -> None:

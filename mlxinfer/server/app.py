@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -29,6 +30,7 @@ from starlette.routing import Route
 from .. import __version__
 from ..engine import Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
+from ..grammar import cancelled_by
 from ..local_server import IDENTITY_PATH
 from . import anthropic, embeddings, ollama
 from .answer import Answer
@@ -142,7 +144,21 @@ class API:
         refused (429) before it is parsed or never. A model that must be loaded first loads outside the gate
         (no place held for it); the tokenizing then waits for a place without a 429."""
         trusted = self.trusted(request)
+        gone = threading.Event()  # a grammar compiling for this request stops once its client leaves
+        watching = asyncio.ensure_future(_set_when_disconnected(request, gone))
+        try:
+            with cancelled_by(gone):  # copied into the preparing threads with the rest of this context
+                return await self._prepare_for(raw, parse, encode, trusted)
+        finally:
+            watching.cancel()
 
+    async def _prepare_for(
+        self,
+        raw: bytes,
+        parse: Callable[[bytes], tuple[Any, GenerationParams]],
+        encode: Callable[[Any, Any], Prepared],
+        trusted: bool,
+    ) -> tuple[ServedModel, Prepared, GenerationParams]:
         def everything() -> tuple[Any, GenerationParams, ServedModel | None, Prepared | None]:
             body, params = parse(raw)
             served = self.models.acquire_loaded(params.model, trusted)  # held: never unloaded under it
@@ -365,6 +381,11 @@ async def _receive_by(request: Request, deadline: float, timeout_s: float) -> di
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def _set_when_disconnected(request: Request, gone: threading.Event) -> None:
+    await _disconnected(request)
+    gone.set()
 
 
 def create_app(

@@ -24,6 +24,7 @@ import uvicorn
 
 from ..engine import GenerationStats
 from ..errors import BindError, PortInUseError
+from ..grammar import end_compiles
 from .app import create_app
 from .connections import accept_backlog, protocol_class
 from .models import ModelSet
@@ -152,6 +153,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.models.abort_all("the server is shutting down")
+        end_compiles("the server is shutting down")  # native compiles cannot be interrupted: their children can
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -256,6 +258,7 @@ class BackgroundServer:
             self._close()
             return
         self._server.models.abort_all("the server is stopping")
+        end_compiles("the server is stopping")
         self._server.should_exit = True
         self._thread.join(timeout)
 

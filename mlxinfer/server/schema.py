@@ -22,7 +22,7 @@ from ..engine import SamplingParams
 from ..engine.sampling import is_finite_number, is_int
 from ..engine.text import check_stops
 from ..errors import GrammarError, SamplingError
-from ..grammar import check_no_options
+from ..grammar import check_schema
 from ..untrusted import shown
 from .errors import APIError, as_api_error
 
@@ -208,7 +208,7 @@ def _json_schema_format(spec: Any) -> ResponseFormat:
         raise APIError(400, f"{where} is false: it admits no answer at all", where)
     if isinstance(schema, dict):
         try:
-            check_no_options(schema, where)
+            check_schema(schema, where)
         except GrammarError as e:
             raise APIError(400, str(e), where) from None
     return ResponseFormat("json_schema", {} if schema is True else schema, where)

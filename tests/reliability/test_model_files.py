@@ -738,3 +738,31 @@ def test_a_refusal_takes_no_time_even_for_the_largest_layer_count(tmp_path):
     start = time.perf_counter()
     refused(lambda: load_model(folder), ConfigError, "num_hidden_layers")
     assert time.perf_counter() - start < 2.0  # well under 0.1 s even with tracemalloc on; unrefused, minutes
+
+
+def test_a_side_file_that_is_a_device_or_a_pipe_is_one_line(tmp_path):
+    """config.json as a link to /dev/zero (it reports 0 bytes and never ends) or as a named pipe with no writer:
+    refused at once in one line, not read until memory runs out or waited on (a capped child process)."""
+    import os
+    import subprocess
+    import sys
+
+    def capped() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    for kind in ("device", "pipe"):
+        folder = tmp_path / kind
+        shutil.copytree(TINY / "llama_classic", folder, ignore=shutil.ignore_patterns("golden.safetensors"))
+        (folder / "config.json").unlink()
+        if kind == "device":
+            (folder / "config.json").symlink_to("/dev/zero")
+        else:
+            os.mkfifo(folder / "config.json")
+        command = [sys.executable, "-c", "from mlxinfer.cli import main; main()", "generate", str(folder), "-p", "a"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=60, preexec_fn=capped)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+        assert errors == [f"Error: {folder / 'config.json'}: not a regular file; a model's side files are plain files"]
+        assert result.stderr.strip().endswith(errors[0])  # the last line: nothing after it
