@@ -106,12 +106,17 @@ def read_capped(path: Path, limit: int) -> bytes:
     O_NONBLOCK keeps a named pipe from holding the open until a writer comes; it is refused once open."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             raise NotRegularFileError("not a regular file")
-        chunks, left = [], limit + 1
-        while left > 0 and (chunk := os.read(fd, left)):
+        if info.st_size > limit:  # a regular file's reported size is refused unread; the cap below holds anyway
+            raise TooLargeError(f"more than the {limit} bytes it may have")
+        # os.read allocates what it is asked for: ask for the size the file reports (then little more), not the cap.
+        chunks, left, ask = [], limit + 1, info.st_size + 1
+        while left > 0 and (chunk := os.read(fd, min(left, ask))):
             chunks.append(chunk)
             left -= len(chunk)
+            ask = 1 << 16
     finally:
         os.close(fd)
     if left <= 0:
