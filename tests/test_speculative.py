@@ -250,10 +250,29 @@ def assert_same_caches(got, want, atol: float = 1e-4) -> None:
         if g.window is not None:
             assert g.start <= g.length - (g.window - 1), f"layer {layer} lost positions its window still sees"
         first = max(g.start, w.start)
-        for a, b in zip(held(g), held(w)):
+        for a, b, step in zip(held(g), held(w), grid_steps(g)):
             a, b = a[..., first - g.start :, :], b[..., first - w.start :, :]
             assert a.shape == b.shape and a.shape[2] > 0
-            np.testing.assert_allclose(np.array(a), np.array(b), atol=atol, err_msg=f"layer {layer}")
+            if step is None:
+                np.testing.assert_allclose(np.array(a), np.array(b), atol=atol, err_msg=f"layer {layer}")
+            else:
+                assert_same_on_the_grid(np.array(a), np.array(b), np.array(step[..., first - g.start :, :]), atol)
+
+
+def grid_steps(cache) -> list[mx.array | None]:
+    """Per element of held(cache), the quantization grid's step there (the group's scale); None when not quantized."""
+    if not isinstance(cache, QuantizedKVCache):
+        return [None, None]
+    state = list(cache.state)
+    return [mx.repeat(state[i + 1], cache.group_size, axis=-1) for i in (0, 3)]
+
+
+def assert_same_on_the_grid(a: np.ndarray, b: np.ndarray, step: np.ndarray, atol: float) -> None:
+    """Quantized values equal, but for the rare one whose float input sat on a rounding boundary: the same
+    computation batched or alone differs in its last bits, which may move it to the next grid point (one step)."""
+    off = np.abs(a - b) > atol
+    assert np.all(np.abs(a - b)[off] <= np.abs(step[off]) * 1.01 + atol), "a value moved by more than one grid step"
+    assert off.mean() < 0.01, f"{off.sum()} of {off.size} values moved a grid step: more than rounding explains"
 
 
 ROUNDS = [(3, 1), (0, 2), (4, 4), (2, 4), (1, 0)]  # drafts each row's sampler accepts per round (of K)
