@@ -322,7 +322,8 @@ def test_sigterm_ends_compiles_and_streams_and_exits_0(tmp_path):
     server exits 0 within seconds; a client that left first took its compile with it."""
     before = (
         "from pathlib import Path\nimport mlxinfer.grammar.isolated as isolated\n"
-        f"isolated._CHILD = Path({str(tmp_path / 'child_check.py')!r})"
+        f"isolated._CHILD = Path({str(tmp_path / 'child_check.py')!r})\n"
+        "isolated.COMPILE_TIMEOUT_S = 60.0"  # past the test's waits: only a stop, not the deadline, ends a compile
     )
     (tmp_path / "child_check.py").write_text("import time\ntime.sleep(60)\n")
     process = _serve(_model_with_tools(tmp_path / "tools"), before)
