@@ -127,7 +127,7 @@ def _kill(child: subprocess.Popen) -> None:
 
 def _verdicts(out: bytes, status: int, count: int, where: str) -> list[str | None]:
     if status < 0:  # a signal: SIGSEGV is the compiler's stack overflowing; SIGXCPU its CPU cap
-        name = signal.Signals(-status).name if -status in signal.Signals._value2member_map_ else str(-status)
+        name = _signal_name(-status)
         raise GrammarError(
             f"{where} crashed the grammar compiler ({name}); simplify it (fewer keys, definitions or $refs)"
         )
@@ -140,6 +140,13 @@ def _verdicts(out: bytes, status: int, count: int, where: str) -> list[str | Non
     if not isinstance(verdicts, list) or len(verdicts) != count:
         raise GrammarError(f"{where}: the grammar compiler gave no verdict")
     return [first_line(messages) if failed else None for failed, messages in verdicts]
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # a number this platform has no name for
+        return f"signal {number}"
 
 
 def first_line(messages: Sequence[str]) -> str:
