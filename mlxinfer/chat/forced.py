@@ -120,7 +120,7 @@ def _check_schema(lark: _Lark, name: str, schema: dict[str, Any], index: int, op
 
 def _check_tools(lark: _Lark) -> None:
     """Every tool's schema compiled alone, all in one child process (llguidance's native code may crash or run
-    away on a hostile schema; see grammar/isolated.py); a ToolCallError names the first one refused."""
+    away on a hostile schema; see grammar/isolated.py); a GrammarError names the first one refused."""
     verdicts = check_in_child([text for _, text in lark.checks], "tools")
     for (index, _), error in zip(lark.checks, verdicts):
         if error is not None:
