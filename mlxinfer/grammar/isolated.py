@@ -15,6 +15,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -81,16 +82,22 @@ def check_in_child(grammars: Sequence[str], where: str = "grammar") -> list[str 
 def _run_child(grammars: list[str], where: str) -> list[str | None]:
     request = {"grammars": grammars, "limits": LIMITS, "cpu_s": int(COMPILE_TIMEOUT_S) + 1}
     request["memory_bytes"] = CHILD_MEMORY_BYTES
-    child = subprocess.Popen(
-        [sys.executable, "-I", str(_CHILD)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,  # a Rust panic's backtrace: the verdict says what failed
-    )
+    # The request goes in as a file, not a pipe: a pipe would need feeding while we poll, and communicate()
+    # drops input left unsent when a timed-out call is retried (CPython registers stdin only when given input,
+    # which a retry may not repeat): a busy machine then left the child waiting for its stdin until the deadline.
+    with tempfile.TemporaryFile() as request_file:
+        request_file.write(json.dumps(request).encode())
+        request_file.seek(0)
+        child = subprocess.Popen(
+            [sys.executable, "-I", str(_CHILD)],
+            stdin=request_file,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,  # a Rust panic's backtrace: the verdict says what failed
+        )
     with _running_lock:
         _running[child] = None
     try:
-        out = _wait(child, json.dumps(request).encode(), where)
+        out = _wait(child, where)
     finally:
         with _running_lock:
             ended = _running.pop(child)
@@ -99,15 +106,15 @@ def _run_child(grammars: list[str], where: str) -> list[str | None]:
     return _verdicts(out, child.returncode, len(grammars), where)
 
 
-def _wait(child: subprocess.Popen, payload: bytes, where: str) -> bytes:
+def _wait(child: subprocess.Popen, where: str) -> bytes:
     """The child's output once it exits; killed at the deadline or when the caller's client leaves."""
-    deadline, cancel, send = time.monotonic() + COMPILE_TIMEOUT_S, _cancel.get(), payload
+    deadline, cancel = time.monotonic() + COMPILE_TIMEOUT_S, _cancel.get()
     while True:
         try:
-            out, _ = child.communicate(send, timeout=POLL_S)
+            out, _ = child.communicate(timeout=POLL_S)
             return out
         except subprocess.TimeoutExpired:
-            send = None  # communicate goes on sending what is left; input may be given only once
+            pass
         if cancel is not None and cancel.is_set():
             _kill(child)
             raise GrammarError(f"compiling the {where} was stopped: the client left")
