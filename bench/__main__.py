@@ -15,9 +15,9 @@ from mlxinfer.bench.report import markdown
 from mlxinfer.bench.suite import Settings, run_suite
 from mlxinfer.tokenizer import Tokenizer
 
+from .convert_bench import MLX_LM, output_folder, run_convert_bench
 from .convert_bench import markdown as convert_markdown
-from .convert_bench import run_convert_bench
-from .models import prepare_models
+from .models import adopt_quantized, prepare_models
 from .plots import bar_chart
 
 RESULTS = Path(__file__).parent / "results"
@@ -26,7 +26,9 @@ LABELS = {"bf16": "bf16", "8": "8-bit", "4": "4-bit"}
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="4-bit only, tiny sizes, one run (CI smoke test)")
+    parser.add_argument(
+        "--quick", action="store_true", help="4-bit only, tiny sizes, one run, mlx-lm in our dtype only (CI smoke test)"
+    )
     parser.add_argument("--model", type=Path, help="a model folder instead of the SmolLM2 bf16/8/4-bit set")
     parser.add_argument("--bits", default=None, help="comma list of bf16,8,4 (default: all; --quick: 4)")
     parser.add_argument("--prompt-tokens", type=int)
@@ -88,6 +90,11 @@ def main() -> None:
     for field in ("prompt_tokens", "decode_tokens", "runs"):
         if getattr(args, field):
             setattr(settings, field, getattr(args, field))
+    convert = None
+    if args.quick and not args.skip_convert and not args.model:
+        # Quick: the converter figures first, their mlx-lm conversion being the very call prepare_models makes
+        # for the 4-bit model; its output becomes that model instead of the same checkpoint converted twice.
+        convert = convert_figures(quick=True, keep_mlx_lm=True)
     if args.model:
         models = {args.model.name: args.model}
     else:
@@ -96,14 +103,18 @@ def main() -> None:
     tokenizers = {label: Tokenizer.from_folder(path) for label, path in models.items()}
     report = run_suite(models, tokenizers, settings, compare=True)
     if not args.skip_convert and not args.model:
-        report["convert"] = convert_figures(args.quick)
+        report["convert"] = convert or convert_figures(args.quick)
     write_outputs(report, args.out, quick=args.quick)
 
 
-def convert_figures(quick: bool) -> dict:
+def convert_figures(quick: bool, keep_mlx_lm: bool = False) -> dict:
+    """The converter figures; with `keep_mlx_lm`, mlx-lm's output is kept as the 4-bit model if none is cached."""
     with tempfile.TemporaryDirectory(prefix="mlxinfer-convert-bench-") as work:
         source = prepare_models(["bf16"])["bf16"]
-        return run_convert_bench(source, Path(work), eval_tokens=32 if quick else 512, quick=quick)
+        figures = run_convert_bench(source, Path(work), eval_tokens=8 if quick else 512, quick=quick)
+        if keep_mlx_lm:
+            adopt_quantized(output_folder(Path(work), MLX_LM), "4")
+        return figures
 
 
 def write_prefix_outputs(model: Path, out: Path, quick: bool) -> None:

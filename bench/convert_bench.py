@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+MLX_LM = "mlx-lm (default, 4-bit g64)"
 PEAK = "from mlxinfer.memory import peak_rss_bytes; print('PEAK', peak_rss_bytes())"
 CONVERTERS = {
-    "mlx-lm (default, 4-bit g64)": (
+    MLX_LM: (
         "from mlx_lm import convert; import sys; convert(sys.argv[1], mlx_path=sys.argv[2], quantize=True, "
         "q_bits=4, q_group_size=64)"
     ),
@@ -46,8 +47,8 @@ def run_convert_bench(source: Path, work: Path, eval_tokens: int, quick: bool = 
     work.mkdir(parents=True, exist_ok=True)
     converters = list(CONVERTERS.items())[:2] if quick else list(CONVERTERS.items())  # quick: no sensitivity pass
     rows, outputs = [], []
-    for i, (name, code) in enumerate(converters):
-        out = work / f"out-{i}"
+    for name, code in converters:
+        out = output_folder(work, name)
         wall, peak = _timed_conversion(code, source, out)
         outputs.append(out)
         rows.append(
@@ -66,6 +67,11 @@ def run_convert_bench(source: Path, work: Path, eval_tokens: int, quick: bool = 
         "source_ppl": reports[0].source_ppl,
         "rows": rows,
     }
+
+
+def output_folder(work: Path, converter: str) -> Path:
+    """Where run_convert_bench(source, work, ...) leaves `converter`'s output."""
+    return work / f"out-{list(CONVERTERS).index(converter)}"
 
 
 def _timed_conversion(code: str, source: Path, out: Path) -> tuple[float, int]:

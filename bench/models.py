@@ -23,8 +23,24 @@ def prepare_models(bits: list[str], root: Path | None = None) -> dict[str, Path]
     source = _bf16_checkpoint(root / "SmolLM2-135M-Instruct-bf16")
     paths = {}
     for b in bits:
-        paths[b] = source if b == "bf16" else _quantized(source, root / f"SmolLM2-135M-Instruct-{b}bit", int(b))
+        paths[b] = source if b == "bf16" else _quantized(source, _quantized_path(root, b), int(b))
     return paths
+
+
+def adopt_quantized(folder: Path, bits: str, root: Path | None = None) -> None:
+    """Keep `folder`, mlx_lm.convert's output of the bf16 checkpoint at `bits` and GROUP_SIZE (the very call
+    `_quantized` makes), as that variant, unless one is there already; `folder` is moved, not copied."""
+    out = _quantized_path(root or cache_dir() / "bench-models", bits)
+    if (out / "config.json").exists():
+        return
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.move(folder, tmp)
+    os.replace(tmp, out)
+
+
+def _quantized_path(root: Path, bits: str) -> Path:
+    return root / f"SmolLM2-135M-Instruct-{bits}bit"
 
 
 def _bf16_checkpoint(out: Path) -> Path:

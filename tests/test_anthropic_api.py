@@ -289,6 +289,7 @@ def test_the_client_raises_and_the_server_goes_on(client):
     assert text_of(client.messages.create(model=CHAT, messages=[QUESTION], **GREEDY))
 
 
+@pytest.mark.slow
 def test_an_api_key_is_read_from_x_api_key():
     models = ModelSet()
     models.add(mlxinfer.load(TINY / "llama_classic"), SchedulerConfig(), CHAT)

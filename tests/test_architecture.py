@@ -8,6 +8,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # room -> rooms it must never import
@@ -113,6 +115,7 @@ def test_nothing_imports_the_cli():
     assert not users
 
 
+@pytest.mark.slow
 def test_wheel_installs_convert_and_quantize_under_mlxinfer(tmp_path):
     subprocess.run(
         [

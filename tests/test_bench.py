@@ -65,7 +65,10 @@ def test_cli_bench_refuses_gguf_comparison(tmp_path):
     assert result.exit_code == 1 and "mlx-lm cannot load GGUF" in result.output
 
 
-def test_quick_harness_writes_json_markdown_and_plots(tmp_path, smol_path, default_cache):
+def test_quick_harness_writes_json_markdown_and_plots(tmp_path, smol_hf, default_cache):
+    # smol_hf: the bf16 checkpoint in the cache, where the harness finds it instead of making it with transformers.
+    # --quick is a smoke run of the whole harness on the real model: one 4-bit variant, a 2-token prompt, 4 tokens,
+    # mlx-lm in our dtype only (its bf16 default, a token a second here, runs in the CLI test above).
     env = {**os.environ, "MLXINFER_CACHE_DIR": str(default_cache)}
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
@@ -77,14 +80,24 @@ def test_quick_harness_writes_json_markdown_and_plots(tmp_path, smol_path, defau
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(next(tmp_path.glob("*-quick.json")).read_text())
-    assert {r["engine"] for r in report["results"]} == {"mlxinfer", "mlx-lm"}
-    assert report["settings"]["prompt_tokens"] == 32 and report["bandwidth"]["best_gbps"] > 0
-    assert report["results"][0]["quantization"]["group_size"] == 64
+    rows = report["results"]
+    assert [(r["engine"], r["mode"]) for r in rows] == [("mlxinfer", "default"), ("mlx-lm", "matched")]
+    assert rows[1]["compute_dtype"] == rows[0]["compute_dtype"]
+    assert report["settings"]["prompt_tokens"] == 2 and report["bandwidth"]["best_gbps"] > 0
+    assert all(r["prompt_tokens"] == 2 and r["decode_tokens"] == 4 and r["warm_runs"] == 1 for r in rows)
+    assert rows[0]["quantization"]["group_size"] == 64
+    # Both engines read the same files: the converter figures' mlx-lm output, kept as the cached 4-bit model.
+    four_bit = default_cache / "bench-models" / "SmolLM2-135M-Instruct-4bit"
+    assert {r["model"] for r in rows} == {str(four_bit)} and (four_bit / "config.json").is_file()
     for png in ("decode", "prefill"):
         assert next(tmp_path.glob(f"*-quick-{png}.png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = next(tmp_path.glob("*-quick.md")).read_text()
-    assert "decode" in table and "mlxinfer (uniform, 4-bit g64)" in table
-    assert [r["converter"] for r in report["convert"]["rows"]][0].startswith("mlx-lm")
+    assert (
+        "decode" in table and "4-bit: mlxinfer / mlx-lm (matched" in table and "mlxinfer (uniform, 4-bit g64)" in table
+    )
+    converters = [r["converter"] for r in report["convert"]["rows"]]
+    assert converters[0].startswith("mlx-lm") and converters[1].startswith("mlxinfer")
+    assert report["convert"]["eval_tokens"] == 8 and report["convert"]["source"] == str(smol_hf)
 
 
 def test_hybrid_bench_quick_runs_the_tiny_hybrids_through_both_engines(tmp_path):

@@ -168,6 +168,7 @@ def thinking_page_server(tmp_path_factory):
     models.close()
 
 
+@pytest.mark.slow
 def test_reasoning_streams_into_a_folded_thinking_block(thinking_page_server, browser):
     from selenium.webdriver.common.by import By
 

@@ -143,6 +143,7 @@ def test_a_bad_checkpoint_is_one_line_and_writes_nothing(family, change, words, 
     assert not out.exists() and not list(tmp_path.glob(".*out*"))
 
 
+@pytest.mark.slow
 def test_the_stream_holds_one_layer_of_experts_at_a_time(tmp_path):
     from mlxinfer.convert.layout import converted_tensors
     from mlxinfer.convert.sources import FolderSource

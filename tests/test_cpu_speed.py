@@ -132,6 +132,7 @@ FALLBACKS = {
 }
 
 
+@pytest.mark.slow
 @linux
 @pytest.mark.parametrize("case", FALLBACKS)
 def test_every_fallback_puts_every_slot_back_and_says_why(case):
@@ -200,7 +201,8 @@ def test_the_mode_comes_from_the_environment_and_is_checked(monkeypatch):
         cpu_weights_mode()
 
 
-def test_the_real_model_answers_the_same_from_float32_weights(monkeypatch):
+@pytest.mark.slow
+def test_the_real_model_answers_the_same_from_float32_weights(smol_path, monkeypatch):  # the default model
     question = [{"role": "user", "content": "What is the capital of France?"}]
     answers = {}
     for mode in ("quantized", "dense"):

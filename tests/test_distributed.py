@@ -102,6 +102,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel,family,ranks", CASES, ids=[f"{p}-{f}-{n}" for p, f, n in CASES])
 def test_greedy_answers_equal_one_process(parallel, family, ranks, tmp_path):
     expected = _one_process(TINY / family, PROMPTS)
@@ -118,6 +119,7 @@ def test_greedy_answers_equal_one_process(parallel, family, ranks, tmp_path):
         assert together[0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_ranks_holding_one_kind_of_layer_snapshot_where_the_whole_model_does(tmp_path):
     # gpt-oss alternates sliding and full layers: over 4 ranks, ranks 1 and 3 hold only full (cuttable) ones. The
     # end-of-turn tokens in the prompt are snapshot points for the whole model: every rank must stop there too.
@@ -162,6 +164,7 @@ def _stream_and(url: str, act) -> tuple[list[str], float]:
     return events, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_killing_a_rank_mid_stream_ends_the_stream_with_an_error_and_health_says_unhealthy(tmp_path):
     with served(TINY / "llama_classic", _hostfile(tmp_path, 2)) as (url, process):
         follower = psutil.Process(process.pid).children()[0]
@@ -179,6 +182,7 @@ def test_killing_a_rank_mid_stream_ends_the_stream_with_an_error_and_health_says
         assert refused.value.code == 503
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
 def test_embeddings_are_refused_and_the_server_goes_on(parallel, tmp_path):
     expected = _one_process(TINY / "llama_classic", PROMPTS[:1])
@@ -193,6 +197,7 @@ def test_embeddings_are_refused_and_the_server_goes_on(parallel, tmp_path):
     assert after["choices"][0]["text"] == expected[0]
 
 
+@pytest.mark.slow
 def test_a_rank_that_stops_answering_ends_the_stream_after_the_stall_timeout(tmp_path):
     hosts = _hostfile(tmp_path, 2)
     with served(TINY / "llama_classic", hosts, "pipeline", "--stall-timeout", "5") as (url, process):
@@ -208,6 +213,7 @@ def test_a_rank_that_stops_answering_ends_the_stream_after_the_stall_timeout(tmp
         assert health.value.code == 503 and "not answered" in json.load(health.value)["reason"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
 def test_a_model_whose_layers_share_a_pass_is_refused_in_one_line(parallel, tmp_path):
     command = [*CLI, "serve", str(TINY / "gemma4"), "--hostfile", str(_hostfile(tmp_path, 2))]

@@ -115,6 +115,7 @@ def _ended(process: subprocess.Popen, within: float) -> tuple[str, float]:
     return stderr, time.time()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "before,after",
     [
@@ -136,6 +137,7 @@ def test_a_rank_that_dies_before_joining_ends_serve_in_one_line_at_once(before, 
         assert ended_at - float((tmp_path / "died").read_text()) < 5
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_serve_while_it_waits_for_the_ring(tmp_path):
     with _serving(_fake_hostfile(tmp_path, after="exec sleep 120")) as process:
         deadline = time.monotonic() + 60
@@ -149,6 +151,7 @@ def test_ctrl_c_stops_serve_while_it_waits_for_the_ring(tmp_path):
     assert "Traceback" not in stderr and "Aborted" in stderr.splitlines()[-1], stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_join_gives_up_at_its_deadline_in_one_line(tmp_path):
     code = (
         "import sys, time\n"
@@ -220,6 +223,7 @@ print(json.dumps([complete(p) for p in json.loads(sys.argv[2])]))
 """
 
 
+@pytest.mark.slow
 def test_two_hosts_in_network_namespaces_serve_the_one_process_answers(two_hosts, tmp_path):
     hosts = [{"ssh": "rank0.test", "ips": ["10.231.0.1"]}, {"ssh": "rank1.test", "ips": ["10.231.0.2"]}]
     hostfile = tmp_path / "hosts.json"

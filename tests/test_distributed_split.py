@@ -96,6 +96,7 @@ def test_names_must_match_the_hosts():
         split_layers([1] * 6, 0, [10, 10, 10], names=["a", "b"])
 
 
+@pytest.mark.slow
 def test_the_split_is_the_same_in_every_process():
     # Each rank computes the split itself: another process (another hash seed) must agree, and so must
     # any integer type the sizes arrive in.

@@ -24,6 +24,7 @@ def tokens(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 256, n).tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", WINDOWED)
 def test_a_window_keeps_only_what_later_queries_see_and_matches_a_single_forward(arch):
     model = mlxinfer.load(TINY / arch)
@@ -44,6 +45,7 @@ def test_a_window_keeps_only_what_later_queries_see_and_matches_a_single_forward
             assert c.start == 0 and held >= len(ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", HYBRID)
 def test_a_shared_prefix_resumes_from_the_deepest_snapshot_and_matches_a_cold_run(arch):
     model = mlxinfer.load(TINY / arch)
@@ -63,6 +65,7 @@ def test_a_shared_prefix_resumes_from_the_deepest_snapshot_and_matches_a_cold_ru
     assert longer.token_ids == model.generate(turn, max_tokens=4, use_cache=False).token_ids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", HYBRID)
 def test_rows_of_every_kind_decode_batched_as_they_do_alone(arch):
     """Teacher-forced rows join and leave a batch; each row's logits equal that sequence run alone,

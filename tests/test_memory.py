@@ -161,6 +161,7 @@ def held_by_type(model: mlxinfer.Model, caches: list) -> dict[str, int]:
     return held
 
 
+@pytest.mark.slow
 def test_sliding_layers_stop_growing_and_the_planner_counts_what_the_caches_hold():
     # tests/fixtures/tiny/gemma3: 5 sliding layers (window 8) + 1 full, 2 KV heads x 16 dims, float32.
     model = mlxinfer.load(TINY / "gemma3", prefix_cache_bytes=0)

@@ -81,6 +81,7 @@ def test_open_chat_starts_the_server_if_needed(controller, models_dir):
     assert chat(controller.url).status_code == 200  # the same model, never unloaded, serves again
 
 
+@pytest.mark.slow
 def test_switch_model_serves_the_other_one(controller, models_dir):
     controller.start(models_dir / "llama_classic")
     controller.switch_model(models_dir / "qwen2")
@@ -107,6 +108,7 @@ def test_unload_frees_memory_and_the_next_request_reloads(smol_path, models_dir)
     assert not controller.serving and not controller.loaded
 
 
+@pytest.mark.slow
 def test_menu_items_read_and_drive_the_controller(controller, models_dir, monkeypatch):
     monkeypatch.setenv("PYSTRAY_BACKEND", "dummy")
     import pystray
@@ -174,6 +176,7 @@ def accent_pixels(image) -> int:
     return int((np.asarray(image.convert("RGB")) == ACCENT[:3]).all(axis=-1).sum())
 
 
+@pytest.mark.slow
 def test_real_tray_icon_shows_under_xvfb(tmp_path, models_dir):
     require("Xvfb", "trayer")
     from PIL import ImageGrab
@@ -229,6 +232,7 @@ def test_model_catalog_finds_folders_and_gguf_files(models_dir):
     assert mlxinfer.models.local_models(models_dir / "missing") == []
 
 
+@pytest.mark.slow
 def test_an_idle_helper_uses_almost_no_cpu(controller, models_dir):
     import psutil
 
@@ -249,6 +253,7 @@ def without_display(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in gone}, **extra}
 
 
+@pytest.mark.slow
 def test_menubar_without_a_display_says_so_before_loading(tmp_path):
     # The model does not exist: an error about it would mean the load came before the display check.
     model = tmp_path / "no such model"
@@ -415,6 +420,7 @@ class FakeIcon:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["logs", "raises"])
 def test_an_icon_that_fails_at_run_stops_the_server_with_one_error(
     controller, models_dir, monkeypatch, capsys, failure
@@ -435,6 +441,7 @@ def test_an_icon_that_fails_at_run_stops_the_server_with_one_error(
     assert "Traceback" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_errors_pystray_logs_once_the_icon_shows_are_warnings(controller, models_dir, monkeypatch, caplog):
     from mlxinfer.ui import tray
 
@@ -454,6 +461,7 @@ def test_errors_pystray_logs_once_the_icon_shows_are_warnings(controller, models
     assert not controller.serving
 
 
+@pytest.mark.slow
 def test_an_icon_loop_that_ends_by_itself_stops_the_helper(controller, models_dir, monkeypatch):
     from mlxinfer.errors import TrayError
     from mlxinfer.ui.tray import run_tray

@@ -41,6 +41,7 @@ def mlx_lm_greedy(folder: Path, ids: list[int], n: int) -> list[int]:
     return tokens[: tokens.index(EOS)] if EOS in tokens else tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_converted_output_runs_in_mlx_lm_with_our_tokens(name, bits, tmp_path):

@@ -206,6 +206,7 @@ def corrupt_span(weights: bytes) -> bytes:
     return weights[:8] + header.replace(b'"dtype":"F32"', b'"dtype":"F16"', 1) + weights[8 + length :]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [corrupt_length, corrupt_span])
 def test_a_damaged_safetensors_header_is_refused_before_any_weights_download(hub_for, dirs, damage):
     files = source_files()
@@ -227,6 +228,7 @@ def test_not_enough_disk_space_is_refused_with_nothing_written(hub_for, dirs, mo
     assert not (dirs.cache / "downloads").exists() and not list(dirs.models.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../x"])
 def test_a_hostile_file_name_in_the_listing_is_refused(hub_for, dirs, name):
     hub_for(extra_names=(name,))
@@ -265,6 +267,7 @@ def test_hub_style_repo_ids_are_accepted():
         assert check_repo_id(repo) == repo
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [".", ".."])
 def test_pull_of_a_dot_name_with_force_never_touches_the_models_dir(hub_for, dirs, name):
     hub = hub_for()
@@ -317,6 +320,7 @@ def other_commit_files() -> dict[str, bytes]:
     return files
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blob_ids", [True, False])
 def test_a_resume_after_a_new_commit_never_mixes_the_two(hub_for, dirs, blob_ids):
     hub = hub_for(weights_last(source_files()))
@@ -333,6 +337,7 @@ def test_a_resume_after_a_new_commit_never_mixes_the_two(hub_for, dirs, blob_ids
     assert not (dirs.cache / "downloads" / "tiny-org--tiny-llama").exists()  # the old commit's folder too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("blob_ids", [True, False])
 def test_a_damaged_leftover_side_file_is_downloaded_again(hub_for, dirs, blob_ids):
     hub = hub_for(weights_last(source_files()))

@@ -121,6 +121,7 @@ def write_experts(folder: Path, layout: str, layers: int, experts: int, shape: t
     (folder / "config.json").write_text("{}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("layout", "kind"), [("per-expert", MIXTRAL), ("fused", QWEN)])
 def test_the_stream_holds_one_layer_of_experts_at_a_time(layout, kind, tmp_path):
     from mlxinfer.convert.layout import converted_tensors

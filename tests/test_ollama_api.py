@@ -191,6 +191,7 @@ def test_show_a_loaded_and_an_unloaded_model(server):
     assert missing.value.status_code == 404
 
 
+@pytest.mark.slow
 def test_ps_unload_with_keep_alive_0_and_reload(server):
     server.client.chat(model="chatml", messages=HI, options=GREEDY)
     (row,) = [m for m in server.client.ps().models if m.model == "chatml"]
@@ -210,6 +211,7 @@ def test_ps_unload_with_keep_alive_0_and_reload(server):
     assert server.client.generate(model="chatml").done_reason == "load"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("request_body", "status", "words"),
     [
@@ -245,6 +247,7 @@ def test_version(server):
     assert httpx.get(server.url + "/api/version").json() == {"version": mlxinfer.__version__}
 
 
+@pytest.mark.slow
 def test_an_api_key_server_needs_the_key():
     models = ModelSet()
     models.add(mlxinfer.load(TINY / "llama_classic"))

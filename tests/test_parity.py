@@ -18,6 +18,7 @@ def case(request):
     return request.param, mlxinfer.load(TINY / request.param), golden(request.param)
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(case):
     name, model, ref = case
     logits = model.logits(ref["input_ids"].tolist())
@@ -25,12 +26,14 @@ def test_logits_match_transformers(case):
     assert np.abs(logits - np.array(ref["logits"])).max() < 1e-3, name
 
 
+@pytest.mark.slow
 def test_greedy_continuation_matches_transformers(case):
     name, model, ref = case
     result = model.generate(ref["input_ids"].tolist(), max_tokens=16)
     assert result.token_ids == ref["greedy"].tolist(), name
 
 
+@pytest.mark.slow
 def test_cached_logits_equal_uncached(case):
     name, model, ref = case
     ids = ref["input_ids"].tolist()

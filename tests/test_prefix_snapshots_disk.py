@@ -68,6 +68,7 @@ def warm_in_a_new_process(arch: str, ids: list[int]) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", HYBRID)
 def test_a_prefix_warmed_in_another_process_resumes_here_as_transformers_answers(arch, root, caplog):
     load(arch)  # skips a family that does not load yet, before a process is started for it
@@ -243,6 +244,7 @@ POSITIONS = {  # what the header says; the tensors are those of a snapshot at 16
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value, why", POSITIONS.values(), ids=POSITIONS.keys())
 def test_wrong_snapshot_positions_in_the_header_are_quarantined(value, why, warmed, root, caplog):
     arch, path = warmed

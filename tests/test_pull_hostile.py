@@ -223,6 +223,7 @@ def test_a_dripping_download_is_given_up_after_the_stall_limit(hub, tmp_path):
     assert (repo_downloads(tmp_path) / COMMIT / "model.safetensors.part").stat().st_size > 0  # kept, to resume
 
 
+@pytest.mark.slow
 def test_an_endpoint_dripping_its_headers_stops_pull_with_one_line(hub, tmp_path):
     hub.hostile["listing"] = drip(b"H", 0.1, 60)  # never a whole status line
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}

@@ -98,6 +98,7 @@ def test_eval_command_shows_progress(tmp_path):
     assert "perplexity: 100%" in result.stderr and "100/100" in result.stderr
 
 
+@pytest.mark.slow
 def test_convert_shows_progress_for_calibration_and_the_report(tmp_path):
     args = [str(TINY / "llama_rope_linear"), "-o", str(tmp_path / "o"), "--bpw", "6", "--eval-tokens", "40"]
     result = CliRunner().invoke(main, ["convert", *args])

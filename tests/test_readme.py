@@ -77,6 +77,7 @@ def test_readme_installs_the_notebook_extra_from_the_checkout():
     assert 'pip install -e ".[notebook]"' in README
 
 
+@pytest.mark.slow
 def test_notebook_extra_installs_a_jupyter_front_end():
     notebook = [dep for dep in requires("mlxinfer") or [] if re.search(r"extra\s*==\s*.notebook.", dep)]
     assert any(re.match(r"(jupyterlab|notebook)\b", dep) for dep in notebook), notebook

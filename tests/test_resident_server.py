@@ -115,6 +115,7 @@ def test_the_identity_route_answers_only_with_the_token(tiny_server):
 # -- keep-alive -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_idle_model_unloads_after_its_keep_alive_and_reloads_on_the_next_request(tiny_server):
     models = tiny_server.models
     first = chat(tiny_server.url)
@@ -125,6 +126,7 @@ def test_an_idle_model_unloads_after_its_keep_alive_and_reloads_on_the_next_requ
     assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
 
 
+@pytest.mark.slow
 def test_a_requests_keep_alive_overrides_the_default(tiny_server):
     models = tiny_server.models
     assert chat(tiny_server.url, keep_alive=-1).status_code == 200  # Ollama's "forever"
@@ -141,6 +143,7 @@ def test_a_requests_keep_alive_overrides_the_default(tiny_server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "keep_alive"
 
 
+@pytest.mark.slow
 def test_a_model_answering_does_not_unload(tiny_server):
     models = tiny_server.models
     served = models.acquire("llama_classic")  # a request holds it
@@ -174,6 +177,7 @@ def test_models_load_by_name_and_by_path_only_for_the_users_front_ends(tmp_path)
     models.close()
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_fit_unloads_idle_ones_first(tmp_path):
     small = mlxinfer.load(TINY / "llama_classic")
     room = small.footprint.weights_bytes + small.cache_stats.bytes_held
@@ -274,6 +278,7 @@ def test_without_a_server_front_ends_load_their_own_model(tmp_path, monkeypatch)
     assert isinstance(mlxinfer.connect(TINY / "llama_classic"), mlxinfer.Model)
 
 
+@pytest.mark.slow
 def test_requests_hold_their_model_from_lookup_to_their_last_event(tiny_server):
     """A held model is never unloaded by its keep-alive; every request gives it back exactly once, also when
     it fails, streams, or its client leaves before the first byte."""
@@ -298,6 +303,7 @@ def test_requests_hold_their_model_from_lookup_to_their_last_event(tiny_server):
     assert models.ps()[0]["in_flight"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["/api/chat", "/api/generate", "/api/mlxinfer", "/v1/messages", "/v1/embeddings"])
 def test_every_route_keeps_the_host_origin_and_body_rules(tiny_server, path):
     body = {"model": "llama_classic", "messages": HI, "max_tokens": 2}

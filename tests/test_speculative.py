@@ -179,6 +179,7 @@ def assert_speculation_is_exact(runs: dict[str, mlxinfer.GenerationResult]) -> N
     assert 0 < draft.stats.accepted_tokens < draft.stats.drafted_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_greedy_speculation_equals_plain_decoding(name, greedy_runs):
     assert_speculation_is_exact(greedy_runs(name))
@@ -321,6 +322,7 @@ ROLLBACK = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "kv_bits"), ROLLBACK)
 def test_rollback_leaves_the_cache_of_a_cold_run_of_the_kept_tokens(name, kv_bits, decoder):
     lm = decoder(name)
@@ -385,6 +387,7 @@ def drafting(drafter: DraftModel, drawn: list[int], k: int) -> list[int]:
 # ---- 3. a quantized KV cache: the same answers ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_classic", "gpt_oss", "qwen3_next"])  # full, windowed, recurrent
 def test_quantized_kv_speculation_equals_plain_decoding(name, wide, tmp_path):
     draft = noisy_copy(wide(name), tmp_path / "draft")
@@ -396,6 +399,7 @@ def test_quantized_kv_speculation_equals_plain_decoding(name, wide, tmp_path):
 # ---- 4. with the rest: the prefix cache, constrained decoding, batching ------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_classic", "gemma3", "qwen3_next"])  # full, windowed, recurrent
 def test_a_prefix_cache_hit_then_speculation_equals_a_cold_plain_run(name, tmp_path):
     model = mlxinfer.load(TINY / name, draft_model=noisy_copy(TINY / name, tmp_path / "draft"), speculate="off")
@@ -426,6 +430,7 @@ STRUCTURES = {  # a constraint, and a prompt whose text lookup finds again in th
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_classic", "gemma3", "qwen3_next"])
 @pytest.mark.parametrize("kind", list(STRUCTURES))
 def test_constrained_speculation_gives_the_text_of_constrained_plain_decoding(name, kind, family):

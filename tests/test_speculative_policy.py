@@ -209,6 +209,7 @@ class Setup:
         return positions_p_values(emitted, drafts, self.probs(self.lookup))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_verified_tokens_follow_the_targets_distribution(name):
     setup = Setup(name)
@@ -295,6 +296,7 @@ def near_draft(tmp_path_factory: pytest.TempPathFactory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculate", ["lookup", "draft"])
 def test_sampled_speculation_keeps_the_models_distribution(speculate, near_draft):
     model = mlxinfer.load(TINY / "llama_classic", draft_model=near_draft)
@@ -521,6 +523,7 @@ def test_auto_switches_speculation_off_on_a_case_built_to_be_unprofitable():
     assert stats.drafted_tokens <= 20
 
 
+@pytest.mark.slow
 def test_auto_stays_off_once_the_models_step_costs_are_known():
     model = mlxinfer.load(TINY / "llama_classic", draft_model=TINY / DISAGREEING_DRAFT, speculate="auto")
     unprofitable_run(model, 100)  # teaches the model's step costs and what the draft model's tokens cost

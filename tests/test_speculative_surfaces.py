@@ -141,6 +141,7 @@ def pairs_repeat(ids: list[int]) -> bool:
     return len(set(pairs)) < len(pairs)
 
 
+@pytest.mark.slow
 def test_server_speculates_in_the_batch_answers_the_same_and_counts_it():
     plain = mlxinfer.load(TARGET, speculate="off")  # the reference answers: no speculation
     answer_a, answer_b = (plain.generate(ids, max_tokens=n) for ids, n in ((ROW_A, TOKENS_A), (ROW_B, TOKENS_B)))

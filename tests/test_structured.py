@@ -206,6 +206,7 @@ def finished(collector: Collector) -> str:
     return collector.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_every_sampled_output_is_valid(model, scheduler_for, name):
     """50 seeds at temperature 1: the random model's every output passes the reference check and ends by itself."""

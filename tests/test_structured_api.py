@@ -57,6 +57,7 @@ class Pet(pydantic.BaseModel):
     kind: Literal["cat", "dog", "fish"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_schema_answers_are_valid_json_for_the_schema(tiny_llama, seed):
     result = tiny_llama.generate("An order:", schema=ORDER, max_tokens=200, temperature=1.0, seed=seed)
@@ -186,6 +187,7 @@ def test_cli_a_cut_off_answer_exits_non_zero(tmp_path):
     assert result.exit_code == 1 and "max_tokens" in result.stderr, result.output
 
 
+@pytest.mark.slow
 def test_structured_bench_quick_writes_its_figures(tmp_path):
     # The real run (`python -m bench --structured-only`) uses the default model; --quick the tiny fixture.
     done = subprocess.run(

@@ -316,6 +316,7 @@ def calling_question(server, family: str) -> list[dict]:
     raise AssertionError(f"every question opens a reasoning block with {family}'s template")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tool_round_trip(tiny_server, family):
     question = calling_question(tiny_server, family)
@@ -361,6 +362,7 @@ def test_tool_choice_none_answers_in_text(tiny_server):
     assert isinstance(message["content"], str) and "tool_calls" not in message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_response_format_with_tools_the_model_may_call(tiny_server, family):
     """tool_choice auto with a response format: a call in the family's syntax, or JSON in the format."""
@@ -437,6 +439,7 @@ def test_answer_without_a_parser_is_the_text():
     assert answer.message() == {"role": "assistant", "content": "<think>x</think>"}
 
 
+@pytest.mark.slow
 def test_answer_pieces_become_openai_fields():
     class Pieces:  # a parser that has already read a call and some text
         def feed(self, text):

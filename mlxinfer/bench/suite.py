@@ -26,12 +26,20 @@ class Settings:
     decode_tokens: int
     runs: int = 3
     budget_s: float = 120.0
+    overhead_steps: int = 8  # bare model steps timed for the engine-overhead figure
+    mlx_lm_modes: tuple[str, ...] = ("default", "matched")  # with compare: mlx-lm in its own dtype, in ours
     warmup: str = "one cold run per configuration, excluded from the medians"
 
     @classmethod
     def for_backend(cls, quick: bool = False) -> Settings:
         if quick:
-            return cls(prompt_tokens=32, decode_tokens=8, runs=1, budget_s=30.0)
+            # A smoke run of the harness, hardly a measurement: a 2-token prefill and 4 tokens (mlxinfer's first
+            # two arrive together, the first decode step queued behind the prefill, so only from the third on is
+            # a step a real one). mlx-lm only in our dtype: its default on a 4-bit model, bf16, computes about a
+            # token a second on the CPU backend and would be most of the run; `mlxinfer bench --compare` runs it.
+            return cls(
+                prompt_tokens=2, decode_tokens=4, runs=1, budget_s=30.0, overhead_steps=1, mlx_lm_modes=("matched",)
+            )
         if mx.default_device().type == mx.DeviceType.gpu:
             return cls(prompt_tokens=512, decode_tokens=128)
         return cls(prompt_tokens=128, decode_tokens=32)
@@ -46,17 +54,19 @@ def prompt_ids(tokenizer: Tokenizer, n: int) -> list[int]:
 
 
 def build_specs(models: dict[str, Path], tokenizers: dict[str, Tokenizer], settings: Settings, compare: bool):
-    """Ours with its default dtype; with `compare`, mlx-lm with its default and with ours."""
+    """Ours with its default dtype; with `compare`, mlx-lm with its default and with ours (settings.mlx_lm_modes)."""
     ours = dtype_name(choose_compute_dtype())
     specs = []
     for label, path in models.items():
         ids = prompt_ids(tokenizers[label], settings.prompt_tokens)
         common = dict(model=str(path), label=label, prompt_ids=ids, decode_tokens=settings.decode_tokens)
-        common.update(runs=settings.runs, budget_s=settings.budget_s)
+        common.update(runs=settings.runs, budget_s=settings.budget_s, overhead_steps=settings.overhead_steps)
         specs.append(RunSpec(engine="mlxinfer", mode="default", dtype=None, **common))
         if compare:
-            specs.append(RunSpec(engine="mlx-lm", mode="default", dtype=None, **common))
-            specs.append(RunSpec(engine="mlx-lm", mode="matched", dtype=ours, **common))
+            if "default" in settings.mlx_lm_modes:
+                specs.append(RunSpec(engine="mlx-lm", mode="default", dtype=None, **common))
+            if "matched" in settings.mlx_lm_modes:
+                specs.append(RunSpec(engine="mlx-lm", mode="matched", dtype=ours, **common))
     return specs
 
 

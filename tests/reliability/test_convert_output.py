@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -290,6 +291,7 @@ for _label, _files in {"a list": [], "a string": "x", "null": None, "a number": 
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
 @pytest.mark.parametrize("case", FOREIGN)
 def test_force_replaces_nothing_mlxinfer_did_not_write(tmp_path, src, earlier, case, force):
@@ -475,6 +477,7 @@ STALE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_earlier", [False, True], ids=["new", "over-earlier"])
 @pytest.mark.parametrize("case", STALE)
 def test_only_our_leftovers_are_removed(tmp_path, src, request, case, with_earlier):
@@ -582,6 +585,7 @@ def _limited(tmp_path: Path, src: Path, command: list[str], force: bool) -> None
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("force", [False, True], ids=["new", "over-earlier"])
 @pytest.mark.parametrize("signal_mode", ["python", "default"])
 @pytest.mark.parametrize("limit", [0, 4096, 40_000])
@@ -676,8 +680,20 @@ STAGE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("code", ERRNOS, ids=errno.errorcode.get)
-@pytest.mark.parametrize(("stage", "with_earlier"), STAGE_CASES)
+# The errno changes only the words (disk.reason, checked for every errno below): each stage case gets one errno,
+# in turn, so that each of ERRNOS fails three or more stages.
+STAGE_ERRNO_CASES = [
+    pytest.param(*case.values, code, id=f"{case.id}-{errno.errorcode[code]}")
+    for case, code in zip(STAGE_CASES, [*ERRNOS] * len(STAGE_CASES), strict=False)
+]
+
+
+def test_every_errno_fails_three_stages_or_more():
+    counts = Counter(param.values[2] for param in STAGE_ERRNO_CASES)
+    assert set(counts) == set(ERRNOS) and min(counts.values()) >= 3 and len(STAGE_ERRNO_CASES) == len(STAGE_CASES)
+
+
+@pytest.mark.parametrize(("stage", "with_earlier", "code"), STAGE_ERRNO_CASES)
 def test_a_failed_write_at_any_stage_is_one_line_and_changes_nothing(
     tmp_path, src, request, monkeypatch, stage, code, with_earlier
 ):
@@ -713,20 +729,30 @@ def test_an_odd_os_error_is_still_one_short_line(error):
     assert why and why.isprintable() and len(why) <= 200
 
 
-@pytest.mark.parametrize("code", sorted(errno.errorcode), ids=errno.errorcode.get)
-def test_any_failed_write_is_one_line_naming_the_file_and_what_to_do(tmp_path, monkeypatch, code):
-    def failing_open(*args, **kwargs):
-        raise OSError(code, os.strerror(code))
+def test_any_failed_write_is_one_line_naming_the_file_and_what_to_do(tmp_path, monkeypatch):
+    """Every errno this system has, each under every odd name; one test, failures named by errno."""
+    failures = []
+    for code in sorted(errno.errorcode):
 
-    monkeypatch.setattr(writer, "open", failing_open, raising=False)
-    for name in ODD_NAMES:
-        path = str(tmp_path / name)
-        with pytest.raises(ConversionError) as caught:
-            writer.write_text(Path(path), "{}")
-        message = str(caught.value)
-        assert message.isprintable() and message.startswith(path if path.isprintable() else repr(path)), message
-        why = disk.reason(OSError(code, os.strerror(code)))
-        assert f": {why}; " in message and "pick another -o" in message, message
+        def failing_open(*args, code=code, **kwargs):
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(writer, "open", failing_open, raising=False)
+        for name in ODD_NAMES:
+            path = str(tmp_path / name)
+            try:
+                writer.write_text(Path(path), "{}")
+            except ConversionError as e:
+                message = str(e)
+            else:
+                failures.append(f"{errno.errorcode[code]} {name!r}: no ConversionError")
+                continue
+            why = disk.reason(OSError(code, os.strerror(code)))
+            if not (message.isprintable() and message.startswith(path if path.isprintable() else repr(path))):
+                failures.append(f"{errno.errorcode[code]} {name!r}: {message!r}")
+            elif not (why and f": {why}; " in message and "pick another -o" in message):
+                failures.append(f"{errno.errorcode[code]} {name!r}: no reason or remedy in {message!r}")
+    assert len(errno.errorcode) > 100 and not failures, "\n".join(failures)
 
 
 def test_an_unwritable_parent_is_refused_before_any_work(tmp_path, src, monkeypatch):

@@ -3,16 +3,26 @@
 Each case is generated (fields x values, keys x wrong types, names x formats) and must
 end in one MlxInferError whose one-line message names the file and the field, within
 LIMIT_S and LIMIT_BYTES: nothing large is built or read before the input is checked.
+
+Where the rule is a pure function of config.json or of a GGUF header (the normalizer, the header
+checks), every case is checked on that function in one test, in about a second; a sample of the
+cases (the largest, and one of each kind of outcome) still runs end to end through load_model,
+with the time and memory bounds.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import importlib
 import json
 import math
 import shutil
 import struct
 import time
 import tracemalloc
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,11 +41,21 @@ from mlxinfer.errors import (
     MemoryBudgetError,
     MlxInferError,
     TokenizerError,
+    UnsupportedModelError,
     WeightMismatchError,
 )
 from mlxinfer.memory import MachineMemory
+from mlxinfer.models.checkpoint import Checkpoint, open_folder
+from mlxinfer.models.config import ModelConfig, normalize_config
+from mlxinfer.models.dtype import choose_compute_dtype
+from mlxinfer.models.fallback import _check_args as check_fallback_args
+from mlxinfer.models.gguf import gguf_config, gguf_tensors
 from mlxinfer.models.gguf_file import MAX_DEPTH, GGUFFile
+from mlxinfer.models.loader import _folder_tensors as folder_tensors
 from mlxinfer.models.loader import load_model
+from mlxinfer.models.mlx_lm_modules import model_module
+from mlxinfer.models.sizing import check_before_build
+from mlxinfer.tokenizer.gguf_vocab import tokenizer_from_gguf
 from mlxinfer.tokenizer.tokenizer import MAX_TOKENIZER_BYTES
 from tests.conftest import TINY
 from tests.test_gguf import gguf_name, llama_cpp_permute
@@ -118,24 +138,99 @@ def setter(path: str, value: Any) -> Callable[[dict], None]:
     return change
 
 
-@pytest.mark.parametrize("value", BAD_SIZES, ids=repr)
-@pytest.mark.parametrize("field", SIZE_FIELDS)
+@functools.cache
+def fixture_checkpoint(name: str) -> Checkpoint:
+    return open_folder(
+        TINY / name
+    )  # config.json as load_model reads it (generation_config's eos merged) and the headers
+
+
+def one_line_naming(error: Exception, *words: str) -> str | None:
+    """Why `error`'s message is not one short line naming every word; None where it is."""
+    message = str(error)
+    if "\n" in message or len(message) >= 1000:
+        return f"not one short line: {message[:300]!r}"
+    missing = [word for word in words if word not in message]
+    return f"{type(error).__name__} does not name {missing}: {message}" if missing else None
+
+
+def config_refusal(name: str, field: str, value: Any, error: type[MlxInferError] = MlxInferError) -> str | None:
+    """Why the normalizer does not refuse `value` at `field` of fixture `name` with `error`, in one line naming the
+    field and config.json; None where it does. (The end-to-end cases below show load_model refuses as it does.)"""
+    try:
+        normalized(edited(fixture_checkpoint(name).config, field, value), name)
+    except MlxInferError as e:
+        if not isinstance(e, error):
+            return f"{type(e).__name__} instead of {error.__name__}: {e}"
+        return one_line_naming(e, field.split(".")[-1], "config.json")
+    except Exception as e:  # noqa: BLE001 - a crash is a failure of this case, named with it
+        return f"{type(e).__name__}, not an MlxInferError: {e}"
+    return "accepted"
+
+
+def test_bad_size_in_config_is_refused_by_name_on_the_normalizer():
+    failures = [
+        f"{field}={value!r}: {why}"
+        for field in SIZE_FIELDS
+        for value in BAD_SIZES
+        if (why := config_refusal("llama_classic", field, value, ConfigError))
+    ]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("field, value", [(field, max(BAD_SIZES[:6])) for field in SIZE_FIELDS] + [("head_dim", "64")])
 def test_bad_size_in_config_is_refused_by_name(tmp_path, field, value):
+    """End to end, the largest of each (and one of the wrong types): refused within the time and memory bounds."""
     folder = copy_with_config(tmp_path, "llama_classic", setter(field, value))
     refused(lambda: load_model(folder), ConfigError, field, "config.json")
 
 
-@pytest.mark.parametrize("name", ["llama_classic", "phi3", "qwen2", "gemma3"])
-@pytest.mark.parametrize("field, value", [(f, v) for f, values in WRONG_SIZES.items() for v in values])
+def contradicted(name: str, field: str, value: int) -> dict:
+    config = edited(fixture_checkpoint(name).config, field, value)
+    if field == "num_hidden_layers" and "layer_types" in config:
+        config["layer_types"] = (config["layer_types"] * value)[:value]
+    return config
+
+
+CONTRADICTED = [
+    (name, field, value)
+    for name in ["llama_classic", "phi3", "qwen2", "gemma3"]
+    for field, values in WRONG_SIZES.items()
+    for value in values
+    if field != "head_dim" or "head_dim" in fixture_checkpoint(name).config  # else derived from hidden_size
+]
+
+
+def test_size_the_checkpoint_contradicts_is_refused_before_building_on_the_headers():
+    """normalize_config, then check_before_build against the checkpoint's tensor headers: what load_model runs before
+    it builds anything."""
+    failures = []
+    for name, field, value in CONTRADICTED:
+        folder = str(TINY / name)
+        try:
+            config = normalize_config(contradicted(name, field, value), source=f"{folder}/config.json")
+            check_before_build(config, folder_tensors(fixture_checkpoint(name), choose_compute_dtype()), folder)
+        except MlxInferError as e:
+            why = one_line_naming(e, field, folder)
+        except Exception as e:  # noqa: BLE001 - a crash is a failure of this case, named with it
+            why = f"{type(e).__name__}, not an MlxInferError: {e}"
+        else:
+            why = "accepted"
+        if why:
+            failures.append(f"{name} {field}={value}: {why}")
+    assert len(CONTRADICTED) > 60 and not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "name, field, value",
+    [("llama_classic", field, max(values)) for field, values in WRONG_SIZES.items()]
+    + [(name, "num_hidden_layers", 10_000) for name in ("phi3", "qwen2", "gemma3")],
+)
 def test_size_the_checkpoint_contradicts_is_refused_before_building(tmp_path, name, field, value):
-    config = json.loads((TINY / name / "config.json").read_text())
-    if field == "head_dim" and "head_dim" not in config:
-        pytest.skip("this architecture derives head_dim from hidden_size")
+    """End to end, the largest value of each field (and the most layers for each family): refused within the bounds."""
 
     def change(config: dict) -> None:
-        config[field] = value
-        if field == "num_hidden_layers" and "layer_types" in config:
-            config["layer_types"] = (config["layer_types"] * value)[:value]
+        config.update(contradicted(name, field, value))
 
     folder = copy_with_config(tmp_path, name, change)
     refused(lambda: load_model(folder), MlxInferError, field, str(folder))
@@ -193,14 +288,28 @@ OTHER_FIELDS = [
 ]
 
 
-@pytest.mark.parametrize("name, field, value", OTHER_FIELDS, ids=lambda v: repr(v)[:40])
+def test_nonsense_config_value_is_refused_by_name_on_the_normalizer():
+    failures = [
+        f"{name} {field}={value!r:.60}: {why}"
+        for name, field, value in OTHER_FIELDS
+        if (why := config_refusal(name, field, value))
+    ]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "name, field, value", [case for case in OTHER_FIELDS if len(repr(case[2])) > 300], ids=lambda v: repr(v)[:40]
+)
 def test_nonsense_config_value_is_refused_by_name(tmp_path, name, field, value):
+    """End to end, the largest values (10**400, 100,000 layer kinds, a 100,000-character model_type, 1,028 eos ids)."""
     folder = copy_with_config(tmp_path, name, setter(field, value))
     refused(lambda: load_model(folder), MlxInferError, field.split(".")[-1], "config.json")
 
 
-# Every number config.json gives us, top level and nested: null there means "use the default" where
-# transformers has one (num_key_value_heads, sliding_window_pattern, ...), else a ConfigError naming it.
+# -- null numbers in config.json: the rule is a pure function of the config, checked there for every case ----------
+
+# Every number config.json gives us, top level and nested; null_cases sets each to null in every fixture (a nested one
+# only where its section exists), and for gemma3 and qwen2 once more with the layer kinds derived from the settings.
 NUMERIC_FIELDS = [
     *SIZE_FIELDS,
     *["max_position_embeddings", "original_max_position_embeddings", "sliding_window", "sliding_window_pattern"],
@@ -214,6 +323,96 @@ NUMERIC_FIELDS = [
 ]
 # Without layer_types the sliding settings decide which layers slide (gemma3's pattern, qwen's max_window_layers).
 DERIVED_LAYERS = {"gemma3": {}, "qwen2": {"use_sliding_window": True, "sliding_window": 8}}
+
+# What a null means, pinned. Null is the default for these, and the default is transformers': LlamaConfig.__init__
+# turns a null num_key_value_heads into num_attention_heads and a null head_dim into hidden_size // num_attention_heads,
+# and Gemma3TextConfig's sliding_window_pattern is 6 (config.py writes the same: "absent or null", _NULL_IS_DEFAULT).
+NULL_DEFAULTS: dict[str, Callable[[dict], Any]] = {
+    "num_key_value_heads": lambda config: config["num_attention_heads"],
+    "head_dim": lambda config: config["hidden_size"] // config["num_attention_heads"],
+    "sliding_window_pattern": lambda config: 6,
+}
+# Null is "none" for these: no token, no soft cap (transformers: `if config.final_logit_softcapping is not None`;
+# config.py's _NULL_IS_OFF), no declared context length, no window, no count of full layers.
+NULL_IS_NONE = frozenset(
+    {"bos_token_id", "eos_token_id", "pad_token_id", "attn_logit_softcapping", "final_logit_softcapping",
+     "max_position_embeddings", "original_max_position_embeddings", "sliding_window", "max_window_layers"}
+)  # fmt: skip
+# Every other number is refused by name (a ConfigError naming it and config.json): a size, an epsilon, a RoPE base or a
+# RoPE scale has no "off" (config.py: "for the numbers below that have no 'off', null is refused"). Where a family
+# takes the value from elsewhere (a wrapper's text_config, rope_parameters' own rope_theta), the null is not read.
+NO_OFF = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "partial_rotary_factor", "query_pre_attn_scalar")
+UNVERIFIED = frozenset({"afmoe", "lfm2_moe", "starcoder2"})  # mlx-lm's own module runs these (models/fallback.py)
+UNVERIFIED_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers")  # what the engine reads of those itself
+PER_LAYER_ROPE = ("gemma3_text", "olmo3")  # these read rope_parameters' full/sliding sections, not its top keys
+Outcome = tuple[str, Any]  # ("refused", error class), ("default", value), ("none", None) or ("ignored", None)
+
+
+def rope_kind(section: dict) -> str:
+    return section.get("rope_type") or section.get("type") or "default"
+
+
+def typed_in_mlx_lm(model_type: str) -> set[str]:
+    """The numbers (and bools) that mlx-lm's ModelArgs for `model_type` declares: they take no null."""
+    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+    kinds = (int, float, bool, "int", "float", "bool")
+    return {f.name for f in dataclasses.fields(module.ModelArgs) if f.type in kinds}
+
+
+def null_expected(config: dict, field: str) -> Outcome:
+    """What a null at `field` must do to `config`: the rules above, with each family's own reading of the field."""
+    *parents, key = field.split(".")
+    model_type, rope = config["model_type"], config.get("rope_parameters") or {}
+    refused: Outcome = ("refused", ConfigError)
+    if "text_config" in config:  # a vision-language wrapper: its top-level numbers are not its text model's
+        return ("ignored", None)
+    if model_type in UNVERIFIED:  # fallback._check_args: no null where mlx-lm declares a number
+        if not parents and (key in typed_in_mlx_lm(model_type) or key in NO_OFF or key in UNVERIFIED_SIZES):
+            return refused
+        if parents == ["rope_parameters"] and key in ("rope_theta", "partial_rotary_factor") and key not in config:
+            return refused  # copied up to the top-level key that mlx-lm reads (config._classic_rope_keys)
+        return ("none", None) if not parents else ("ignored", None)
+    sections = [config.get("rope_scaling") or {}, rope, *(v for v in rope.values() if isinstance(v, dict))]
+    yarn = any(rope_kind(section) == "yarn" for section in sections)
+    if not parents:
+        layers = config.get("layer_types")
+        if layers is None and model_type == "gemma3_text":  # Gemma3's pattern: every 6th layer is full
+            layers = ["sliding_attention" if (i + 1) % 6 else "full" for i in range(config["num_hidden_layers"])]
+        if key in NULL_DEFAULTS:
+            return ("default", NULL_DEFAULTS[key](config))
+        if key == "attn_logit_softcapping" and model_type == "gemma2":
+            return ("refused", UnsupportedModelError)  # the registry: gemma2's attention requires its cap
+        if key == "sliding_window" and "sliding_attention" in (layers or ()):
+            return refused  # sliding layers need their window
+        if key == "max_window_layers" and model_type == "qwen2" and config.get("use_sliding_window"):
+            return refused  # Qwen2Config counts the full layers with it
+        if key == "original_max_position_embeddings" and yarn:
+            return refused  # yarn.py: the top-level one wins over the scaling's, as in transformers
+        if key in NULL_IS_NONE:
+            return ("none", None)
+        if key == "rope_theta" and ("rope_theta" in rope or model_type in PER_LAYER_ROPE):
+            return ("ignored", None)  # the base comes from rope_parameters
+        if key == "rope_local_base_freq" and model_type == "gemma3_text":
+            return ("ignored", None)  # the sliding section's rope_theta is the local base
+        if key == "partial_rotary_factor" and "partial_rotary_factor" in rope:
+            return ("ignored", None)
+        if key == "partial_rotary_factor" and model_type != "gemma3_text":
+            return ("refused", UnsupportedModelError)  # a family without partial RoPE refuses any value but 1.0
+        return refused
+    if parents[-1] in ("full_attention", "sliding_attention"):  # one layer type's RoPE base
+        return ("refused", UnsupportedModelError) if model_type == "olmo3" else refused  # olmo3 runs one base
+    if key in ("rope_theta", "partial_rotary_factor"):
+        return ("ignored", None) if model_type in PER_LAYER_ROPE else refused
+    section = config[parents[0]]
+    kind = rope_kind(section)
+    if kind == "default":
+        return ("ignored", None)  # plain RoPE reads no scale
+    if kind == "yarn" and key == "factor":  # transformers' _compute_yarn_parameters, for a missing factor
+        original = config.get("original_max_position_embeddings") or section["original_max_position_embeddings"]
+        return ("default", config["max_position_embeddings"] / original)
+    if kind == "yarn" and key in ("low_freq_factor", "high_freq_factor"):
+        return ("refused", UnsupportedModelError)  # yarn.py: a key transformers' YaRN does not read is refused
+    return refused  # linear's factor, llama3's four settings, yarn's original_max_position_embeddings
 
 
 def null_cases() -> list[tuple[str, str, bool]]:
@@ -230,25 +429,151 @@ def null_cases() -> list[tuple[str, str, bool]]:
     return cases
 
 
-@pytest.mark.parametrize("name, field, derived", null_cases())
-def test_null_number_in_config_loads_with_the_default_or_is_refused_by_name(tmp_path, name, field, derived):
+def derive(config: dict, name: str, derived: bool) -> dict:
+    config = copy.deepcopy(config)
+    if derived:
+        config.pop("layer_types", None)
+        config.update(DERIVED_LAYERS[name])
+    return config
+
+
+def edited(config: dict, field: str, value: Any = None, drop: bool = False) -> dict:
+    """A copy of `config` with the dotted `field` set to `value` (or removed); as it is if a section is missing."""
+    config = copy.deepcopy(config)
+    *parents, last = field.split(".")
+    inner = config
+    for key in parents:
+        inner = inner.get(key) if isinstance(inner, dict) else None
+    if isinstance(inner, dict):
+        if drop:
+            inner.pop(last, None)
+        else:
+            inner[last] = value
+    return config
+
+
+def normalized(config: dict, name: str) -> ModelConfig:
+    """What load_model makes of `config` before it builds anything: normalize_config, and for a model_type that only
+    mlx-lm runs, the check of mlx-lm's ModelArgs that build_fallback makes first."""
+    normal = normalize_config(config, source=str(TINY / name / "config.json"))
+    if normal.fallback_module is not None:
+        check_fallback_args(model_module(normal.fallback_module).ModelArgs, normal.args, normal.source)
+    return normal
+
+
+def seen(normal: ModelConfig, leave_out: str = "") -> tuple:
+    """What the runtime reads of a normalized config, a null read as absent, the dotted key `leave_out` left out."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items() if v is not None}
+        return [clean(v) for v in value] if isinstance(value, list) else value
+
+    args = edited(clean(normal.args), leave_out, drop=True) if leave_out else clean(normal.args)
+    return args, normal.layer_types, normal.sliding_window, normal.eos_token_ids, normal.bos_token_id
+
+
+def null_mismatch(config: dict, name: str, field: str) -> str | None:
+    """How the normalizer's answer to a null at `field` differs from null_expected; None where it does not."""
+    expected = null_expected(config, field)
+    try:
+        normal = normalized(edited(config, field, None), name)
+    except MlxInferError as e:
+        message = str(e)
+        if expected != ("refused", type(e)):
+            return f"expected {expected}, got {type(e).__name__}: {message}"
+        named = field.split(".")[-1] in message and "config.json" in message and "\n" not in message
+        return None if named else f"the refusal does not name {field} and config.json in one line: {message}"
+    except Exception as e:  # noqa: BLE001 - a crash is a failure of this case, named with it
+        return f"expected {expected}, got {type(e).__name__} (not an MlxInferError): {e}"
+    if expected[0] == "refused":
+        return f"expected {expected[1].__name__}, but the null was accepted"
+    if expected[0] == "ignored":  # the value comes from elsewhere: as if the key were not there
+        absent = normalized(edited(config, field, drop=True), name)
+        return None if seen(normal) == seen(absent) else "expected the null to be read as absent"
+    if expected[0] == "none":
+        if normal.args.get(field) is not None:
+            return f"expected no value, got {normal.args.get(field)!r}"
+        mine, absent = seen(normal, field), seen(normalized(edited(config, field, drop=True), name), field)
+        if field == "sliding_window":  # no window: no sliding layers, whatever a missing one would default to
+            slides = normal.sliding_window is not None or "sliding_attention" in normal.layer_types
+            mine, absent = (slides, mine[0], mine[3:]), (False, absent[0], absent[3:])
+        return None if mine == absent else f"the null changed more than {field}"
+    value = expected[1]  # the default: the null must read exactly as that value written out
+    written = normalized(edited(config, field, value), name)
+    if field == "sliding_window_pattern":  # read into the layer kinds, then dropped
+        got = normal.layer_types
+        ok = got == written.layer_types and seen(normal, field) == seen(written, field)
+    elif field.endswith("factor"):  # YaRN's: read into the resolved scaling
+        got = normal.args["rope_scaling"]["factor"]
+        ok = got == value and normal.args["rope_scaling"] == written.args["rope_scaling"]
+    else:
+        got = normal.args[field]
+        ok = got == value and seen(normal) == seen(written)
+    return None if ok else f"expected the default {value!r}, got {got!r}"
+
+
+NULL_CASES = null_cases()
+
+
+def test_null_number_in_config_is_its_pinned_default_or_refused_by_name():
+    """Every (fixture x numeric field [x derived layers]) on the normalizer: about 1,200 cases in a second."""
+    configs = {name: open_folder(TINY / name).config for name in {name for name, _, _ in NULL_CASES}}
+    failures, kinds = [], Counter()
+    for name, field, derived in NULL_CASES:
+        config = derive(configs[name], name, derived)
+        kinds[null_expected(config, field)[0]] += 1
+        why = null_mismatch(config, name, field)
+        if why:
+            failures.append(f"{name}{' (layers derived)' if derived else ''} {field}: {why}")
+    assert not failures, f"{len(failures)} of {len(NULL_CASES)} nulls:\n" + "\n".join(failures)
+    assert len(NULL_CASES) > 1000 and min(kinds[k] for k in ("refused", "default", "none", "ignored")) > 0, kinds
+
+
+def null_samples() -> list[tuple[str, str, bool, str]]:
+    """Per fixture, one null that loads (its default where one matches the checkpoint) and one that is refused,
+    rotating through the fields so that the samples cover many of them; a wrapper's refusal is its text model's."""
+    cases, samples = defaultdict(list), []
+    for name, field, derived in NULL_CASES:
+        if not derived:
+            cases[name].append(field)
+    for i, name in enumerate(sorted(cases)):
+        config = json.loads((TINY / name / "config.json").read_text())
+        outcomes = {field: null_expected(config, field) for field in cases[name]}
+        refusals = [f for f, (kind, _) in outcomes.items() if kind == "refused"] or ["text_config.rms_norm_eps"]
+        defaults = [f for f, (kind, value) in outcomes.items() if kind == "default" and config.get(f) == value]
+        loads = defaults or [f for f, (kind, _) in outcomes.items() if kind in ("none", "ignored")]
+        samples += [
+            (name, loads[i % len(loads)], False, "loads"),
+            (name, refusals[i % len(refusals)], False, "refused"),
+        ]
+    return samples + [
+        ("gemma3", "sliding_window_pattern", True, "loads"),
+        ("qwen2", "max_window_layers", True, "refused"),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, field, derived, kind", null_samples(), ids=lambda v: str(v))
+def test_a_null_loads_and_runs_or_is_refused_end_to_end(tmp_path, name, field, derived, kind):
+    """The sampled copy + load + forward: what the normalizer answers is what load_model does."""
+
     def change(config: dict) -> None:
-        if derived:
-            config.pop("layer_types", None)
-            config.update(DERIVED_LAYERS[name])
-        setter(field, None)(config)
+        new = edited(derive(config, name, derived), field)
+        config.clear()
+        config.update(new)
 
     folder = copy_with_config(tmp_path, name, change)
-    try:
-        loaded = load_model(folder)
-    except ConfigError as e:
-        message = str(e)
-        assert field.split(".")[-1] in message and "config.json" in message and "\n" not in message, message
+    expected = null_expected(derive(json.loads((TINY / name / "config.json").read_text()), name, derived), field)
+    if kind == "refused":
+        error = expected[1] if expected[0] == "refused" else ConfigError  # a wrapper's text_config: refused as its own
+        refused(lambda: load_model(folder), error, field.split(".")[-1], "config.json")
         return
-    except MlxInferError as e:  # a null the module cannot run without (gemma2's soft cap) is named too
-        assert field.split(".")[-1] in str(e), str(e)
-        return
-    mx.eval(loaded.model(mx.array([[1, 2, 3]])))  # the RoPE base and norm epsilons are used here, not at load
+    loaded = load_model(folder)
+    if expected[0] == "default" and field in loaded.config.args:
+        assert loaded.config.args[field] == expected[1], loaded.config.args
+    logits = loaded.model(mx.array([[1, 2, 3]]))  # the RoPE base and norm epsilons are used here, not at load
+    assert logits.shape == (1, 3, loaded.config.vocab_size) and mx.isfinite(logits).all().item()
 
 
 def test_gemma3_sliding_window_pattern_null_is_the_default_pattern(tmp_path):
@@ -483,18 +808,68 @@ def test_pad_token_id_outside_the_vocabulary_in_config_files_loads(tmp_path, fil
     assert load_model(folder).config.eos_token_ids == (258,)
 
 
-@pytest.mark.parametrize("key, value", GGUF_CASES, ids=lambda v: repr(v)[:40])
-def test_gguf_metadata_of_the_wrong_type_or_range_is_refused_by_key(tmp_path, key, value):
+def gguf_meta(key: str, value: tuple[Any, V]) -> dict[str, tuple[Any, V]]:
     meta = {key: value}
     if key == "llama.rope.scaling.factor":  # read only for linear scaling
         meta["llama.rope.scaling.type"] = ("linear", V.STRING)
-    path = write_gguf(tmp_path / "bad.gguf", meta)
+    return meta
+
+
+def gguf_refusal(path: Path, key: str, error: type[MlxInferError] = MlxInferError) -> str | None:
+    """Why what load_model runs on a GGUF file's header before it reads a tensor (the parse, gguf_config,
+    normalize_config, check_before_build, the tokenizer) does not refuse it with `error` in one line naming `key` and
+    the file; None where it does."""
+    try:
+        with GGUFFile(path) as gguf_file:
+            config = normalize_config(gguf_config(gguf_file), source=f"{path} (GGUF metadata)")
+            check_before_build(config, gguf_tensors(gguf_file, choose_compute_dtype().size), str(path))
+            tokenizer_from_gguf(gguf_file.metadata, f"{path}: GGUF")
+    except MlxInferError as e:
+        return one_line_naming(e, key, str(path)) if isinstance(e, error) else f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - a crash is a failure of this case, named with it
+        return f"{type(e).__name__}, not an MlxInferError: {e}"
+    return "accepted"
+
+
+def test_gguf_metadata_of_the_wrong_type_or_range_is_refused_by_key_on_the_header(tmp_path):
+    failures = []
+    for key, value in GGUF_CASES:
+        path = write_gguf(tmp_path / "bad.gguf", gguf_meta(key, value))
+        if why := gguf_refusal(path, key):
+            failures.append(f"{key}={value!r:.60}: {why}")
+    assert len(GGUF_CASES) > 250 and not failures, "\n".join(failures)
+
+
+GGUF_END_TO_END = [case for case in GGUF_CASES if len(repr(case[1][0])) > 100]  # nested 64 deep, 272 token types
+GGUF_END_TO_END += [("llama.block_count", (2**64 - 1, V.UINT64)), ("tokenizer.ggml.eos_token_id", (2**63, V.UINT64))]
+GGUF_END_TO_END += [("general.alignment", (2**40, V.UINT64)), ("general.architecture", ("mamba", V.STRING))]
+
+
+@pytest.mark.parametrize("key, value", GGUF_END_TO_END, ids=lambda v: repr(v)[:40])
+def test_gguf_metadata_of_the_wrong_type_or_range_is_refused_by_key(tmp_path, key, value):
+    """End to end, the largest values and one of each other kind: refused within the time and memory bounds."""
+    path = write_gguf(tmp_path / "bad.gguf", gguf_meta(key, value))
     refused(lambda: load_model(path), MlxInferError, key, str(path))
 
 
-@pytest.mark.parametrize("depth", range(1, 65))
-@pytest.mark.parametrize("key, leaf", [("llama.block_count", 2), ("tokenizer.chat_template", "x")])
+NESTED_KEYS = [("llama.block_count", 2), ("tokenizer.chat_template", "x")]
+
+
+def test_gguf_arrays_nested_to_any_depth_are_refused_on_the_header(tmp_path):
+    """Every depth from 1 to 64: past MAX_DEPTH the parse refuses the file; within it, the key's reader refuses."""
+    failures = []
+    for key, leaf in NESTED_KEYS:
+        for depth in range(1, 65):
+            path = write_gguf(tmp_path / "nested.gguf", {key: (nested(depth, leaf), V.ARRAY)})
+            if why := gguf_refusal(path, key, CorruptFileError if depth > MAX_DEPTH else MlxInferError):
+                failures.append(f"{key} nested {depth} deep: {why}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("depth", [MAX_DEPTH, MAX_DEPTH + 1, 64])
+@pytest.mark.parametrize("key, leaf", NESTED_KEYS)
 def test_gguf_arrays_nested_to_any_depth_are_refused(tmp_path, key, leaf, depth):
+    """End to end, on each side of MAX_DEPTH and the deepest."""
     path = write_gguf(tmp_path / "nested.gguf", {key: (nested(depth, leaf), V.ARRAY)})
     error = CorruptFileError if depth > MAX_DEPTH else MlxInferError
     refused(lambda: load_model(path), error, key, str(path))
@@ -740,6 +1115,7 @@ def test_a_refusal_takes_no_time_even_for_the_largest_layer_count(tmp_path):
     assert time.perf_counter() - start < 2.0  # well under 0.1 s even with tracemalloc on; unrefused, minutes
 
 
+@pytest.mark.slow
 def test_a_side_file_that_is_a_device_or_a_pipe_is_one_line(tmp_path):
     """config.json as a link to /dev/zero (it reports 0 bytes and never ends) or as a named pipe with no writer:
     refused at once in one line, not read until memory runs out or waited on (a capped child process)."""

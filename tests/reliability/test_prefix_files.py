@@ -42,6 +42,7 @@ from mlxinfer.cli import main
 from mlxinfer.engine.prefill import Prefill
 from mlxinfer.engine.prefix_store import prefix_store_for
 from mlxinfer.errors import CacheError, SamplingError
+from mlxinfer.models.loader import load_model
 from tests.conftest import ARCHITECTURES, TINY
 
 LLAMA = TINY / "llama_classic"  # 2 layers, 2 KV heads of 16, float32, a context of 256 tokens
@@ -168,9 +169,36 @@ def test_an_untouched_file_is_used(warmed, root, caplog, cold):
 # -- the layout a file must have is the model's real KV layout -------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_every_architecture_and_dtype_round_trips_its_warmed_prefix(arch, dtype, root, caplog):
+# A fixed sample of the architectures x dtypes (each case loads twice): every kind of layer the store keeps (full
+# attention, sliding, both, conv, linear attention, mamba), the layouts that differ (MLA's unequal key and value widths,
+# gemma4's per-layer head sizes and shared KV, attention sinks, a vision-language wrapper, mixture of experts), each
+# in float32, and every dtype for the dense ones (MLX's CPU gather_mm runs mixture-of-experts models in float32 only).
+ROUND_TRIPS = {
+    "llama_classic": ["float32", "float16", "bfloat16"],  # full attention
+    "gemma3": ["float32", "bfloat16"],  # full + sliding
+    "mixtral_sliding": ["float32"],  # sliding only; experts
+    "lfm2": ["float32", "float16"],  # conv
+    "qwen3_5": ["float32", "bfloat16"],  # linear attention
+    "granitemoehybrid_nope": ["float32", "float16"],  # mamba
+    "deepseek_v3": ["float32"],  # MLA; experts
+    "gemma4": ["float32", "float16"],  # per-layer head sizes, shared KV
+    "gpt_oss": ["float32"],  # attention sinks, sliding + full; experts
+    "qwen3_5_vl": ["float32"],  # a vision-language wrapper
+}
+
+
+def test_the_round_trip_sample_covers_every_cache_kind_and_dtype():
+    assert set(ROUND_TRIPS) <= set(ARCHITECTURES)
+    assert {d for dtypes in ROUND_TRIPS.values() for d in dtypes} == {"float32", "float16", "bfloat16"}
+    model_kinds = {arch: load_model(TINY / arch, with_tokenizer=False).model.cache_kinds for arch in ARCHITECTURES}
+    kinds = {arch: {kind for kind, _ in found} for arch, found in model_kinds.items()}
+    sampled = set().union(*(kinds[arch] for arch in ROUND_TRIPS))
+    assert sampled == set().union(*kinds.values()) and len(sampled) >= 5, sampled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, dtype", [(arch, dtype) for arch, dtypes in ROUND_TRIPS.items() for dtype in dtypes])
+def test_each_cache_kind_and_dtype_round_trips_its_warmed_prefix(arch, dtype, root, caplog):
     try:
         mlxinfer.load(TINY / arch, dtype=dtype).warm(WARMED)
     except RuntimeError as e:  # MLX's CPU gather_mm (mixture of experts) is float32 only; Metal runs them all
@@ -725,22 +753,33 @@ def test_cache_warm_prints_one_line_for_a_failing_disk(code, root, tmp_path, mon
 ODD_NAMES = ["plain", "new\nline", "esc\x1b[2J", "rtl\u202eevil", "tab\there", "x" * 200]
 
 
-@pytest.mark.parametrize("code", sorted(errno.errorcode), ids=errno.errorcode.get)
-def test_any_failed_write_of_the_cache_is_one_line_naming_the_folder_and_what_to_do(code, tmp_path, monkeypatch):
+def test_any_failed_write_of_the_cache_is_one_line_naming_the_folder_and_what_to_do(tmp_path, monkeypatch):
+    """Every errno this system has, each under every odd folder name; one test, failures named by errno."""
     layout = KVLayout.of(2, 2, 16, mx.float32, CONTEXT)
+    failures = []
+    for code in sorted(errno.errorcode):
 
-    def failing(*args, **kwargs):
-        raise OSError(code, os.strerror(code))
+        def failing(*args, code=code, **kwargs):
+            raise OSError(code, os.strerror(code))
 
-    for name in ODD_NAMES:
-        store = PrefixStore(tmp_path / name / "prefixes", "0" * 24, layout)
-        with monkeypatch.context() as mp, pytest.raises(CacheError) as caught:
-            mp.setattr(store_module.os, "open", failing)
-            store.check_room(10)
-        message, folder = str(caught.value), str(store.folder)
-        shown = folder if folder.isprintable() else repr(folder)
-        assert message.isprintable() and message.startswith(f"cannot write warmed prefixes to {shown}: "), message
-        assert disk.reason(OSError(code, os.strerror(code))) in message and "MLXINFER_CACHE_DIR" in message, message
+        for name in ODD_NAMES:
+            store = PrefixStore(tmp_path / name / "prefixes", "0" * 24, layout)
+            try:
+                with monkeypatch.context() as mp:
+                    mp.setattr(store_module.os, "open", failing)
+                    store.check_room(10)
+            except CacheError as e:
+                message, folder = str(e), str(store.folder)
+            else:
+                failures.append(f"{errno.errorcode[code]} {name!r}: no CacheError")
+                continue
+            shown = folder if folder.isprintable() else repr(folder)
+            why = disk.reason(OSError(code, os.strerror(code)))
+            if not (message.isprintable() and message.startswith(f"cannot write warmed prefixes to {shown}: ")):
+                failures.append(f"{errno.errorcode[code]} {name!r}: {message!r}")
+            elif not (why and why in message and "MLXINFER_CACHE_DIR" in message):
+                failures.append(f"{errno.errorcode[code]} {name!r}: no reason or remedy in {message!r}")
+    assert len(errno.errorcode) > 100 and not failures, "\n".join(failures)
 
 
 def _a_file(tmp: Path) -> Path:
@@ -873,6 +912,7 @@ def test_a_read_only_cache_refuses_warm_and_generate_still_answers(tmpfs, monkey
     assert f"left {path} alone: read-only file system" in caplog.text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stage, expected", [("check", "file-size limit of 0.0 MiB"), ("write", "larger than this process may write")]
 )
@@ -1029,6 +1069,7 @@ MODEL_FOLDER_EXTRAS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("add", MODEL_FOLDER_EXTRAS.values(), ids=MODEL_FOLDER_EXTRAS.keys())
 def test_odd_entries_in_the_model_folder_do_not_block_or_break_the_fingerprint(add, tiny_copy, tmp_path):
     model = tiny_copy("llama_classic")
