@@ -44,7 +44,8 @@ def sha256(path: Path) -> str:
 
 
 @contextmanager
-def _locked(folder: Path) -> Iterator[None]:
+def locked(folder: Path) -> Iterator[None]:
+    """Held by one process at a time (pytest-xdist's workers): `folder`/.lock, flock'ed."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -74,7 +75,7 @@ def _machine_default_model(shared: Path) -> Path:
 def _in_session(made_once: Callable[[Path], Path], target: Path) -> tuple[Path, Path]:
     """(the machine cache's copy, made under the lock when missing; `target`, its parent folder made)."""
     shared = machine_cache()
-    with _locked(shared):
+    with locked(shared):
         source = made_once(shared)
     target.parent.mkdir(parents=True, exist_ok=True)
     return source, target

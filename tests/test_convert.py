@@ -57,14 +57,14 @@ DENSE = "dense"
 
 def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> Path:
     """The folder `name`, filled by make(folder) once per test run: pytest-xdist's workers share it (the first
-    makes it under a lock, the others wait for it; --dist loadgroup cannot keep these tests on one worker here:
-    pytest 9.2 ignores the group suffix xdist 3.8 writes to the node ids)."""
-    from filelock import FileLock
+    makes it under a lock, the others wait for it: --dist loadfile keeps this file on one worker, not the other
+    files that may come to need the same conversion)."""
+    from tests.model_cache import locked
 
     root = tmp_path_factory.getbasetemp()
     root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, above each worker's
     folder = root / name
-    with FileLock(f"{folder}.lock"):
+    with locked(root / f"{name}.lock"):
         if not (folder / ".made").exists():
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()

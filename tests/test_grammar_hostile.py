@@ -240,6 +240,22 @@ def test_a_compile_stops_when_the_server_stops(slow_child):
     assert not _compile_children()
 
 
+def test_a_server_stopping_while_a_compile_starts_still_stops_it(slow_child, monkeypatch):
+    real_popen = subprocess.Popen
+
+    def popen_then_stop(*args, **kwargs):  # the server stops between the child's start and its record
+        child = real_popen(*args, **kwargs)
+        stopping = threading.Thread(target=isolated.end_compiles, args=("the server is shutting down",))
+        stopping.start()
+        stopping.join(0.5)  # it waits for the record where the start is recorded under the same lock
+        return child
+
+    monkeypatch.setattr(isolated.subprocess, "Popen", popen_then_stop)
+    with pytest.raises(ShutdownError, match="the server is shutting down"):
+        isolated.check_in_child(['start: "c"\n'], "schema")
+    assert not _compile_children()
+
+
 def test_the_python_api_refuses_a_schema_over_the_bounds():
     with pytest.raises(GrammarError, match="schema.required has 30,000 entries"):
         json_schema(many_required(30_000))

@@ -88,14 +88,15 @@ def _run_child(grammars: list[str], where: str) -> list[str | None]:
     with tempfile.TemporaryFile() as request_file:
         request_file.write(json.dumps(request).encode())
         request_file.seek(0)
-        child = subprocess.Popen(
-            [sys.executable, "-I", str(_CHILD)],
-            stdin=request_file,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,  # a Rust panic's backtrace: the verdict says what failed
-        )
-    with _running_lock:
-        _running[child] = None
+        # Started under the lock: an end_compiles() between the start and the record would miss this child.
+        with _running_lock:
+            child = subprocess.Popen(
+                [sys.executable, "-I", str(_CHILD)],
+                stdin=request_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,  # a Rust panic's backtrace: the verdict says what failed
+            )
+            _running[child] = None
     try:
         out = _wait(child, where)
     finally:
