@@ -88,7 +88,7 @@ def _timed_conversion(code: str, source: Path, out: Path) -> tuple[float, int]:
 
 def _bits_per_weight(folder: Path) -> float:
     """Stored bits over weights, from the safetensors headers and the quantization block."""
-    from mlxinfer.models.safetensors_header import read_header
+    from mlxinfer.formats.safetensors_header import read_header
 
     quant = json.loads((folder / "config.json").read_text()).get("quantization") or {}
     stored_bits = weights = 0

@@ -18,9 +18,9 @@ from gguf import GGMLQuantizationType
 from mlxinfer.quantize.affine import dequantize_rows
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
+from mlxinfer.formats.gguf_file import REPACKED, GGUFFile, QuantizedTensor
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
 from mlxinfer.models.gguf import from_llama_cpp, gguf_config, gguf_tensors, hf_names
-from mlxinfer.models.gguf_file import REPACKED, GGUFFile, QuantizedTensor
 from mlxinfer.models.multimodal import text_checkpoint, text_config
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 from mlxinfer.untrusted import listed

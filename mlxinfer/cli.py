@@ -29,9 +29,9 @@ from .engine.structure import structure_of
 from .engine.text import check_stops
 from .errors import DefaultModelError, GrammarError, MlxInferError, SamplingError, ServerConfigError
 from .grammar import MAX_GRAMMAR_CHARS
+from .library.listing import record_use
 from .local_server import find_server, new_token, publish, server_identity, withdraw
 from .models import load_tokenizer
-from .models.library import record_use
 from .remote import RemoteModel, model_field
 from .untrusted import read_json_object
 
@@ -677,7 +677,7 @@ def menubar(model: str | None, port: int, models_dir: Path | None, kv_bits: str 
     The menu shows the model and its memory and the last answer's speed, and has
     Open Chat, Switch Model, Unload, Start/Stop Server and Quit.
     """
-    from .models import models_dir as default_models_dir
+    from .library import models_dir as default_models_dir
     from .server import ServerSettings
     from .ui import MenubarController
     from .ui.desktop import instead, require_tray
@@ -781,7 +781,7 @@ def cache_ls() -> None:
 
 def _list_models() -> None:
     """Print each model mlxinfer can find with its size on disk, then a summary (or how to get one)."""
-    from .models import disk_bytes, local_models, models_dir
+    from .library import disk_bytes, local_models, models_dir
 
     folders = [cache_dir() / "models", models_dir()]
     bench_models = cache_dir() / "bench-models"  # checkpoints the checkout's `python -m bench.models` made
@@ -1015,7 +1015,7 @@ def ls_models(as_json: bool, add_path: Path | None) -> None:
       mlxinfer ls --add ~/Downloads/Qwen3-0.6B-Q8_0.gguf
       mlxinfer ls --json
     """
-    from .models.library import add_model, list_models
+    from .library.listing import add_model, list_models
 
     if add_path is not None:
         added = add_model(add_path)
@@ -1047,7 +1047,7 @@ def _model_row(model: Any) -> tuple[str, ...]:
 
 def _find(name: str) -> Any:
     """The listed model called `name`, or a one-line error saying how to see the names."""
-    from .models.library import find_model
+    from .library.listing import find_model
     from .untrusted import plain
 
     model = find_model(name)
@@ -1068,7 +1068,7 @@ def rm_model(name: str, yes: bool) -> None:
       mlxinfer rm SmolLM2-4bit
       mlxinfer rm Qwen/Qwen3-0.6B --yes       # a Hugging Face cache entry, every revision
     """
-    from .models.library import ADDED, remove_model
+    from .library.listing import ADDED, remove_model
     from .untrusted import shown_path
 
     model = _find(name)
@@ -1100,7 +1100,7 @@ def show_model(ctx: click.Context, name: str, as_json: bool) -> None:
       mlxinfer show SmolLM2-135M-Instruct.Q4_1
       mlxinfer show Qwen/Qwen3-0.6B --json
     """
-    from .models.library import details
+    from .library.listing import details
 
     model = _find(name)
     info = details(model)
@@ -1153,7 +1153,7 @@ def pull(hub_id: str, bits: str | None, revision: str, force: bool, yes: bool) -
       mlxinfer pull Qwen/Qwen3-0.6B --bits 4 --yes
     """
     from .hub import check_disk, download, estimated_plan, finish, plan_pull
-    from .models import models_dir
+    from .library import models_dir
 
     name = hub_id.rsplit("/", 1)[-1]
     target = models_dir() / (f"{name}-{bits}bit" if bits else name)

@@ -24,11 +24,11 @@ from .blas import SLOW_GFLOPS, BlasReport, activate, probe_gflops
 from .default_model import DISPLAY_NAME, cache_dir, default_model_path
 from .display import mib
 from .errors import DefaultModelError, MlxInferError
+from .library.catalog import models_dir
+from .library.listing import hf_cache_dir
 from .memory.machine import machine_memory
-from .models.catalog import models_dir
 from .models.cpu_weights import cpu_weights_mode
 from .models.dtype import choose_compute_dtype, dtype_name
-from .models.library import hf_cache_dir
 
 OK, WARN, BROKEN = "ok", "warn", "broken"
 PACKAGES = ("mlx", "mlx-lm", "mlx-metal", "mlx-cpu", "mlx-cuda-12", "mlx-cuda-13")

@@ -42,6 +42,11 @@ FORBIDDEN = {
     "chat": {"ui", "server", "engine", "cache", "models", "memory", "api", "bench", "cli", "convert", "quantize"},
     "hub": {"ui", "server", "engine", "cache", "api", "bench", "cli", "convert", "quantize"},
 }
+# File formats are read without knowing a family; the user's model library sits above the models it describes.
+FORBIDDEN["formats"] = {"ui", "server", "models", "engine", "cache", "memory", "api", "bench", "cli", "convert"}
+FORBIDDEN["formats"] |= {"quantize", "library", "hub", "tokenizer", "distributed", "chat", "grammar"}
+FORBIDDEN["library"] = {"ui", "server", "engine", "cache", "api", "bench", "cli", "convert", "quantize", "distributed"}
+FORBIDDEN["models"] |= {"library"}
 # The client side of the resident server: it talks HTTP to the server, never imports it.
 FORBIDDEN["remote"] = {"ui", "server", "bench", "cli", "convert", "quantize"}
 # `mlxinfer doctor` reads the machine through the lower rooms; only the CLI uses it.

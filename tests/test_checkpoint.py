@@ -12,7 +12,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer.errors import CorruptFileError, ModelNotFoundError, UnsupportedModelError, WeightMismatchError
-from mlxinfer.models.safetensors_header import read_header
+from mlxinfer.formats.safetensors_header import read_header
 from tests.conftest import golden
 
 

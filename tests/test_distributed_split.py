@@ -354,7 +354,7 @@ def test_plan_hosts_kv_cache_per_host_at_the_context():
 
 
 def test_plan_hosts_reads_a_gguf_from_its_header_alone(tmp_path, monkeypatch):
-    from mlxinfer.models.gguf_file import GGUFFile
+    from mlxinfer.formats.gguf_file import GGUFFile
     from tests.test_gguf import write_tiny_gguf
 
     path = write_tiny_gguf(tmp_path / "tiny.gguf")  # the llama_classic tensors, as float32

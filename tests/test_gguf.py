@@ -16,7 +16,7 @@ import pytest
 from mlxinfer.convert import convert
 
 import mlxinfer
-from mlxinfer.models.gguf_file import GGUFFile
+from mlxinfer.formats.gguf_file import GGUFFile
 from tests.conftest import TINY, golden
 
 NAMES = {

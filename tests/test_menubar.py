@@ -227,9 +227,9 @@ def test_cli_menubar_refuses_a_missing_model(tmp_path):
 
 def test_model_catalog_finds_folders_and_gguf_files(models_dir):
     (models_dir / "small.gguf").write_bytes(b"GGUF")
-    found = mlxinfer.models.local_models(models_dir)
+    found = mlxinfer.library.local_models(models_dir)
     assert [p.name for p in found] == ["llama_classic", "qwen2", "small.gguf"]
-    assert mlxinfer.models.local_models(models_dir / "missing") == []
+    assert mlxinfer.library.local_models(models_dir / "missing") == []
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 import mlxinfer
 from mlxinfer.cli import main
-from mlxinfer.models import library
+from mlxinfer.library import listing as library
 from mlxinfer.server import ServerSettings
 from mlxinfer.ui import MenubarController
 from tests.conftest import TINY

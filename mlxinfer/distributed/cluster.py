@@ -130,8 +130,8 @@ def _stage(path: Path, group: Any, usable: list[int], launch: Launch) -> Stage:
 
 def _config_of(path: Path) -> ModelConfig:
     if path.is_file() and path.suffix == ".gguf":
+        from ..formats.gguf_file import GGUFFile
         from ..models.gguf import gguf_config
-        from ..models.gguf_file import GGUFFile
 
         with GGUFFile(path) as gguf:
             return normalize_config(gguf_config(gguf), source=f"{path} (GGUF metadata)")

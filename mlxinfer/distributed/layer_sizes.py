@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import ModelNotFoundError
+from ..formats.gguf_file import GGUFFile
+from ..formats.safetensors_header import DTYPE_BYTES, FLOAT_DTYPES
 from ..memory import ModelFootprint
 from ..memory.planner import PREFILL_CHUNK, RUNTIME_BYTES
 from ..models.checkpoint import open_folder
@@ -20,9 +22,7 @@ from ..models.config import FULL, SLIDING, ModelConfig, normalize_config
 from ..models.dtype import DTYPES
 from ..models.footprint import KV_GROUP_SIZE, check_kv_bits
 from ..models.gguf import gguf_config, gguf_tensors
-from ..models.gguf_file import GGUFFile
 from ..models.multimodal import text_checkpoint
-from ..models.safetensors_header import DTYPE_BYTES, FLOAT_DTYPES
 from ..models.sizing import StoredTensor, check_checkpoint, moe_layout
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")

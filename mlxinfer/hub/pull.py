@@ -31,8 +31,9 @@ from ..default_model import cache_dir
 from ..disk import write_error
 from ..display import mib
 from ..errors import HubError
+from ..library import models_dir
 from ..memory import MemoryPlan, ModelFootprint, machine_memory, plan_memory
-from ..models import ModelConfig, models_dir, normalize_config
+from ..models import ModelConfig, normalize_config
 from ..models.config import FULL, SLIDING
 from ..models.dtype import choose_compute_dtype
 from ..untrusted import listed, shown_path

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptFileError, HubError
-from ..models.safetensors_header import MAX_HEADER_BYTES, _check_entry, _check_no_overlap
+from ..formats.safetensors_header import MAX_HEADER_BYTES, _check_entry, _check_no_overlap
 from ..untrusted import first_line, is_int, plain, shown
 from .transport import NETWORK_ERRORS, open_url, reason_of
 

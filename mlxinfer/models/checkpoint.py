@@ -13,9 +13,9 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import ConfigError, CorruptFileError, ModelNotFoundError, UnsupportedModelError
+from ..formats.safetensors_header import TensorInfo, read_header
 from ..untrusted import is_int, listed, read_json_object, shown
 from .config import MAX_TOKEN_IDS
-from .safetensors_header import TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_finite_number, is_int, shown
 from .fallback import mlx_lm_module_name
 from .multimodal import WRAPPERS, text_config
 from .registry import ARCHITECTURES, ArchSpec, supported_model_types
-from .safetensors_header import MAX_DIM
 from .yarn import yarn_scaling
 
 log = logging.getLogger(__name__)

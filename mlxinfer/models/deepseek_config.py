@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_finite_number, is_int, shown
-from .safetensors_header import MAX_DIM
 
 MAX_EXPERTS = 65_536  # as family_config.MAX_EXPERTS: real MoE models have at most a few hundred
 MAX_MTP_LAYERS = 16  # multi-token-prediction layers stored after the decoder's own (1 in real checkpoints)

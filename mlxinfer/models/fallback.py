@@ -24,9 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import first_line, is_finite_number, is_int, shown
 from .mlx_lm_modules import model_module
-from .safetensors_header import MAX_DIM
 
 UNVERIFIED = "unverified (mlx-lm's model code, not checked against transformers)"
 FULL, SLIDING, RECURRENT = "full_attention", "sliding_attention", "linear_attention"

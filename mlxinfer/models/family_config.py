@@ -10,8 +10,8 @@ import math
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_finite_number, is_int, shown
-from .safetensors_header import MAX_DIM
 
 MAX_EXPERTS = 65_536  # real MoE models have at most a few hundred
 

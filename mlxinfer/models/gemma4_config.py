@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_finite_number, is_int, shown
-from .safetensors_header import MAX_DIM
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 MAX_EXPERTS = 65_536

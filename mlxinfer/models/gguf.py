@@ -21,9 +21,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
+from ..formats.gguf_file import MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
 from ..untrusted import is_int, plain, shown
 from .gguf_arch import ARCHITECTURES, BARE, DEFAULTS, TOP_NAMES, GGUFArch, Meta, architecture, common_config, layer_name
-from .gguf_file import MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
 from .gguf_rope import llama3_from_rope_freqs
 from .sizing import StoredTensor
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_finite_number, is_int, shown
 from .config import MAX_LAYERS
 from .registry import ARCHITECTURES as FAMILIES
-from .safetensors_header import MAX_DIM
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 _REQUIRED: Any = object()

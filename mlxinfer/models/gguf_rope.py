@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UnsupportedModelError
-from .gguf_file import GGUFFile
+from ..formats.gguf_file import GGUFFile
 
 # Llama 3.1 / 3.2: what every released checkpoint uses (tried first; the fit below covers the rest).
 _KNOWN = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -19,6 +19,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import ModelNotFoundError, WeightMismatchError
+from ..formats.gguf_file import GGUFFile
+from ..formats.safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
 from ..memory.machine import machine_memory
 from ..tokenizer import Tokenizer
 from ..tokenizer.gguf_vocab import tokenizer_from_gguf
@@ -30,10 +32,8 @@ from .decoder import DecoderLM, build_model
 from .dtype import choose_compute_dtype
 from .fallback import UNVERIFIED
 from .gguf import gguf_config, gguf_tensors, gguf_weights
-from .gguf_file import GGUFFile
 from .multimodal import text_checkpoint
 from .quantized import quantize_like
-from .safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
 from .shard import Stage, keep_layers, select_weights, shard_tensor
 from .sizing import StoredTensor, check_before_build
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_finite_number, is_int, shown
 from .family_config import check_experts
 from .qwen3_next_config import MAX_LAYERS, QWEN3_5_DEFAULTS, check_qwen3_5_text
-from .safetensors_header import MAX_DIM
 
 # transformers' config defaults (Qwen3MoeConfig, Qwen3_5MoeTextConfig, MixtralConfig, OlmoeConfig,
 # GraniteMoeConfig) for keys config.json may leave out and mlx-lm needs. The expert count is among them only

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..display import mib, plural
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError
+from ..formats.safetensors_header import DTYPE_BYTES
 from ..untrusted import plain, shown, shown_path
-from .safetensors_header import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint

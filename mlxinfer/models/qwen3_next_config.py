@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_int, shown
-from .safetensors_header import MAX_DIM
 
 FULL, LINEAR = "full_attention", "linear_attention"
 MAX_EXPERTS = 16_384  # the largest real MoE models route among a few hundred

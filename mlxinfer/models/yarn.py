@@ -12,8 +12,8 @@ import math
 from typing import Any
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..formats.safetensors_header import MAX_DIM
 from ..untrusted import is_finite_number, is_int, shown
-from .safetensors_header import MAX_DIM
 
 # Every key transformers' YaRN reads; another one is refused rather than ignored.
 YARN_KEYS = frozenset(

@@ -31,8 +31,8 @@ from ..api import Model, load
 from ..display import mib
 from ..engine import Scheduler, SchedulerConfig
 from ..engine.threads import call_on_device_thread
-from ..models import disk_bytes
-from ..models.library import find_model
+from ..library import disk_bytes
+from ..library.listing import find_model
 from ..untrusted import shown
 from .errors import APIError
 

@@ -29,7 +29,7 @@ from ..chat import output_format
 from ..chat.messages import MAX_TOOL_CALLS
 from ..engine import GenerationStats
 from ..errors import MlxInferError
-from ..models import library
+from ..library import listing as library
 from ..untrusted import is_int, shown
 from .answer import Answer
 from .errors import APIError, as_api_error

@@ -20,9 +20,9 @@ from ..display import mib
 from ..engine import GenerationStats
 from ..engine.threads import call_on_device_thread
 from ..errors import ServerConfigError
+from ..library import local_models
 from ..local_server import find_server, new_token, publish, withdraw
 from ..memory import machine_memory
-from ..models import local_models
 from ..server import ModelSet, ServerSettings
 from ..server.models import local_catalog, model_id
 from ..server.run import BackgroundServer
@@ -100,8 +100,8 @@ class MenubarController:
         whose one model is the default model (the CLI passes it when it was fetched)."""
         import os
 
-        from ..models import models_dir
-        from ..models.library import CACHE, list_models
+        from ..library import models_dir
+        from ..library.listing import CACHE, list_models
 
         found = local_models(self.models_dir) if self.models_dir != models_dir() else []
         listed = [m for m in list_models() if m.source != CACHE]

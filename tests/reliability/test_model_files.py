@@ -44,13 +44,13 @@ from mlxinfer.errors import (
     UnsupportedModelError,
     WeightMismatchError,
 )
+from mlxinfer.formats.gguf_file import MAX_DEPTH, GGUFFile
 from mlxinfer.memory import MachineMemory
 from mlxinfer.models.checkpoint import Checkpoint, open_folder
 from mlxinfer.models.config import ModelConfig, normalize_config
 from mlxinfer.models.dtype import choose_compute_dtype
 from mlxinfer.models.fallback import _check_args as check_fallback_args
 from mlxinfer.models.gguf import gguf_config, gguf_tensors
-from mlxinfer.models.gguf_file import MAX_DEPTH, GGUFFile
 from mlxinfer.models.loader import _folder_tensors as folder_tensors
 from mlxinfer.models.loader import load_model
 from mlxinfer.models.mlx_lm_modules import model_module

@@ -182,7 +182,7 @@ def describe(name: str, path: Path, source: str, last_used: float | None = None)
 def loadable_family(raw: dict[str, Any], source: str) -> bool:
     """Whether mlxinfer runs this config.json as verified (True) or through mlx-lm's code (False); raises
     UnsupportedModelError / ConfigError, naming `source`, when it cannot run it at all."""
-    from .config import normalize_config
+    from ..models.config import normalize_config
 
     return normalize_config(raw, source).verified
 
@@ -349,8 +349,8 @@ def _config_bits(raw: dict[str, Any]) -> int | None:
 
 
 def _gguf_verified(family: str | None) -> bool | None:
-    from .gguf_arch import ARCHITECTURES
-    from .registry import ARCHITECTURES as VERIFIED
+    from ..models.gguf_arch import ARCHITECTURES
+    from ..models.registry import ARCHITECTURES as VERIFIED
 
     arch = ARCHITECTURES.get(family or "")
     return True if arch is not None and arch.model_type in VERIFIED else None
@@ -604,8 +604,8 @@ def _skip_gguf_value(f: BinaryIO, kind: int, depth: int = 0) -> None:
 
 
 def _gguf_details(path: Path) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
-    from .gguf import gguf_config
-    from .gguf_file import GGUFFile
+    from ..formats.gguf_file import GGUFFile
+    from ..models.gguf import gguf_config
 
     try:
         with GGUFFile(path) as gguf:
