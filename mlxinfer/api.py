@@ -20,7 +20,6 @@ from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingPa
 from .engine.drafting import DraftRuntime
 from .engine.prefill import SNAPSHOT_EVERY
 from .engine.prefix_store import prefix_store_for
-from .engine.sampling import is_int
 from .engine.single import warm_alone
 from .engine.speculation import StepCosts, check_mode
 from .engine.structure import Structure, structure_of
@@ -30,7 +29,7 @@ from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import check_kv_bits, footprint
 from .tokenizer import Tokenizer, check_same_vocabulary
-from .untrusted import shown
+from .untrusted import is_int, shown
 
 log = logging.getLogger(__name__)
 

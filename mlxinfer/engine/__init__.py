@@ -1,26 +1,58 @@
 """The generation engine: sampling, prefill, decode, text streaming, continuous batching."""
 
-from .generate import GenerationRequest, prefill
+from .drafting import DraftModel, DraftRuntime
+from .embed import POOLINGS, check_ids, embed, embeddable, split_inputs
+from .generate import GenerationRequest, check_max_tokens, prefill
 from .job import Delta, Event, Failed, Finished, Job
-from .loop import ModelRuntime, SchedulerConfig
+from .loop import BatchLoop, ModelRuntime, SchedulerConfig
+from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill
+from .prefix_store import prefix_store_for
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .single import TextGeneration, generate_ids
+from .single import TextGeneration, generate_ids, warm_alone
+from .speculation import DRAFT_REASONS, MODES, REASONS, StepCosts, check_mode, check_startup_mode
 from .stats import GenerationStats
+from .structure import Structure, structure_of
+from .text import check_stops
+from .threads import call_on_device_thread
 
 __all__ = [
+    "BatchLoop",
+    "DEFAULT_PREFILL_CHUNK_TOKENS",
+    "DRAFT_REASONS",
     "Delta",
+    "DraftModel",
+    "DraftRuntime",
     "Event",
     "Failed",
     "Finished",
     "GenerationRequest",
     "GenerationStats",
     "Job",
+    "MODES",
     "ModelRuntime",
+    "POOLINGS",
+    "Prefill",
+    "REASONS",
+    "SNAPSHOT_EVERY",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
+    "StepCosts",
+    "Structure",
     "TextGeneration",
+    "call_on_device_thread",
+    "check_ids",
+    "check_max_tokens",
+    "check_mode",
+    "check_startup_mode",
+    "check_stops",
+    "embed",
+    "embeddable",
     "generate_ids",
     "prefill",
+    "prefix_store_for",
+    "split_inputs",
+    "structure_of",
+    "warm_alone",
 ]

@@ -19,11 +19,10 @@ from typing import Any
 
 from ..chat import Tool, ToolChoice, check_messages, check_tool_choice, check_tools
 from ..engine import SamplingParams
-from ..engine.sampling import is_finite_number, is_int
 from ..engine.text import check_stops
 from ..errors import GrammarError, SamplingError
 from ..grammar import check_schema
-from ..untrusted import shown
+from ..untrusted import is_finite_number, is_int, shown
 from .errors import APIError, as_api_error
 
 UNSUPPORTED = (  # refused when set to anything but their default
