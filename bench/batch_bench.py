@@ -23,8 +23,7 @@ from mlxinfer.bench.bandwidth import ceiling_tps, measure_bandwidth
 from mlxinfer.bench.conditions import conditions
 from mlxinfer.bench.suite import prompt_ids
 from mlxinfer.default_model import default_model_path
-from mlxinfer.engine import Scheduler, SchedulerConfig
-from mlxinfer.engine.job import Delta, Failed, Finished, Job
+from mlxinfer.engine import Delta, Failed, Finished, Job, Scheduler, SchedulerConfig
 
 LEVELS = (1, 2, 4, 8)
 PROMPT_TOKENS = 64

@@ -20,7 +20,7 @@ from typing import Any
 
 from mlxinfer.default_model import cache_dir
 from mlxinfer.errors import UnsupportedModelError
-from mlxinfer.models.family_config import GPT_OSS_YARN
+from mlxinfer.families.gpt_oss import GPT_OSS_YARN
 
 TINY = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tiny"
 # The committed tiny checkpoints of the same families (CI and --quick: no torch needed).

@@ -183,9 +183,7 @@ def draft_read_s(model: Any, ids: list[int]) -> float:
     """Seconds mlxinfer's draft model takes to read the prompt, timed apart. It reads it alongside the target's
     prefill (in the TTFT of a run that drafts with it) unless its own prefix cache has it, as in every run here
     after the first that drafts with it (mlx-lm prefills its draft model with the target, before the first token)."""
-    from mlxinfer.engine.drafting import DraftModel
-    from mlxinfer.engine.prefill import DEFAULT_PREFILL_CHUNK_TOKENS
-    from mlxinfer.engine.sampling import SamplingParams
+    from mlxinfer.engine import DEFAULT_PREFILL_CHUNK_TOKENS, DraftModel, SamplingParams
 
     drafter = DraftModel(model.draft.model, ids, SamplingParams(), model.config.vocab_size)
     began = time.perf_counter()
@@ -326,7 +324,7 @@ def step_costs(model: Any, settings: SpeculativeSettings) -> dict[str, Any]:
 
     from mlxinfer.cache import make_cache
     from mlxinfer.cache.rewind import mark, rewind
-    from mlxinfer.engine.prefill import Prefill
+    from mlxinfer.engine import Prefill
 
     decoder = model._loaded.model
     ids = model.encode_prompt(prompts(settings)["grounded"], chat=True)[: settings.curve_context]

@@ -168,7 +168,7 @@ def _mask_cost(model: Any, ids: list[int]) -> dict[str, float]:
     unpacked into a device array) and advancing the matcher. The engine overlaps the mask with the device step."""
     import mlx.core as mx
 
-    from mlxinfer.engine.structure import structure_of
+    from mlxinfer.engine import structure_of
     from mlxinfer.grammar import allowed_tokens
 
     constraint = structure_of(schema=PERSON).constraint(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
@@ -209,7 +209,7 @@ def _one_token_s(model: Any, prompt: list[dict[str, str]], **structure: Any) -> 
 def _compile_rows(model: Any, s: StructuredSettings) -> list[dict[str, Any]]:
     """Compile time of fresh grammars of each kind (a unique property or option each time, so never cached),
     and the lookup when the same grammar comes again."""
-    from mlxinfer.engine.structure import structure_of
+    from mlxinfer.engine import structure_of
     from mlxinfer.grammar import vocabulary
 
     vocab = vocabulary(model.tokenizer, model.config.vocab_size, model.eos_token_ids)

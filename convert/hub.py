@@ -1,56 +1,60 @@
-"""Download a checkpoint from the Hugging Face Hub, checking it before the big files.
+"""A Hub id's checkpoint for the converter, from the one download cache `mlxinfer pull` uses.
 
-config.json (and, online, the safetensors headers) are fetched first, so an
-unsupported architecture or a pickle-only repository fails in seconds rather than
-after gigabytes. Works offline (HF_HUB_OFFLINE=1) from the local Hub cache.
+Online, mlxinfer.hub checks the repository (file list, config.json, each shard's header) before any weights come,
+so an unsupported family or a pickle-only repository fails in seconds; the files then download (checked against
+the Hub's sizes and hashes, resumable) into $MLXINFER_CACHE_DIR/downloads, where a later pull of the same commit
+finds them. A complete copy of that commit already in the Hugging Face cache is used as it is. Offline
+(HF_HUB_OFFLINE=1) the Hugging Face cache is the only source: it is read, never written.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-from mlxinfer.errors import ConversionError, UnsupportedModelError
-from mlxinfer.models.config import normalize_config
+from mlxinfer.errors import ConversionError
+from mlxinfer.hub import MAX_CONFIG_BYTES, check_disk, download, hf_cache_snapshot, plan_download
+from mlxinfer.library import hf_cache_dir
+from mlxinfer.models import normalize_config
+from mlxinfer.untrusted import read_json_object
 
 log = logging.getLogger(__name__)
 
 PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "*.jinja"]
 
 
-def fetch(repo_id: str) -> Path:
-    """Local folder holding `repo_id`'s safetensors checkpoint."""
-    from huggingface_hub import constants, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+def fetch(repo_id: str, progress: bool = True) -> Path:
+    """Local folder holding `repo_id`'s safetensors checkpoint (the head of its main branch)."""
+    from huggingface_hub import constants
 
-    try:
-        config_path = hf_hub_download(repo_id, "config.json")
-    except LocalEntryNotFoundError:
-        raise ConversionError(
-            f"{repo_id}: not in the local Hugging Face cache and the Hub cannot be reached; "
-            "download it where there is network, or pass a local folder"
-        ) from None
-    except HfHubHTTPError as e:
-        raise ConversionError(f"{repo_id}: cannot fetch config.json from the Hub ({e})") from None
-    normalize_config(json.loads(Path(config_path).read_text()), source=f"{repo_id}/config.json")
-    if not constants.HF_HUB_OFFLINE:
-        _check_remote_headers(repo_id)
-    try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=PATTERNS))
-    except (LocalEntryNotFoundError, HfHubHTTPError) as e:
-        raise ConversionError(f"{repo_id}: download failed ({e})") from None
+    if constants.HF_HUB_OFFLINE:
+        return _from_hf_cache(repo_id)
+    plan = plan_download(repo_id)
+    folder = hf_cache_snapshot(plan.listing, plan.files)  # put there by another tool: used as it is
+    if folder is None:
+        check_disk(plan)
+        folder = download(plan, progress=progress)
     log.info("%s: using %s", repo_id, folder)
     return folder
 
 
-def _check_remote_headers(repo_id: str) -> None:
-    from huggingface_hub import get_safetensors_metadata
-    from huggingface_hub.errors import NotASafetensorsRepoError
+def _from_hf_cache(repo_id: str) -> Path:
+    """The Hugging Face cache's snapshot of `repo_id`'s main branch, its config checked; no network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        get_safetensors_metadata(repo_id)  # reads only each shard's header
-    except NotASafetensorsRepoError:
-        raise UnsupportedModelError(
-            f"{repo_id}: has no safetensors weights (pickle checkpoints are never loaded)"
-        ) from None
+        folder = Path(
+            snapshot_download(repo_id, allow_patterns=PATTERNS, cache_dir=hf_cache_dir(), local_files_only=True)
+        )
+    except (LocalEntryNotFoundError, ValueError):  # ValueError: an id huggingface_hub refuses
+        folder = None
+    if folder is None or not (folder / "config.json").is_file():
+        raise ConversionError(
+            f"{repo_id}: not in the local Hugging Face cache and the Hub cannot be reached; "
+            "download it where there is network, or pass a local folder"
+        )
+    config = read_json_object(folder / "config.json", ConversionError, limit=MAX_CONFIG_BYTES)
+    normalize_config(config, source=f"{repo_id}/config.json")
+    log.info("%s: using %s (offline)", repo_id, folder)
+    return folder

@@ -1,11 +1,8 @@
 """mlxinfer: fast, lean, trustworthy LLM inference on Apple Silicon, built on MLX."""
 
-from . import blas
-
-blas.activate()  # before any matmul: MLX's CPU GEMMs reach OpenBLAS on Linux (see blas.py)
-
-from .api import GenerationResult, Model, load  # noqa: E402
-from .engine import GenerationStats, SamplingParams  # noqa: E402
+# Importing leaves MLX as it is: OpenBLAS is routed in at the first model load on the CPU (blas.py).
+from .api import GenerationResult, Model, load
+from .engine import GenerationStats, SamplingParams
 
 __version__ = "0.1.0"
 

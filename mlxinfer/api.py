@@ -16,13 +16,21 @@ import numpy as np
 from .cache import PrefixCache, PrefixCacheStats, make_cache
 from .default_model import default_model_path
 from .display import html_table, mib
-from .engine import GenerationRequest, GenerationStats, ModelRuntime, SamplingParams, TextGeneration
-from .engine.drafting import DraftRuntime
-from .engine.prefill import SNAPSHOT_EVERY
-from .engine.prefix_store import prefix_store_for
-from .engine.single import warm_alone
-from .engine.speculation import StepCosts, check_mode
-from .engine.structure import Structure, structure_of
+from .engine import (
+    SNAPSHOT_EVERY,
+    DraftRuntime,
+    GenerationRequest,
+    GenerationStats,
+    ModelRuntime,
+    SamplingParams,
+    StepCosts,
+    Structure,
+    TextGeneration,
+    check_mode,
+    prefix_store_for,
+    structure_of,
+    warm_alone,
+)
 from .errors import SamplingError, TokenizerError
 from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
@@ -390,7 +398,7 @@ class Model:
             >>> vectors = model.embed(["a cat", "a dog"])
             >>> float(vectors[0] @ vectors[1])  # cosine similarity
         """
-        from .engine.embed import embed, split_inputs
+        from .engine import embed, split_inputs
 
         items = split_inputs(inputs)
         ids = [self.tokenizer.encode(item) if isinstance(item, str) else item for item in items]

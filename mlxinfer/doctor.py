@@ -24,8 +24,7 @@ from .blas import SLOW_GFLOPS, BlasReport, activate, probe_gflops
 from .default_model import DISPLAY_NAME, cache_dir, default_model_path
 from .display import mib
 from .errors import DefaultModelError, MlxInferError
-from .library.catalog import models_dir
-from .library.listing import hf_cache_dir
+from .library import hf_cache_dir, models_dir
 from .memory.machine import machine_memory
 from .models.cpu_weights import cpu_weights_mode
 from .models.dtype import choose_compute_dtype, dtype_name
@@ -141,7 +140,7 @@ def packages() -> Check:
 def blas() -> Check:
     report = activate()
     value = report.as_dict()
-    if report.gflops is None:  # not measured at import (macOS, or routing failed before the probe)
+    if report.gflops is None:  # not measured by activate() (macOS, or routing failed before the probe)
         try:
             value["gflops"] = probe_gflops()
         except ValueError as e:

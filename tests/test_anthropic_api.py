@@ -13,8 +13,8 @@ import pytest
 import mlxinfer
 from mlxinfer.engine import SchedulerConfig
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.anthropic import to_openai
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.routes.anthropic import to_openai
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY
 from tests.test_structured_server import FAMILIES, TEMPLATES, tiny_with_template
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 import zipfile
@@ -67,6 +68,9 @@ ROOMS = (
     | {"convert", "quantize"}  # installed under mlxinfer/ from the repository's top level
 )
 FORBIDDEN.update({leaf: ROOMS - {leaf, "errors"} for leaf in LEAVES})
+# A family file builds on the shared decoder and readers only; models/registry.py finds it by its model_type
+# (importlib, by name), so no room imports families statically and no circle forms.
+FORBIDDEN["families"] = ROOMS - {"families", "models", "formats", "errors", "untrusted"}
 
 
 def imported_rooms(path: Path) -> set[str]:
@@ -115,8 +119,31 @@ def test_converter_and_quantizer_stay_out_of_the_runtime_and_ui():
                 assert f"mlxinfer.{room}" not in text and f"from ..{room}" not in text, f"{path} imports {room}"
 
 
+def test_nothing_imports_a_family_statically():
+    folders = [ROOT / "mlxinfer", ROOT / "convert", ROOT / "quantize"]
+    modules = [p for folder in folders for p in folder.rglob("*.py") if "families" not in p.parts]
+    users = [p for p in modules if "families" in imported_rooms(p)]
+    assert not users
+
+
+def test_every_family_file_is_found_by_its_model_types():
+    from mlxinfer.models.gguf_arch import ARCHITECTURES as GGUF
+    from mlxinfer.models.gguf_arch import GGUF_FAMILIES
+    from mlxinfer.models.registry import ARCHITECTURES, family_module
+
+    for path in sorted((ROOT / "mlxinfer" / "families").glob("[!_]*.py")):
+        module = importlib.import_module(f"mlxinfer.families.{path.stem}")
+        assert module.SPECS, f"{path.name} holds no registry row"
+        for model_type, spec in module.SPECS.items():
+            where = f"{model_type} is in {path.name}: add it to models/registry.py's SHARED_FILES"
+            assert family_module(model_type) == module.__name__, where
+            assert ARCHITECTURES[model_type] is spec
+        for name, conventions in getattr(module, "GGUF", {}).items():  # llama.cpp's architecture names
+            assert family_module(GGUF_FAMILIES[name]) == module.__name__ and GGUF[name] is conventions
+
+
 def test_nothing_imports_the_cli():
-    users = [p for p in (ROOT / "mlxinfer").rglob("*.py") if p.name != "cli.py" and "cli" in imported_rooms(p)]
+    users = [p for p in (ROOT / "mlxinfer").rglob("*.py") if room_of(p) != "cli" and "cli" in imported_rooms(p)]
     assert not users
 
 

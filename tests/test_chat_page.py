@@ -13,7 +13,7 @@ import pytest
 
 from mlxinfer.engine import SchedulerConfig
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from mlxinfer.ui.tray import icon_image
 from tests.system_tools import require
 from tests.test_server import metric

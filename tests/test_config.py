@@ -491,7 +491,7 @@ def test_gpt_oss_and_granite_defaults_are_transformers_defaults(model_type, conf
     transformers = pytest.importorskip("transformers")
     import dataclasses
 
-    from mlxinfer.models.family_config import GPT_OSS_YARN
+    from mlxinfer.families.gpt_oss import GPT_OSS_YARN
     from mlxinfer.models.registry import ARCHITECTURES
 
     cls = getattr(transformers, config_class)

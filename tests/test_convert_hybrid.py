@@ -148,7 +148,7 @@ def test_the_stream_holds_one_layer_of_experts_at_a_time(tmp_path):
     from mlxinfer.convert.layout import converted_tensors
     from mlxinfer.convert.sources import FolderSource
 
-    from mlxinfer.models.weights_qwen3_next import to_mlx_layout
+    from mlxinfer.families.qwen3_next import to_mlx_layout
 
     layers, experts, shape = 8, 4, (256, 1024)  # one projection's experts: 4 MiB in float32, the model 96 MiB
     tensors = {

@@ -33,16 +33,22 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @linux
-def test_importing_mlxinfer_points_mlx_gemms_at_openblas():
-    report = blas.activate()
+def test_activating_points_mlx_gemms_at_openblas():
+    report = blas.activate()  # what the first CPU model load does (tests/test_blas.py)
     assert report.name.startswith("OpenBLAS") and report.note is None, report
     assert blas.routed()  # read back from libmlx's GOT, not from the report
+
+
+@pytest.fixture
+def activated():
+    """Routed as the first CPU model load routes it: importing mlxinfer no longer does."""
+    blas.activate()
 
 
 @linux
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
 @pytest.mark.parametrize("shape", [(1, 7, 5), (33, 64, 17), (128, 96, 200)])
-def test_routed_gemms_match_numpy(dtype, shape):
+def test_routed_gemms_match_numpy(dtype, shape, activated):
     assert blas.routed()
     m, k, n = shape
     rng = np.random.default_rng(1)

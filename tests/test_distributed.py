@@ -263,8 +263,7 @@ def test_a_job_travels_to_another_rank_with_every_input():
 
 
 def test_a_request_runs_only_where_every_rank_has_room():
-    from mlxinfer.engine import Failed, Finished, SchedulerConfig
-    from mlxinfer.engine.loop import BatchLoop
+    from mlxinfer.engine import BatchLoop, Failed, Finished, SchedulerConfig
     from mlxinfer.errors import MemoryBudgetError
 
     llm = mlxinfer.load(TINY / "llama_classic")
@@ -272,7 +271,7 @@ def test_a_request_runs_only_where_every_rank_has_room():
 
     def run(others_have_room: bool) -> object:
         loop = BatchLoop(llm.runtime, SchedulerConfig(max_batch=2))
-        loop.agree = lambda mine: verdicts.append(mine) or (mine and others_have_room)
+        loop.admission.agree = lambda mine: verdicts.append(mine) or (mine and others_have_room)
         events = []
         loop.add(Job(llm.encode_prompt("hello", chat=False), events.append, max_tokens=4))
         while loop.has_work():

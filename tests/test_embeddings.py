@@ -17,8 +17,8 @@ from mlxinfer.engine import SchedulerConfig
 from mlxinfer.engine.embed import embed, embeddable
 from mlxinfer.errors import EmbeddingError, SamplingError
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.embeddings import MAX_INPUTS, MAX_TOTAL_TOKENS
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.routes.embeddings import MAX_INPUTS, MAX_TOTAL_TOKENS
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY, golden
 
 # llama: plain RMSNorm; gemma3: scaled embeddings, (1+w) norms, sliding windows, tied head with a softcap

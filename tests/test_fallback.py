@@ -22,7 +22,7 @@ from mlxinfer.engine import Finished, SchedulerConfig
 from mlxinfer.engine.scheduler import Scheduler
 from mlxinfer.errors import ConfigError, UnsupportedModelError
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import ARCHITECTURES, TINY, golden
 from tests.test_mlx_lm_roundtrip import mlx_lm_greedy
 from tests.test_scheduler import batch_sizes, run_jobs

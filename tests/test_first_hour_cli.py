@@ -16,7 +16,7 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.default_model import cache_dir
-from mlxinfer.engine.generate import check_max_tokens
+from mlxinfer.engine import check_max_tokens
 from mlxinfer.engine.sampling import SamplingParams
 from mlxinfer.errors import DefaultModelError, SamplingError
 from mlxinfer.library import disk_bytes, local_models
@@ -41,7 +41,7 @@ def loads(monkeypatch) -> list[object]:
         calls.append(path)
         raise DefaultModelError("the loader was reached")
 
-    monkeypatch.setattr("mlxinfer.cli.load", load)
+    monkeypatch.setattr("mlxinfer.cli.common.load", load)
     return calls
 
 
@@ -88,7 +88,7 @@ def test_a_sampling_field_without_a_flag_is_left_to_its_default(loads, monkeypat
     class Later(SamplingParams):  # a field added to the engine before the CLI grows its flag
         typical_p: float = 1.0
 
-    monkeypatch.setattr("mlxinfer.cli.SamplingParams", Later)
+    monkeypatch.setattr("mlxinfer.cli.options.SamplingParams", Later)
     result = run("generate", "-p", "hi", "--top-k", "5")
     assert result.exit_code == 1 and "the loader was reached" in result.stderr, result.output
     assert run("generate", "-p", "hi", "--top-k", "-1").exit_code == 2  # the flags it has are still checked

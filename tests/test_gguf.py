@@ -16,7 +16,8 @@ import pytest
 from mlxinfer.convert import convert
 
 import mlxinfer
-from mlxinfer.formats.gguf_file import GGUFFile
+from mlxinfer.errors import CorruptFileError
+from mlxinfer.formats.gguf_file import GGUFFile, read_metadata
 from tests.conftest import TINY, golden
 
 NAMES = {
@@ -155,6 +156,31 @@ def test_unsupported_gguf_tokenizer_is_one_clear_error(tmp_path, field, value, w
         metadata = {**f.metadata, field: value}
     with pytest.raises(TokenizerError, match=words):
         tokenizer_from_gguf(metadata)
+
+
+def test_metadata_only_reads_step_over_the_vocabulary_and_never_reach_the_tensors(tmp_path):
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_token_list([f"tok{i}" for i in range(1000)])
+    writer.add_chat_template("{{ template }}")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    wanted = {"general.architecture", "tokenizer.ggml.tokens", "tokenizer.chat_template"}
+    expected = {"general.architecture": "llama", "tokenizer.chat_template": "{{ template }}"}  # arrays stay unread
+    assert read_metadata(path, wanted) == expected
+    assert read_metadata(path, wanted, max_skipped_items=999) == {"general.architecture": "llama"}  # stops before
+    assert read_metadata(path, wanted, max_value_bytes=4) == {}  # longer strings are stepped over
+    data = path.read_bytes()
+    path.write_bytes(data[: data.index(b"{{ template }}") + 14])  # cut before the tensor table
+    assert read_metadata(path, wanted) == expected
+    with pytest.raises(CorruptFileError, match="ends inside its header"):
+        GGUFFile(path)
+    path.write_bytes(data[: data.index(b"tok500")])
+    with pytest.raises(CorruptFileError, match="ends inside its header"):
+        read_metadata(path, wanted)
 
 
 def spm_metadata(arch: str) -> dict:

@@ -191,7 +191,7 @@ def test_router_matches_transformers_where_mlx_lm_does_not():
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    from mlxinfer.models.deepseek_layers import GroupedTopkRouter
+    from mlxinfer.families.deepseek_v3 import GroupedTopkRouter
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 16)).astype(np.float32)

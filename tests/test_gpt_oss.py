@@ -14,11 +14,10 @@ from mlx.utils import tree_flatten
 
 import mlxinfer
 from mlxinfer.errors import WeightMismatchError
+from mlxinfer.families.gpt_oss import convert_gpt_oss_weights, quantized_attention_with_sinks
 from mlxinfer.models.config import normalize_config
 from mlxinfer.models.decoder import build_model
 from mlxinfer.models.footprint import KV_GROUP_SIZE
-from mlxinfer.models.gpt_oss_layers import quantized_attention_with_sinks
-from mlxinfer.models.weights_gpt_oss import convert_gpt_oss_weights
 from tests.conftest import TINY, golden
 
 # transformers 5.24 `ROPE_INIT_FUNCTIONS["yarn"]` on the fixture's config (head_dim 16, theta 1.5e5, factor 32,

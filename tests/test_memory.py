@@ -96,7 +96,7 @@ def test_the_context_limit_names_every_limit_that_applies(steps, context, traine
 def test_a_request_that_cannot_fit_is_refused_and_a_tight_one_is_rechunked(monkeypatch):
     model = mlxinfer.load(TINY / "qwen2", prefix_cache_bytes=0)
     headroom = GIB  # MachineMemory keeps at least 1 GiB for the rest of the machine
-    monkeypatch.setattr("mlxinfer.engine.loop.machine_memory", lambda: machine(headroom + 70 * 2**20))
+    monkeypatch.setattr("mlxinfer.engine.admission.machine_memory", lambda: machine(headroom + 70 * 2**20))
     # What this test process already holds (other tests' models, MLX's buffer cache) would count as ours.
     monkeypatch.setattr("mlxinfer.api.mx.get_active_memory", lambda: model.footprint.weights_bytes)
     monkeypatch.setattr("mlxinfer.api.mx.get_cache_memory", lambda: 0)

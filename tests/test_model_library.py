@@ -16,8 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 import mlxinfer
+from mlxinfer import library
 from mlxinfer.cli import main
-from mlxinfer.library import listing as library
+from mlxinfer.library import hf_cache, listing, local_model, show, state
 from mlxinfer.server import ServerSettings
 from mlxinfer.ui import MenubarController
 from tests.conftest import TINY
@@ -365,6 +366,47 @@ def test_a_side_file_that_differs_from_its_git_blob_id_is_refused(hub_for, dirs)
     assert not (downloads(dirs) / "tokenizer.json").exists() and not list(dirs.models.iterdir())
 
 
+NOT_LISTED = shutil.ignore_patterns("golden.safetensors")  # in the fixture, not in the repository
+
+
+def test_convert_of_a_hub_id_downloads_into_the_cache_a_later_pull_uses(hub_for, dirs, monkeypatch):
+    from mlxinfer.convert import convert
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    hub = hub_for()
+    convert(REPO, dirs.config / "tiny-8bit", bits=8, group_size=32, evaluate=False, progress=False)
+    assert_same_as_source(downloads(dirs))  # checked and kept in the one download cache
+    assert not dirs.hf.exists()  # the Hugging Face cache is read, never written
+    asked = len(hub.weight_requests())
+    assert run("pull", REPO, "--yes").exit_code == 0
+    assert None not in hub.weight_requests()[asked:]  # the pull read the headers only: the weights were there
+    assert_same_as_source(dirs.models / "tiny-llama")
+
+
+def test_convert_of_a_hub_id_uses_a_complete_copy_in_the_hf_cache(hub_for, dirs, monkeypatch):
+    from mlxinfer.convert import convert
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    hub = hub_for()
+    shutil.copytree(SOURCE, dirs.hf / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT, ignore=NOT_LISTED)
+    convert(REPO, dirs.config / "tiny-8bit", bits=8, group_size=32, evaluate=False, progress=False)
+    assert None not in hub.weight_requests() and not (dirs.cache / "downloads").exists()
+
+
+def test_pull_copies_checked_files_from_the_hf_cache_and_downloads_a_damaged_one(hub_for, dirs):
+    hub = hub_for()
+    snapshot = dirs.hf / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
+    shutil.copytree(SOURCE, snapshot, ignore=NOT_LISTED)
+    config = snapshot / "config.json"
+    config.write_bytes(config.read_bytes().replace(b'"initializer_range": 0.2', b'"initializer_range": 0.3'))
+    result = run("pull", REPO, "--yes")
+    assert result.exit_code == 0, result.output
+    assert_same_as_source(dirs.models / "tiny-llama")
+    assert None not in hub.weight_requests()  # the weights came from the Hugging Face cache, checked
+    fetched = [path for path, rng in hub.requests if "/resolve/" in path and rng is None]
+    assert fetched == [f"/{REPO}/resolve/{COMMIT}/config.json"] * 2  # plan_pull's read, then the damaged copy's
+
+
 # -- ls / rm / show -------------------------------------------------------------------------------
 
 
@@ -465,11 +507,11 @@ def test_hf_cache_models_are_listed_and_removed_through_huggingface_hub(dirs):
 
 def test_record_use_is_shown_and_bounded(dirs, monkeypatch):
     shutil.copytree(SOURCE, dirs.models / "llama_classic")
-    monkeypatch.setattr(library, "MAX_USES", 3)
+    monkeypatch.setattr(state, "MAX_USES", 3)
     for i in range(5):
         library.record_use(dirs.models / f"other{i}")
     library.record_use(dirs.models / "llama_classic")
-    assert len(json.loads((dirs.cache / library.USES_FILE).read_text())) == 3
+    assert len(json.loads((dirs.cache / state.USES_FILE).read_text())) == 3
     assert library.find_model("llama_classic").last_used is not None
     assert "never" not in next(line for line in run("ls").output.splitlines() if line.startswith("llama_classic"))
 
@@ -500,11 +542,10 @@ def test_find_model_describes_only_the_model_it_finds(dirs, tmp_path, monkeypatc
     import huggingface_hub
 
     calls: list[str] = []
-    for name in ("describe", "_config", "gguf_facts", "disk_bytes", "_scan_hf_cache"):
-        real = getattr(library, name)
-        monkeypatch.setattr(
-            library, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
-        )
+    patched = ((listing, "describe"), (local_model, "read_config"), (local_model, "gguf_facts"))
+    for module, name in (*patched, (local_model, "disk_bytes"), (hf_cache, "_scan_hf_cache")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     monkeypatch.setattr(huggingface_hub, "scan_cache_dir", lambda *a: calls.append("scan_cache_dir"))
     for unknown in ("nope", "org/nope", "../x", "nope/../../x", "a--b/c", ""):
         assert library.find_model(unknown) is None
@@ -513,7 +554,7 @@ def test_find_model_describes_only_the_model_it_finds(dirs, tmp_path, monkeypatc
         calls.clear()
         assert library.find_model(model.name) == model
         assert calls.count("describe") == 1 and "_scan_hf_cache" not in calls and "scan_cache_dir" not in calls
-        assert len([c for c in calls if c in ("_config", "gguf_facts")]) == 1
+        assert len([c for c in calls if c in ("read_config", "gguf_facts")]) == 1
 
 
 def test_find_model_follows_list_models_for_a_path_listed_twice(dirs, tmp_path):
@@ -564,6 +605,6 @@ def test_chat_template_of_a_folder_and_a_gguf_file(dirs, tmp_path, monkeypatch):
     assert library.chat_template(gguf_with_template(tmp_path / "t.gguf", "{{ gguf }} é")) == "{{ gguf }} é"
     assert library.chat_template(gguf_with_template(tmp_path / "none.gguf", None)) is None
     assert library.chat_template(tiny_gguf(tmp_path / "tiny.gguf")) is None
-    monkeypatch.setattr(library, "MAX_TEMPLATE_BYTES", 8)  # bounded: a larger template is not read
+    monkeypatch.setattr(show, "MAX_TEMPLATE_BYTES", 8)  # bounded: a larger template is not read
     assert library.chat_template(gguf_with_template(tmp_path / "t.gguf", "x" * 9)) is None
     assert library.chat_template(folder) is None  # the .jinja file is too large

@@ -23,8 +23,9 @@ from mlxinfer.convert import convert
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.errors import ConfigError, UnsupportedModelError, WeightMismatchError
+from mlxinfer.families.mixtral import MIXTRAL
 from mlxinfer.models.config import SLIDING, normalize_config
-from mlxinfer.models.moe_weights import MIXTRAL, QWEN, to_switch_layout
+from mlxinfer.models.moe_weights import QWEN, to_switch_layout
 from tests.conftest import TINY, golden
 
 # One fixture per family -> (a MoE layer's router path, the bits mlx-lm's quant_predicate gives it at --bits 4).

@@ -19,8 +19,8 @@ import pytest
 
 import mlxinfer
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.ollama import to_openai_messages
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.routes.ollama import to_openai_messages
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY
 
 LLAMA3_TEMPLATE = Path(__file__).parent / "fixtures" / "chat_templates" / "meta-llama-Llama-3.2-3B-Instruct.jinja"

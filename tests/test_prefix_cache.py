@@ -13,7 +13,7 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cache import PrefixCache, make_cache
 from mlxinfer.cli import main
-from mlxinfer.engine.generate import prefill
+from mlxinfer.engine import prefill
 from mlxinfer.errors import ConfigError, SamplingError
 from tests.conftest import TINY
 

@@ -18,12 +18,12 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.errors import CorruptFileError, UnsupportedModelError, WeightMismatchError
+from mlxinfer.families.qwen3_next import to_mlx_layout
 from mlxinfer.formats.safetensors_header import read_header
 from mlxinfer.models.checkpoint import load_tensors, open_folder
 from mlxinfer.models.config import normalize_config
 from mlxinfer.models.decoder import build_model
 from mlxinfer.models.multimodal import text_checkpoint
-from mlxinfer.models.weights_qwen3_next import to_mlx_layout
 from tests.conftest import TINY, golden
 
 

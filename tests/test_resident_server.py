@@ -23,7 +23,7 @@ from mlxinfer.local_server import LocalServer, find_server, new_token, publish, 
 from mlxinfer.remote import RemoteModel
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.errors import APIError
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY
 
 HI = [{"role": "user", "content": "Say hi"}]

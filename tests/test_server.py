@@ -23,7 +23,7 @@ import mlxinfer
 from mlxinfer.engine import Delta, Job, SchedulerConfig
 from mlxinfer.errors import ServerConfigError
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -466,7 +466,7 @@ def test_ipv6_loopback_serves_on_its_own_socket(tiny_llama):
 
 def test_the_probe_finds_a_wildcard_listener_through_loopback():
     # What listen() asks first on macOS, where binding 127.0.0.1:P succeeds beside a listener on *:P.
-    from mlxinfer.server.run import port_answers
+    from mlxinfer.server.uvicorn_host import port_answers
 
     with socket.socket() as wildcard:
         wildcard.bind(("0.0.0.0", 0))
@@ -478,7 +478,7 @@ def test_the_probe_finds_a_wildcard_listener_through_loopback():
 
 def test_listen_probes_first_where_binding_cannot_tell(monkeypatch):
     from mlxinfer.errors import PortInUseError
-    from mlxinfer.server import run
+    from mlxinfer.server import uvicorn_host as run
 
     asked: list[tuple[str, int]] = []
     monkeypatch.setattr(run, "PROBE_BEFORE_BIND", True)
@@ -493,7 +493,7 @@ def fake_addresses(*hosts: str):
 
 
 def test_listen_binds_a_repeated_address_once(monkeypatch):
-    from mlxinfer.server import run
+    from mlxinfer.server import uvicorn_host as run
 
     monkeypatch.setattr(run.socket, "getaddrinfo", fake_addresses("127.0.0.1", "127.0.0.1"))  # a repeated hosts line
     sockets = run.listen(ServerSettings(host="localhost", port=0))
@@ -506,7 +506,7 @@ def test_listen_binds_a_repeated_address_once(monkeypatch):
 
 def test_listen_names_a_bad_host_in_one_line():
     from mlxinfer.errors import BindError
-    from mlxinfer.server import run
+    from mlxinfer.server import uvicorn_host as run
 
     with pytest.raises(BindError, match=r"^--host a\.\.b is not a valid host name; use 127\.0\.0\.1$"):
         run.listen(ServerSettings(host="a..b", port=0, allow_remote=True, api_key="k" * 16))
@@ -514,7 +514,7 @@ def test_listen_names_a_bad_host_in_one_line():
 
 def test_port_0_clashing_on_a_second_address_says_so(monkeypatch):
     from mlxinfer.errors import PortInUseError
-    from mlxinfer.server import run
+    from mlxinfer.server import uvicorn_host as run
 
     # 0.0.0.0 after 127.0.0.1 always clashes with that first socket's port, on every try.
     monkeypatch.setattr(run.socket, "getaddrinfo", fake_addresses("127.0.0.1", "0.0.0.0"))
@@ -526,7 +526,7 @@ def test_port_0_clashing_on_a_second_address_says_so(monkeypatch):
 
 
 def test_background_server_closes_its_sockets_when_the_app_cannot_be_made(monkeypatch):
-    from mlxinfer.server import run
+    from mlxinfer.server import uvicorn_host as run
 
     opened: list[socket.socket] = []
     real_listen = run.listen
@@ -554,7 +554,7 @@ class StuckServer:
 )
 def test_background_server_that_does_not_start_is_one_error(monkeypatch, exits, timeout, said):
     from mlxinfer.errors import BindError
-    from mlxinfer.server import run
+    from mlxinfer.server import uvicorn_host as run
 
     monkeypatch.setattr(run, "_server", lambda *args: StuckServer(exits))
     server = BackgroundServer(ModelSet(), ServerSettings(port=0))

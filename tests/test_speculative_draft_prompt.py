@@ -55,17 +55,17 @@ def test_the_draft_model_reads_the_prompt_alongside_the_targets_prefill_and_draf
     loop = BatchLoop(drafted.runtime, SchedulerConfig(max_batch=2, prefill_chunk=48))
     ids = prompt(200, seed=1)
     progress, timeline = [], []
-    prefill_step, step, verify = loop._prefill_step, loop._batch.step, loop._batch.verify
+    prefill_step, step, verify = loop._prefill_step, loop.runner.batch.step, loop.runner.batch.verify
 
     def prefill_recorded():
-        p = loop._prefill
+        p = loop.runner.prefilling
         prefill_step()
-        if loop._prefill is not None:  # (the last chunk hands the row to the batch)
+        if loop.runner.prefilling is not None:  # (the last chunk hands the row to the batch)
             progress.append((p.run.cache[0].length, p.sequence.speculation.drafter.fed))
 
     loop._prefill_step = prefill_recorded
-    loop._batch.step = lambda *a, **k: timeline.append("plain") or step(*a, **k)
-    loop._batch.verify = lambda *a: timeline.append("verify") or verify(*a)
+    loop.runner.batch.step = lambda *a, **k: timeline.append("plain") or step(*a, **k)
+    loop.runner.batch.verify = lambda *a: timeline.append("verify") or verify(*a)
     (end,) = run(loop, Job(ids, None, max_tokens=12, speculate="draft", use_cache=False))
     assert isinstance(end, Finished)
     # Chunk by chunk together: the target (which leaves nothing cached here) and the draft model at each turn.

@@ -18,7 +18,7 @@ from mlxinfer.cli import main
 from mlxinfer.engine import Delta, Job, SchedulerConfig
 from mlxinfer.errors import DraftModelError
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY
 
 TARGET = TINY / "llama_classic"

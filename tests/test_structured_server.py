@@ -21,8 +21,8 @@ import mlxinfer
 from mlxinfer.chat import Content, OutputParser, Reasoning, ToolCall, output_format
 from mlxinfer.engine import SchedulerConfig
 from mlxinfer.server import ModelSet, ServerSettings
-from mlxinfer.server.answer import Answer
-from mlxinfer.server.run import BackgroundServer
+from mlxinfer.server.deltas import Answer
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine import Delta, Job, SchedulerConfig
-from ..engine.loop import BatchLoop, ModelRuntime
+from ..engine import BatchLoop, Delta, Job, ModelRuntime, SchedulerConfig
 from .channel import Channel
 from .replay import apply_turn, job_from_spec, replayable
 
@@ -13,7 +12,7 @@ from .replay import apply_turn, job_from_spec, replayable
 def follow(runtime: ModelRuntime, config: SchedulerConfig, channel: Channel, vocab_size: int) -> None:
     """Run rank 0's turns here; returns when rank 0 stops serving, raises when it is gone."""
     loop = BatchLoop(replayable(runtime), config, log_failures=False)
-    loop.agree = channel.all_true
+    loop.admission.agree = channel.all_true
     jobs: dict[int, Job] = {}
     ended: list[int] = []
     while True:

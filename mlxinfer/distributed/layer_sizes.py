@@ -2,28 +2,27 @@
 
 Nothing is loaded, so a 70B model can be planned on a laptop. Tensors named `model.layers.<i>.` belong
 to layer i (as models/shard.py's Stage splits them); every other tensor (embeddings, final norm, head)
-is held by every rank. The KV cache per layer uses the memory planner's arithmetic (ModelFootprint).
+is held by every rank. Each layer's cache (KV or recurrent state) is the planner's (models/footprint.py).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelNotFoundError
 from ..formats.gguf_file import GGUFFile
 from ..formats.safetensors_header import DTYPE_BYTES, FLOAT_DTYPES
-from ..memory import ModelFootprint
 from ..memory.planner import PREFILL_CHUNK, RUNTIME_BYTES
 from ..models.checkpoint import open_folder
-from ..models.config import FULL, SLIDING, ModelConfig, normalize_config
+from ..models.config import ModelConfig, normalize_config
 from ..models.dtype import DTYPES
-from ..models.footprint import KV_GROUP_SIZE, check_kv_bits
+from ..models.footprint import check_kv_bits, config_footprint, layer_cache_bytes
 from ..models.gguf import gguf_config, gguf_tensors
 from ..models.multimodal import text_checkpoint
-from ..models.sizing import StoredTensor, check_checkpoint, moe_layout
+from ..models.sizing import StoredTensor, check_checkpoint
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 HOSTS_DTYPE = "bfloat16"  # Apple GPUs compute in half precision (float16 before the M2: the same 2 bytes)
@@ -40,7 +39,7 @@ class LayerSizes:
     context: int
     hidden_size: int
     layer_weight_bytes: tuple[int, ...]
-    layer_kv_bytes: tuple[int, ...]  # at `context` tokens (recurrent layers' fixed state: not counted)
+    layer_kv_bytes: tuple[int, ...]  # the KV cache at `context` tokens, or a recurrent layer's state
     layer_parameters: tuple[int, ...]  # for the compute estimate
     shared_weight_bytes: int  # embeddings, final norm, head: on every rank
     head_weight_bytes: int  # what computing the logits reads per token
@@ -128,7 +127,7 @@ def _sizes(
         elif int(match.group(1)) < n:  # later ones: multi-token-prediction layers the decoder never runs
             weights[int(match.group(1))] += tensor.loaded_bytes
             params[int(match.group(1))] += count
-    footprint, notes = _footprint(config, dtype, kv_bits)
+    footprint = config_footprint(config, DTYPES[dtype].size, kv_bits)  # weights: from the headers above
     return LayerSizes(
         source=source,
         dtype=dtype,
@@ -136,13 +135,13 @@ def _sizes(
         context=context,
         hidden_size=config.hidden_size,
         layer_weight_bytes=tuple(weights),
-        layer_kv_bytes=tuple(_layer_kv(footprint, kind, context) for kind in _kinds(config)),
+        layer_kv_bytes=layer_cache_bytes(config, footprint, context),
         layer_parameters=tuple(params),
         shared_weight_bytes=shared,
         head_weight_bytes=head,
         head_parameters=head_params,
         working_bytes=footprint.activation_bytes(min(PREFILL_CHUNK, context), context) + RUNTIME_BYTES,
-        notes=notes,
+        notes=_notes(config),
     )
 
 
@@ -161,45 +160,8 @@ def _parameters(name: str, tensor: StoredTensor, packed: set[str], bits: int) ->
     return count * 32 // bits if name in packed else count
 
 
-def _kinds(config: ModelConfig) -> tuple[str, ...]:
-    """Each layer's cache kind; a model whose module decides (unverified) is counted as full attention."""
-    return config.layer_types if len(config.layer_types) == config.num_layers else (FULL,) * config.num_layers
-
-
-def _footprint(config: ModelConfig, dtype: str, kv_bits: int | None) -> tuple[ModelFootprint, tuple[str, ...]]:
-    """The planner's sizes of the whole model, weights left out (they come from the headers)."""
-    a, size = config.args, DTYPES[dtype].size
-    heads = int(a.get("num_attention_heads") or 1)
-    head_dim = int(a.get("head_dim") or config.hidden_size // heads)
-    intermediate = int(a.get("intermediate_size") or 4 * config.hidden_size)
-    moe = moe_layout(config, config.source)
-    if moe:  # a prefill chunk runs each token through experts_per_token experts and the shared ones
-        intermediate = max(intermediate, moe.experts_per_token * moe.expert_width + moe.shared_width)
-    kinds = _kinds(config)
-    footprint = ModelFootprint(
-        weights_bytes=0,
-        full_layers=kinds.count(FULL),
-        kv_heads=int(a.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        heads=heads,
-        hidden=config.hidden_size,
-        intermediate=intermediate,
-        vocab=config.vocab_size,
-        compute_bytes=size,
-        # quantized KV: the packed bits plus a scale and a bias (compute dtype) per group, as models/footprint.py
-        kv_bytes=size if kv_bits is None else kv_bits / 8 + 2 * size / KV_GROUP_SIZE,
-        sliding_layers=kinds.count(SLIDING),
-        window=config.sliding_window,
-    )
-    notes = []
+def _notes(config: ModelConfig) -> tuple[str, ...]:
+    """What the sizes assume that the config could not tell."""
     if len(config.layer_types) != config.num_layers:
-        notes.append("layer kinds unknown (unverified model_type): every layer's KV counted as full attention")
-    if any(kind not in (FULL, SLIDING) for kind in kinds):
-        notes.append("recurrent layers' fixed-size state is not counted (a few MiB per sequence)")
-    return footprint, tuple(notes)
-
-
-def _layer_kv(footprint: ModelFootprint, kind: str, context: int) -> int:
-    """One layer's KV allocation at `context` positions (0 for a recurrent layer)."""
-    one = replace(footprint, full_layers=int(kind == FULL), sliding_layers=int(kind == SLIDING))
-    return one.kv_cache_bytes(context)
+        return ("layer kinds unknown (unverified model_type): every layer's KV counted as full attention",)
+    return ()

@@ -29,7 +29,7 @@ class HostShare:
     start: int  # first layer
     end: int  # one past the last layer
     weights_bytes: int  # its layers' and the shared weights
-    kv_bytes: int  # its layers' KV cache at the plan's context
+    kv_bytes: int  # its layers' KV cache at the plan's context (a recurrent layer's: its state)
     working_bytes: int  # prefill activations and MLX's runtime
     usable_bytes: int
 

@@ -7,7 +7,7 @@ generation runs through) on the same inputs, so admissions, prefill chunks, batc
 rows and prefix-cache hits match and every collective in the forward passes meets
 its partners. Nothing else may steer a turn: requests are seeded by rank 0,
 speculation is off, and a request is admitted only where it fits on every rank
-(BatchLoop.agree: one collective per admission).
+(the loop's `admission.agree`: one collective per admission).
 
 A lost rank surfaces as an exception from a collective (the ring backend's
 "connection to a peer was lost"), or as a turn that never ends (a watchdog): either
@@ -25,8 +25,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from ..engine import Delta, Failed, Job, SamplingParams, Scheduler, SchedulerConfig
-from ..engine.loop import BatchLoop, ModelRuntime
+from ..engine import BatchLoop, Delta, Failed, Job, ModelRuntime, SamplingParams, Scheduler, SchedulerConfig
 from ..errors import ClusterError, ShutdownError
 from ..grammar import Grammar, constraint_for
 from .channel import Channel
@@ -106,7 +105,7 @@ def apply_turn(loop: BatchLoop, record: dict[str, Any], cancelled: dict[int, Job
     if record["abort"] is not None:
         loop.end_all(ShutdownError(record["abort"]))
     now = record["now"]
-    loop.clock = lambda: now
+    loop.admission.clock = lambda: now
     try:
         loop.turn()  # a step failing on a lost rank ends its requests; the next turn's message then fails
     except Exception as error:  # noqa: BLE001 - outside the guarded steps: end what is in flight, go on
@@ -135,7 +134,7 @@ class LeaderScheduler(Scheduler):
 
     def _run(self) -> None:
         loop = self._loop
-        loop.agree = self.channel.all_true  # set here, on the loop's thread, before its first turn
+        loop.admission.agree = self.channel.all_true  # set here, on the loop's thread, before its first turn
         while True:
             with self._cond:
                 if not (self._inbox or loop.has_work() or self._stopping or self._aborting):

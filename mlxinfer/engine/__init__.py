@@ -1,12 +1,14 @@
-"""The generation engine: sampling, prefill, decode, text streaming, continuous batching."""
+"""The generation engine: one loop (loop.py) wiring admission, a model runner and an output stage; sampling,
+speculation, structured output, embeddings, and the Scheduler thread that serves the loop to a server."""
 
 from .drafting import DraftModel, DraftRuntime
 from .embed import POOLINGS, check_ids, embed, embeddable, split_inputs
-from .generate import GenerationRequest, check_max_tokens, prefill
 from .job import Delta, Event, Failed, Finished, Job
-from .loop import BatchLoop, ModelRuntime, SchedulerConfig
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill
+from .loop import BatchLoop
+from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill, prefill
 from .prefix_store import prefix_store_for
+from .request import GenerationRequest, check_max_tokens
+from .runtime import ModelRuntime, SchedulerConfig
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .single import TextGeneration, generate_ids, warm_alone

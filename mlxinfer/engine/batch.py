@@ -37,6 +37,7 @@ class Running:
     snapshots: dict[int, Snapshot] = field(default_factory=dict)  # state snapshots from its prefill
     failure: Exception | None = None  # why it ends in error rather than normally (its grammar failed)
     speculation: Speculation | None = None  # its drafter and policy, when it decodes speculatively
+    eos: frozenset[int] = frozenset()  # the ids that end it (the job's, else the model's)
 
     @property
     def token(self) -> int:

@@ -13,9 +13,8 @@ import numpy as np
 
 from ..cache import make_cache
 from ..errors import EmbeddingError, SamplingError
-from ..models.cohere2_layers import ScaledLayerNorm
 from ..models.decoder import DecoderLM
-from ..models.granitemoehybrid_layers import ScaledRMSNorm
+from ..models.shared_layers import ScaledLayerNorm, ScaledRMSNorm
 from ..untrusted import shown
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 from .sampling import is_int
@@ -37,7 +36,7 @@ def embeddable(decoder: object, alongside_generation: bool = False) -> str | Non
         # Its passes are collectives that every rank joins in the same order; a pass on rank 0 alone never ends.
         return "it is split over the ranks of a distributed model, whose passes run only in generation turns"
     if alongside_generation and getattr(decoder, "pass_state", None) is not None:
-        # Gemma 4 (models/gemma4_layers.py) keeps each pass's per-layer inputs and shared keys on the model:
+        # Gemma 4 (families/gemma4_text.py) keeps each pass's per-layer inputs and shared keys on the model:
         # a pass on another thread would overwrite those of a generation running at the same time.
         return (
             "its forward pass keeps per-pass state on the model (Gemma 4's per-layer inputs and shared keys), "

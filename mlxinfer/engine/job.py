@@ -84,6 +84,10 @@ class Job:
         Call it through `Scheduler.cancel`, which also wakes an idle scheduler."""
         self._cancelled.set()
 
+    def stamp(self) -> None:
+        """The job's clock starts now (queueing counts toward its time limit and its stats)."""
+        self.submitted_at = time.perf_counter()
+
     def expired(self, now: float) -> bool:
         return now - self.submitted_at > self.time_limit_s
 

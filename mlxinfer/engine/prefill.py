@@ -99,3 +99,8 @@ class Prefill:
             hidden = self.step()
         # Only the last position's logits are needed: skip the vocab projection for the rest.
         return self.model.head(hidden[:, -1])[0]
+
+
+def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens: int) -> mx.array:
+    """Run `prompt` (1-D ids) into `cache`; returns logits of its last position, shape (vocab,)."""
+    return Prefill.start(model, cache, prompt, chunk_tokens).run()

@@ -1,9 +1,10 @@
 """Continuous batching for a server: many requests, one model, one thread that owns the device.
 
 The thread turns the generation loop (engine/loop.py) while there is work and
-sleeps on a condition variable when there is none. All requests share the
-model's prefix cache and one memory budget: a request that does not fit waits
-in a bounded queue; past the queue it is refused with a retry time.
+sleeps on a condition variable when there is none; which request runs when is
+the loop's admission (engine/admission.py). All requests share the model's
+prefix cache and one memory budget: a request that does not fit waits in a
+bounded queue; past the queue it is refused with a retry time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import mlx.core as mx
 from ..errors import BusyError, ShutdownError
 from ..memory import MachineMemory
 from .job import Job
-from .loop import BatchLoop, ModelRuntime, SchedulerConfig
+from .loop import BatchLoop
+from .runtime import ModelRuntime, SchedulerConfig
 from .threads import run_on_device_thread
 
 log = logging.getLogger("mlxinfer.scheduler")
@@ -48,24 +50,24 @@ class Scheduler:
 
     @property
     def _batch(self):  # the decoding rows, for tests and metrics
-        return self._loop._batch
+        return self._loop.runner.batch
 
     @property
     def plain_batch_steps(self) -> dict[str, int]:
         """Batch steps taken plainly although a row could have speculated, by reason (a copy, for metrics)."""
-        return dict(self._loop.plain_batch_steps)
+        return dict(self._loop.runner.plain_batch_steps)
 
     # -- any thread -------------------------------------------------------
 
     def submit(self, job: Job) -> None:
         """Queue `job`; raises SamplingError for a bad request, BusyError when the queue is full."""
-        self._loop.check(job)
+        self._loop.admission.check(job)
         with self._cond:
             if self._stopping is not None:
                 raise ShutdownError(self._stopping)
             if len(self._inbox) + self.queued >= self.config.max_queue:
                 raise BusyError(f"all {self.config.max_queue} queue places are taken", self.retry_after_s())
-            BatchLoop.stamp(job)
+            job.stamp()
             self._inbox.append(job)
             self._cond.notify()
 
@@ -89,7 +91,7 @@ class Scheduler:
 
     def retry_after_s(self) -> int:
         waiting = self.queued + len(self._inbox)
-        return max(1, min(60, math.ceil(self._loop.service_s * (1 + waiting / self.config.max_batch))))
+        return max(1, min(60, math.ceil(self._loop.output.service_s * (1 + waiting / self.config.max_batch))))
 
     # -- the loop's thread ------------------------------------------------
 
@@ -119,6 +121,6 @@ class Scheduler:
         loop = self._loop
         self.queued, self.running = loop.waiting, loop.running
         self.memory_in_use = mx.get_active_memory()
-        for sequence in loop._batch.rows:
+        for sequence in loop.runner.rows:
             stats = sequence.job.stats
             stats.peak_memory_bytes = max(stats.peak_memory_bytes, self.memory_in_use)

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from ..cache import PrefixCache
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
-from .generate import MAX_TOKENS, GenerationRequest, check_options
 from .job import Delta, Event, Failed, Finished, Job
-from .loop import SINGLE, BatchLoop, ModelRuntime, SchedulerConfig
+from .loop import BatchLoop
 from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS
+from .request import MAX_TOKENS, GenerationRequest, check_options
+from .runtime import SINGLE, ModelRuntime, SchedulerConfig
 from .stats import GenerationStats
 from .text import check_stops, truncate_at_stop
 
@@ -26,7 +27,8 @@ from .text import check_stops, truncate_at_stop
 def run_alone(runtime: ModelRuntime, job: Job, config: SchedulerConfig = SINGLE) -> Iterator[Delta]:
     """The job's text deltas as they come; its stats are filled when this ends. Raises what failed it."""
     loop = BatchLoop(runtime, config, log_failures=False)
-    loop.check(job, within_context=False)  # the Python API lets a caller run past the context, as it always did
+    # The Python API lets a caller run past the context, as it always did.
+    loop.admission.check(job, within_context=False)
     events: deque[Event] = deque()
     job.on_event = events.append
     loop.add(job)

@@ -1,4 +1,4 @@
-"""A bounds-checked GGUF reader that streams one tensor at a time.
+"""A bounds-checked GGUF reader: the whole header (GGUFFile, streaming one tensor at a time) or a few keys.
 
 Every count, length, dimension and offset in the header is checked against the
 file before it is used, so a crafted or truncated file raises CorruptFileError
@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -23,7 +25,9 @@ from ..errors import CorruptFileError, UnsupportedModelError
 from ..untrusted import is_int, plain, shown
 from .safetensors_header import MAX_DIM
 
+MAGIC = b"GGUF"
 MAX_COUNT = 1 << 24  # tensors, metadata keys or array items: far above any real model
+MAX_KEY_BYTES = (1 << 16) - 1  # the format's own limit on a metadata key
 MAX_DIMS = 4
 MAX_DEPTH = 8  # arrays of arrays: real files nest none; each level is a Python call
 MAX_ALIGNMENT = 1 << 20  # llama.cpp writes 32
@@ -34,6 +38,7 @@ F32, F16, Q4_0, Q4_1, Q8_0, BF16, MXFP4 = 0, 1, 2, 3, 8, 30, 39
 # type -> (elements per block, bytes per block)
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), MXFP4: (32, 17)}
 REPACKED = (Q4_0, Q4_1, Q8_0, MXFP4)  # kept quantized (read() returns a QuantizedTensor); other types become floats
+_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,189 @@ class QuantizedTensor:
     mode: str = "affine"
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether the file at `path` starts with GGUF's magic; raises OSError when it cannot be read."""
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
+def read_metadata(
+    path: Path,
+    wanted: Collection[str],
+    *,
+    max_keys: int = MAX_COUNT,
+    max_value_bytes: int = 1 << 20,
+    max_skipped_items: int = MAX_COUNT,
+) -> dict[str, Any]:
+    """The `wanted` keys' scalar and string values from a GGUF header, reading as little of the file as it can.
+
+    Keys are walked in file order until every wanted one is found; the tensor table is never reached. Every other
+    value is stepped over by its size, unread: an array of numbers in one seek, an array of strings (a vocabulary)
+    one length per item. The walk ends, returning what it found, after `max_keys` keys or before an array whose
+    items would take it past `max_skipped_items` in all. A wanted string longer than `max_value_bytes`, or a wanted
+    array, is stepped over as if it were not wanted. The file is read, not mapped, so one that shrinks meanwhile
+    raises rather than faulting.
+
+    Raises CorruptFileError for a malformed header (not GGUF, cut off, a length past the file's end),
+    UnsupportedModelError for a GGUF version other than 2 or 3, and OSError when the file cannot be read.
+
+    Example:
+        >>> read_metadata(Path("SmolLM2.gguf"), {"general.architecture"}, max_keys=64)
+        {'general.architecture': 'llama'}
+    """
+    wanted, found = frozenset(wanted), {}
+    with open(path, "rb") as f:
+        header = _Header(f, os.fstat(f.fileno()).st_size, Path(path), max_skipped_items)
+        _, n_keys = header.start()
+        for _ in range(min(n_keys, max_keys)):
+            key, label, kind = header.key()
+            if key not in wanted or kind == ARRAY:
+                if not header.skip_value(kind, label):
+                    break  # the next array alone would pass the walk's limit on items
+            elif kind == STRING:
+                length = header.count(f"length of value of {label}", header.size)
+                if length <= max_value_bytes:
+                    found[key] = header.text(length, f"value of {label}")
+                else:
+                    header.skip(length, f"value of {label}")
+            else:
+                found[key] = header.value(kind, label)
+            if len(found) == len(wanted):
+                break
+    return found
+
+
+class _Header:
+    """A cursor over a GGUF header in `stream` (the file, or its mmap) of `size` bytes.
+
+    Every length is checked against `size` before anything is read or skipped, and a read that comes back short
+    (a file cut meanwhile) is refused the same way. `skip_budget` bounds the array items skip_value() steps over
+    one by one (the only skipping whose cost grows with the file)."""
+
+    def __init__(self, stream: BinaryIO | mmap.mmap, size: int, path: Path, skip_budget: int = MAX_COUNT):
+        self.stream, self.size, self.path, self.pos, self.skip_budget = stream, size, path, 0, skip_budget
+
+    def start(self) -> tuple[int, int]:
+        """Checks the magic and version; returns (tensor count, metadata key count)."""
+        if self.take(4, "magic") != MAGIC:
+            raise CorruptFileError(f"{self.path}: not a GGUF file (bad magic)")
+        version = self.scalar("<I", "version")
+        if version not in (2, 3):
+            raise UnsupportedModelError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
+        return self.count("tensor count"), self.count("metadata key count")
+
+    def key(self) -> tuple[str, str, int]:
+        """The next metadata key, as read and as shown in messages, and its value type."""
+        key = self.string("metadata key", limit=MAX_KEY_BYTES)
+        label = plain(key)
+        return key, label, self.scalar("<I", f"type of {label}")
+
+    def _cut(self, what: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{self.path}: the file ends inside its header ({what}): it is incomplete or not GGUF; download it again"
+        )
+
+    # take, count and string run for each entry of a vocabulary (10^5 of them): each stays one flat call.
+
+    def take(self, n: int, what: str) -> bytes:
+        end = self.pos + n
+        if n < 0 or end > self.size:
+            raise self._cut(what)
+        data = self.stream.read(n)
+        if len(data) < n:  # the file was cut after its size was taken
+            raise self._cut(what)
+        self.pos = end
+        return data
+
+    def skip(self, n: int, what: str) -> None:
+        end = self.pos + n
+        if n < 0 or end > self.size:
+            raise self._cut(what)
+        self.pos = end
+        self.stream.seek(end)
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def count(self, what: str, limit: int = MAX_COUNT) -> int:
+        value = _U64.unpack(self.take(8, what))[0]
+        if value > limit:
+            raise CorruptFileError(f"{self.path}: {what} is {value}, more than the limit {limit}")
+        return value
+
+    def string(self, what: str, limit: int | None = None) -> str:
+        """A UTF-8 string of at most `limit` bytes (default: the file's size)."""
+        return self.text(self.count(f"length of {what}", self.size if limit is None else limit), what)
+
+    def text(self, length: int, what: str) -> str:
+        """The UTF-8 text of a string whose length was just read."""
+        try:
+            return self.take(length, what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptFileError(f"{self.path}: {what} is not UTF-8") from None
+
+    def value(self, kind: int, key: str, depth: int = 0) -> Any:
+        if kind in _SCALARS:
+            return self.scalar(_SCALARS[kind], f"value of {key}")
+        if kind == STRING:
+            return self.string(f"value of {key}")
+        if kind == ARRAY:
+            item_kind, count = self._array(key, depth)
+            if item_kind in _SCALARS:  # read numeric arrays in one go
+                size = struct.calcsize(_SCALARS[item_kind])
+                data = self.take(count * size, f"items of {key}")
+                return np.frombuffer(data, dtype=np.dtype(_SCALARS[item_kind])).tolist()
+            if item_kind == STRING:  # a vocabulary: no value() call per item
+                what = f"value of {key}"
+                return [self.string(what) for _ in range(count)]
+            return [self.value(item_kind, key, depth + 1) for _ in range(count)]
+        raise CorruptFileError(f"{self.path}: metadata {key} has unknown value type {kind}")
+
+    def skip_value(self, kind: int, key: str, depth: int = 0) -> bool:
+        """Step over one value without reading it; False (nothing more read) when an array's items would spend more
+        than what is left of skip_budget."""
+        if kind in _SCALARS:
+            self.skip(struct.calcsize(_SCALARS[kind]), f"value of {key}")
+        elif kind == STRING:
+            self.skip(self.count(f"length of value of {key}", limit=self.size), f"value of {key}")
+        elif kind == ARRAY:
+            item_kind, count = self._array(key, depth)
+            if item_kind in _SCALARS:
+                self.skip(count * struct.calcsize(_SCALARS[item_kind]), f"items of {key}")
+                return True
+            if count > self.skip_budget:
+                return False
+            self.skip_budget -= count
+            if item_kind == STRING:  # a vocabulary: one length read and one seek per item
+                what = f"value of {key}"
+                length = f"length of {what}"
+                for _ in range(count):
+                    self.skip(self.count(length, self.size), what)
+                return True
+            return all(self.skip_value(item_kind, key, depth + 1) for _ in range(count))
+        else:
+            raise CorruptFileError(f"{self.path}: metadata {key} has unknown value type {kind}")
+        return True
+
+    def _array(self, key: str, depth: int) -> tuple[int, int]:
+        """An array's item type and count."""
+        if depth >= MAX_DEPTH:
+            raise CorruptFileError(f"{self.path}: metadata {key} nests arrays deeper than {MAX_DEPTH}")
+        return self.scalar("<I", f"item type of {key}"), self.count(f"item count of {key}")
+
+    def tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
+        name = self.string("tensor name")
+        label = plain(name)
+        n_dims = self.scalar("<I", f"dimension count of {label}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise CorruptFileError(f"{self.path}: tensor {label} has {n_dims} dimensions")
+        limit = min(MAX_DIM, self.size * 32)
+        dims = [self.count(f"dimension of {label}", limit=limit) for _ in range(n_dims)]
+        kind = self.scalar("<I", f"type of {label}")
+        offset = self.count(f"offset of {label}", limit=MAX_FILE_BYTES)  # past the end: checked once, in _parse
+        return name, tuple(reversed(dims)), kind, offset
+
+
 class GGUFFile:
     """Open with `GGUFFile(path)`; `metadata`, `tensors`, then `read(name)` per tensor."""
 
@@ -69,7 +257,6 @@ class GGUFFile:
         except ValueError:
             self._file.close()
             raise CorruptFileError(f"{self.path}: empty file, not GGUF") from None
-        self._pos = 0
         self.metadata: dict[str, Any] = {}
         self.tensors: dict[str, TensorInfo] = {}
         try:
@@ -112,72 +299,21 @@ class GGUFFile:
 
         return dequantize(raw, GGMLQuantizationType(info.ggml_type)).reshape(info.shape)
 
-    # -- header parsing, every read bounds-checked -------------------------------------
-
-    def _take(self, n: int, what: str) -> bytes:
-        if n < 0 or self._pos + n > len(self._map):
-            raise CorruptFileError(
-                f"{self.path}: the file ends inside its header ({what}): it is incomplete or not GGUF; "
-                "download it again"
-            )
-        data = self._map[self._pos : self._pos + n]
-        self._pos += n
-        return data
-
-    def _scalar(self, fmt: str, what: str) -> Any:
-        return struct.unpack(fmt, self._take(struct.calcsize(fmt), what))[0]
-
-    def _count(self, what: str, limit: int = MAX_COUNT) -> int:
-        value = self._scalar("<Q", what)
-        if value > limit:
-            raise CorruptFileError(f"{self.path}: {what} is {value}, more than the limit {limit}")
-        return value
-
-    def _string(self, what: str) -> str:
-        length = self._count(f"length of {what}", limit=len(self._map))
-        try:
-            return self._take(length, what).decode("utf-8")
-        except UnicodeDecodeError:
-            raise CorruptFileError(f"{self.path}: {what} is not UTF-8") from None
-
-    def _value(self, kind: int, key: str, depth: int = 0) -> Any:
-        if kind in _SCALARS:
-            return self._scalar(_SCALARS[kind], f"value of {key}")
-        if kind == STRING:
-            return self._string(f"value of {key}")
-        if kind == ARRAY:
-            if depth >= MAX_DEPTH:
-                raise CorruptFileError(f"{self.path}: metadata {key} nests arrays deeper than {MAX_DEPTH}")
-            item_kind = self._scalar("<I", f"item type of {key}")
-            count = self._count(f"item count of {key}")
-            if item_kind in _SCALARS:  # read numeric arrays in one go
-                size = struct.calcsize(_SCALARS[item_kind])
-                data = self._take(count * size, f"items of {key}")
-                return np.frombuffer(data, dtype=np.dtype(_SCALARS[item_kind])).tolist()
-            return [self._value(item_kind, key, depth + 1) for _ in range(count)]
-        raise CorruptFileError(f"{self.path}: metadata {key} has unknown value type {kind}")
-
     def _parse(self) -> None:
-        if self._take(4, "magic") != b"GGUF":
-            raise CorruptFileError(f"{self.path}: not a GGUF file (bad magic)")
-        version = self._scalar("<I", "version")
-        if version not in (2, 3):
-            raise UnsupportedModelError(f"{self.path}: GGUF version {version} is not supported (2 or 3)")
-        n_tensors = self._count("tensor count")
-        n_keys = self._count("metadata key count")
+        header = _Header(self._map, len(self._map), self.path)
+        n_tensors, n_keys = header.start()
         for _ in range(n_keys):
-            key = self._string("metadata key")
-            label = plain(key)
+            key, label, kind = header.key()
             if key in self.metadata:
                 raise CorruptFileError(f"{self.path}: metadata key {label} appears twice")
-            self.metadata[key] = self._value(self._scalar("<I", f"type of {label}"), label)
-        infos = [self._tensor_info() for _ in range(n_tensors)]
+            self.metadata[key] = header.value(kind, label)
+        infos = [header.tensor_info() for _ in range(n_tensors)]
         alignment = self.metadata.get("general.alignment", 32)
         if not is_int(alignment) or not 0 < alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
             raise CorruptFileError(
                 f"{self.path}: general.alignment={shown(alignment)} is not a power of two up to {MAX_ALIGNMENT}"
             )
-        data_start = -(-self._pos // alignment) * alignment
+        data_start = -(-header.pos // alignment) * alignment
         for name, shape, kind, offset in infos:
             if name in self.tensors:
                 raise CorruptFileError(f"{self.path}: tensor {plain(name)} appears twice")
@@ -200,18 +336,6 @@ class GGUFFile:
             f"{self.path}: the file is cut off or corrupt: tensor {plain(last.name)} needs bytes up to {end:,} "
             f"but the file has {size:,}; {why}: download it again"
         )
-
-    def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
-        name = self._string("tensor name")
-        label = plain(name)
-        n_dims = self._scalar("<I", f"dimension count of {label}")
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise CorruptFileError(f"{self.path}: tensor {label} has {n_dims} dimensions")
-        limit = min(MAX_DIM, len(self._map) * 32)
-        dims = [self._count(f"dimension of {label}", limit=limit) for _ in range(n_dims)]
-        kind = self._scalar("<I", f"type of {label}")
-        offset = self._count(f"offset of {label}", limit=MAX_FILE_BYTES)  # past the end: checked once, in _parse
-        return name, tuple(reversed(dims)), kind, offset
 
     def _locate(self, name: str, shape: tuple[int, ...], kind: int, offset: int) -> TensorInfo:
         block, block_bytes = _block_size(kind, name, self.path)

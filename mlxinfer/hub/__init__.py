@@ -1,5 +1,19 @@
-"""Checkpoints from the Hugging Face Hub: checked over HTTP before the weights come, then downloaded resumably."""
+"""Checkpoints from the Hugging Face Hub: checked over HTTP before the weights come, then downloaded resumably
+into the one download cache that `pull` and `convert ORG/NAME` share."""
 
-from .pull import PullPlan, check_disk, download, download_dir, estimated_plan, finish, plan_pull
+from .hf_cache import hf_cache_snapshot
+from .pull import PullPlan, check_disk, download, download_dir, estimated_plan, finish, plan_download, plan_pull
+from .remote import MAX_CONFIG_BYTES
 
-__all__ = ["PullPlan", "check_disk", "download", "download_dir", "estimated_plan", "finish", "plan_pull"]
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "PullPlan",
+    "check_disk",
+    "download",
+    "download_dir",
+    "estimated_plan",
+    "finish",
+    "hf_cache_snapshot",
+    "plan_download",
+    "plan_pull",
+]

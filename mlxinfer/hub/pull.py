@@ -1,11 +1,13 @@
 """`mlxinfer pull`: check a Hub checkpoint before its weights come, then download it resumably.
 
 plan_pull() reads only the file list, config.json and the shards' headers, and refuses what mlxinfer could
-not load (pickle-only repositories, unknown families, garbage headers). download() writes each file as
-`<name>.part` under cache_dir()/downloads/<org>--<name>/<commit>/ (one folder per commit: a resume never mixes
-two commits' files), resumes a .part with a Range request, checks the size and the Hub's sha256 (LFS files) or
-git blob id (the others) and renames it into place; finish() moves the finished folder into the models folder
-in one rename, after checking that the target is a folder directly in the models folder named after the repo.
+not load (pickle-only repositories, unknown families, garbage headers); plan_download() does the same for a
+download that stays in the cache, what `convert ORG/NAME` reads: pull and convert share this one cache.
+download() writes each file as `<name>.part` under cache_dir()/downloads/<org>--<name>/<commit>/ (one folder per
+commit: a resume never mixes two commits' files), copied from the Hugging Face cache when another tool put it
+there, else resumed with a Range request; it checks the size and the Hub's sha256 (LFS files) or git blob id (the
+others) and renames it into place. finish() moves the finished folder into the models folder in one rename,
+after checking that the target is a folder directly in the models folder named after the repo.
 Nothing below cache_dir()/downloads is opened, written, moved or deleted through a link (local_files.py), and every
 request keeps to the time limits of transport.py.
 """
@@ -13,8 +15,10 @@ request keeps to the time limits of transport.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -32,11 +36,12 @@ from ..disk import write_error
 from ..display import mib
 from ..errors import HubError
 from ..library import models_dir
-from ..memory import MemoryPlan, ModelFootprint, machine_memory, plan_memory
+from ..memory import MemoryPlan, machine_memory, plan_memory
 from ..models import ModelConfig, normalize_config
-from ..models.config import FULL, SLIDING
 from ..models.dtype import choose_compute_dtype
+from ..models.footprint import config_footprint
 from ..untrusted import listed, shown_path
+from .hf_cache import hf_cache_file, open_regular
 from .local_files import open_own, own_file, own_folder, remove_own_folder
 from .remote import Listing, RemoteFile, check_repo_id, fetch_config, fetch_header, file_url, list_files, request
 from .transport import NETWORK_ERRORS, open_url, reason_of
@@ -52,6 +57,7 @@ CHUNK_BYTES = 1 << 20
 UNCHECKED_REFETCH_BYTES = 1 << 20  # a leftover smaller than this with no hash listed is downloaded again
 RECHECK_BYTES = 16 << 20  # a finished file this small with a hash listed is hashed again on a resume
 _COMMIT = re.compile(r"[0-9a-f]{40}")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class PullPlan:
     config: ModelConfig
     parameters: int
     folder: Path  # the download folder, in the cache
-    target: Path  # where the finished model goes
+    target: Path | None = None  # where the finished model goes; None: it stays in the cache (plan_download)
     force: bool = False
 
     @property
@@ -104,7 +110,17 @@ def plan_pull(repo_id: str, revision: str = "main", target: Path | None = None, 
     check_repo_id(repo_id)  # before any path is made of it: "ORG/." would name the models folder itself
     if target is not None:
         check_place(target, repo_id)
-    listing = list_files(repo_id, revision)
+    plan = plan_download(repo_id, revision)
+    target = target or models_dir() / repo_id.split("/")[1]
+    check_place(target, repo_id)
+    check_target(target, force)
+    return dataclasses.replace(plan, target=target, force=force)
+
+
+def plan_download(repo_id: str, revision: str = "main") -> PullPlan:
+    """Check `repo_id` at `revision` like plan_pull, for a download that stays in the cache (no target folder):
+    what `mlxinfer convert ORG/NAME` converts from, and what a later pull of that commit finds already there."""
+    listing = list_files(check_repo_id(repo_id), revision)
     shards = [f for f in listing.files if f.name.endswith(".safetensors")]
     if not shards:
         pickles = [f.name for f in listing.files if f.name.endswith(PICKLE_SUFFIXES)]
@@ -121,10 +137,7 @@ def plan_pull(repo_id: str, revision: str = "main", target: Path | None = None, 
     config = normalize_config(fetch_config(listing), f"{repo_id}/config.json")  # unloadable families stop here
     parameters = sum(fetch_header(listing, shard).parameters for shard in shards)
     wanted = tuple(f for f in listing.files if _wanted(f.name))
-    target = target or models_dir() / repo_id.split("/")[1]
-    check_place(target, repo_id)
-    check_target(target, force)
-    return PullPlan(listing, wanted, config, parameters, download_dir(repo_id, listing.commit), target, force)
+    return PullPlan(listing, wanted, config, parameters, download_dir(repo_id, listing.commit))
 
 
 def check_place(target: Path, repo_id: str) -> None:
@@ -179,6 +192,8 @@ def download(plan: PullPlan, progress: bool = True) -> Path:
 def finish(plan: PullPlan, folder: Path | None = None) -> Path:
     """Move the finished download (or `folder`) to plan.target in one rename (a copy then a rename across disks)."""
     folder = folder or plan.folder
+    if plan.target is None:
+        raise HubError(f"{plan.repo_id}: a download planned to stay in the cache has no target; use plan_pull")
     _own_download_folder(folder)  # a link there is refused, never moved
     missing = [f.name for f in plan.files if own_file(folder / f.name) is None]
     if missing:
@@ -209,27 +224,7 @@ def finish(plan: PullPlan, folder: Path | None = None) -> Path:
 def estimated_plan(plan: PullPlan, bits: int | None = None, context: int | None = None) -> MemoryPlan:
     """The memory plan of the model once loaded, from its config and parameter count (nothing is built):
     weights in the compute dtype, or `bits` plus a 16-bit scale and bias per group of 64."""
-    config, compute = plan.config, choose_compute_dtype().size
-    args: dict[str, Any] = config.args
-    weights = int(plan.parameters * (bits / 8 + 4 / 64)) if bits else plan.parameters * compute
-    kinds = config.layer_types or (FULL,) * config.num_layers  # an unverified module: assume full attention
-    heads = int(args.get("num_attention_heads") or 1)
-    footprint = ModelFootprint(
-        weights_bytes=weights,
-        full_layers=kinds.count(FULL),
-        kv_heads=int(args.get("num_key_value_heads") or heads),
-        head_dim=int(args.get("head_dim") or config.hidden_size // heads),
-        heads=heads,
-        hidden=config.hidden_size,
-        intermediate=int(args.get("intermediate_size") or 4 * config.hidden_size),
-        vocab=config.vocab_size,
-        compute_bytes=compute,
-        kv_bytes=compute,
-        max_positions=int(args.get("max_position_embeddings") or 0) or None,
-        sliding_layers=kinds.count(SLIDING),
-        window=config.sliding_window,
-        recurrent_layers=len(kinds) - kinds.count(FULL) - kinds.count(SLIDING),
-    )
+    footprint = config_footprint(plan.config, choose_compute_dtype().size, parameters=plan.parameters, bits=bits)
     return plan_memory(machine_memory(), footprint, context or footprint.max_positions or 4096)
 
 
@@ -272,9 +267,40 @@ def _fetch(listing: Listing, remote: RemoteFile, folder: Path, bar: tqdm) -> Non
     if have > remote.size or _unchecked(remote):  # not this file's start, or not to be trusted: begin again
         have = 0
     if have < remote.size or partial is None:
+        if have == 0 and _copied_from_hf_cache(listing, remote, part, bar):
+            os.replace(part, final)  # its size and hash were checked as for a download
+            return
         _transfer(listing, remote, part, have, bar)
     _verify(listing, remote, part)
     os.replace(part, final)
+
+
+def _copied_from_hf_cache(listing: Listing, remote: RemoteFile, part: Path, bar: tqdm) -> bool:
+    """Whether the Hugging Face cache held `remote` (put there by another tool) and `part` is now a copy of it
+    with the size and hash the Hub lists. A file the Hub lists no hash for is never taken from there, and a copy
+    that cannot be read or differs is downloaded instead."""
+    copy = hf_cache_file(listing, remote) if remote.sha256 or remote.blob_id else None
+    if copy is None:
+        return False
+    done = 0
+    with _open(part, "wb", remote.name) as out:
+        try:
+            with open_regular(copy) as f:
+                while done < remote.size and (chunk := f.read(min(CHUNK_BYTES, remote.size - done))):
+                    _write(out, chunk, part)
+                    done += len(chunk)
+                    bar.update(len(chunk))
+        except OSError as e:  # the file is downloaded instead
+            log.warning("%s: cannot read it (%s); downloading it", shown_path(copy), e.strerror or e)
+    if done == remote.size:
+        if _matches(remote, part):
+            return True
+        log.warning(
+            "%s/%s: the Hugging Face cache's copy differs from the Hub's; downloading it", listing.repo_id, remote.name
+        )
+    bar.total += done  # counted as here, now to download
+    bar.refresh()
+    return False
 
 
 def _transfer(listing: Listing, remote: RemoteFile, part: Path, have: int, bar: tqdm) -> None:

@@ -3,6 +3,9 @@
 The file listing (`/api/models/{repo}/revision/{rev}?blobs=true`), config.json and each safetensors shard's
 header (two Range requests) are read with a size limit each, and within the time limits of transport.py; every
 file name is checked before it can become a path. HF_ENDPOINT and HF_TOKEN are honoured like huggingface_hub does.
+huggingface_hub's own readers are not used here: HfApi.model_info reads a listing whole (no size limit) and builds
+objects from it unchecked, and parse_safetensors_file_metadata asks for bytes=0-100000 and reads a whole shard from
+a server that ignores Range.
 """
 
 from __future__ import annotations

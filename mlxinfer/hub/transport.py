@@ -5,8 +5,10 @@ a request forever. Here a request has a connect timeout, and every read of its a
 body alike, across redirects) waits at most until the current stall window closes: at least MIN_PROGRESS_BYTES
 must arrive in every stall window (STALL_S, or MLXINFER_HUB_STALL_S seconds), else the read fails with Stalled.
 Headers are bounded by http.client itself (64 KiB a line, 100 lines). Only http and https are spoken.
-reason_of() turns any failure (the network, a stall, malformed HTTP) into one short printable line. Pace and
-reason_of are the rules to keep when the client moves onto huggingface_hub, whose timeouts are per read as well.
+reason_of() turns any failure (the network, a stall, malformed HTTP) into one short printable line.
+huggingface_hub's client cannot keep these rules: its timeouts (HF_HUB_DOWNLOAD_TIMEOUT, HF_HUB_ETAG_TIMEOUT) are per
+socket read, which a dripping endpoint never trips, h11 accepts any number of headers, and http_get resumes a dropped
+download by itself five times, a second apart, where a pull stops and says how to resume.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""The user's models: where they are (the models folder, the caches, files added by hand) and what each is."""
+"""The user's models: where they are (the models folder, the caches, files added by hand) and what each is.
+
+catalog: models in a folder and their size · hf_cache: the Hugging Face hub cache · state: the added models and
+last uses (two small JSON files) · local_model: what one model is · listing: ls, find, add, rm · show: details and
+chat template."""
 
 from .catalog import disk_bytes, local_models, models_dir
-from .listing import (
-    ADDED,
-    CACHE,
-    LocalModel,
-    add_model,
-    chat_template,
-    describe,
-    details,
-    find_model,
-    hf_cache_dir,
-    list_models,
-    record_use,
-    remove_model,
-)
+from .hf_cache import hf_cache_dir
+from .listing import add_model, find_model, list_models, remove_model
+from .local_model import ADDED, CACHE, LocalModel, describe
+from .show import chat_template, details
+from .state import record_use
 
 __all__ = [
     "ADDED",

@@ -6,6 +6,8 @@ import logging
 import os
 from pathlib import Path
 
+from ..formats.gguf_file import is_gguf
+
 log = logging.getLogger(__name__)
 
 MAX_ENTRIES = 10_000  # files and folders disk_bytes looks at in one model folder
@@ -27,7 +29,7 @@ def local_models(folder: Path | None = None) -> list[Path]:
     try:
         if not folder.is_dir():
             return []
-        found = [p for p in folder.iterdir() if _is_model(p)]
+        found = [p for p in folder.iterdir() if is_loadable(p, read_magic=False)]
     except OSError as e:
         log.warning("skipping models folder %s: %s", folder, e.strerror or e)
         return []
@@ -70,10 +72,25 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _is_model(path: Path) -> bool:
+def is_loadable(path: Path, *, read_magic: bool = True) -> bool:
+    """A .gguf file or a folder with config.json and *.safetensors. With `read_magic` (a path the user gave, a hub
+    snapshot) a .gguf file must also start with GGUF's magic; a folder listing skips that read to stay cheap."""
     try:
         if path.is_file():
-            return path.suffix == ".gguf"
+            return path.suffix == ".gguf" and (not read_magic or is_gguf(path))
         return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
     except OSError:  # an entry that cannot be looked into is not one mlxinfer could load
         return False
+
+
+def model_name(path: Path) -> str:
+    """What a model at `path` is called: a GGUF file's stem, or the folder's name."""
+    return path.stem if path.suffix == ".gguf" and not path.is_dir() else path.name
+
+
+def resolved(path: Path) -> Path:
+    """`path` with its links resolved: the one key a model has however it is reached."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # a link loop
+        return path.absolute()

@@ -344,7 +344,7 @@ def plan_memory(
     machine: MachineMemory,
     footprint: ModelFootprint,
     context: int,
-    prefill_chunk: int = 512,
+    prefill_chunk: int = PREFILL_CHUNK,
     prefix_cache_bytes: int | None = None,
     already_ours: int = 0,
     prompt: int | None = None,

@@ -275,7 +275,7 @@ def _refuse_code_and_foreign_quantization(raw: dict[str, Any], source: str) -> N
     if "auto_map" in raw:
         log.warning("%s: ignoring 'auto_map' (mlxinfer never imports code from a model folder)", source)
     qcfg = raw.get("quantization_config")
-    # gpt-oss's Hub checkpoints store their experts in MXFP4, which MLX runs as it is (models/weights_gpt_oss.py).
+    # gpt-oss's Hub checkpoints store their experts in MXFP4, which MLX runs as it is (families/gpt_oss.py).
     native = raw.get("model_type") == "gpt_oss" and isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4"
     if isinstance(qcfg, dict) and "quant_method" in qcfg and not native:
         raise UnsupportedModelError(

@@ -9,7 +9,6 @@ layer type. Parameter paths stay the Hugging Face ones (`model.layers.0...`).
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,8 +140,6 @@ def build_model(config: ModelConfig) -> DecoderLM:
     lm_head = None
     if not config.tie_word_embeddings:
         lm_head = getattr(reference, "lm_head", None) or nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    if config.model_type == "gemma3_text":
-        _set_gemma3_ropes(backbone, config)
     layout = Layout(
         layer_types=config.layer_types,
         sliding_window=config.sliding_window,
@@ -155,25 +152,6 @@ def build_model(config: ModelConfig) -> DecoderLM:
     model = DecoderLM(backbone, lm_head, layout)
     if config.spec.mlx_sanitize:
         model.mlx_sanitize = reference.sanitize  # the checkpoint's tensor layout -> this module's
-    if config.spec.adapter:  # where mlx-lm's layers differ from transformers (models/<family>_layers.py)
-        importlib.import_module(f"{__package__}.{config.spec.adapter}").adapt(model, config)
+    if config.spec.adapt is not None:  # where mlx-lm's layers differ from transformers (mlxinfer/families/)
+        config.spec.adapt(model, config)
     return model
-
-
-def _set_gemma3_ropes(backbone: nn.Module, config: ModelConfig) -> None:
-    # mlx-lm picks each layer's RoPE base from sliding_window_pattern; transformers
-    # from layer_types, which may follow any pattern.
-    initialize_rope = model_module("rope_utils").initialize_rope
-    args = config.args
-    for layer, kind in zip(backbone.layers, config.layer_types):
-        attn = layer.self_attn
-        if kind == SLIDING:
-            attn.rope = initialize_rope(attn.head_dim, base=args["rope_local_base_freq"], traditional=False)
-        else:
-            attn.rope = initialize_rope(
-                attn.head_dim,
-                base=args["rope_theta"],
-                traditional=False,
-                scaling_config=args.get("rope_scaling"),
-                max_position_embeddings=args.get("max_position_embeddings"),
-            )

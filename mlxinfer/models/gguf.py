@@ -2,7 +2,7 @@
 
 gguf_file.py validates the header and turns Q4_0/Q4_1/Q8_0 tensors into MLX
 affine quantized arrays (weight, scales, biases) and MXFP4 ones into MLX mxfp4
-(weight, scales); gguf_arch.py holds each
+(weight, scales); gguf_arch.py and each family's file (mlxinfer/families/) hold each
 architecture's keys and names. What is left here: applying them, and undoing
 what llama.cpp's converter did to the values (Q/K rows, Gemma's norms).
 See https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
@@ -23,13 +23,12 @@ import numpy as np
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
 from ..formats.gguf_file import MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
 from ..untrusted import is_int, plain, shown
-from .gguf_arch import ARCHITECTURES, BARE, DEFAULTS, TOP_NAMES, GGUFArch, Meta, architecture, common_config, layer_name
+from .gguf_arch import BARE, TOP_NAMES, GGUFArch, Meta, architecture, common_config, conventions_of, layer_name
 from .gguf_rope import llama3_from_rope_freqs
 from .sizing import StoredTensor
 
 log = logging.getLogger(__name__)
 _REQUIRED = Meta.REQUIRED
-_BY_MODEL_TYPE = {**{a.model_type: a for a in ARCHITECTURES.values()}, "mistral": ARCHITECTURES["llama"]}
 CONSUMED = frozenset({"rope_freqs.weight"})  # read into the config (gguf_rope.py), not a weight
 
 
@@ -101,7 +100,7 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
     path, md = gguf.path, gguf.metadata
     name, arch = architecture(path, md)
     meta = Meta(path, md, name, gguf.tensors)
-    config: dict[str, Any] = {"model_type": arch.model_type, **common_config(meta, *DEFAULTS[name])}
+    config: dict[str, Any] = {"model_type": arch.model_type, **common_config(meta, *arch.defaults)}
     config["rope_scaling"] = _rope_scaling(meta)
     config.update(arch.extra(meta))
     if "rope_freqs.weight" in gguf.tensors:
@@ -172,7 +171,7 @@ def hf_tensor_name(name: str, arch: GGUFArch) -> str:
 
 def from_llama_cpp(name: str, value: np.ndarray | QuantizedTensor, config: dict[str, Any]) -> Any:
     """Undo what llama.cpp's converter did to one tensor: Q/K row order (llama), 1 + w norms (Gemma)."""
-    arch = _BY_MODEL_TYPE[config["model_type"]]
+    arch = conventions_of(config["model_type"])
     if arch.permutes_qk:
         value = unpermute_rows(name, value, config)
     if arch.norm_shift and name.endswith("norm.weight") and isinstance(value, np.ndarray):

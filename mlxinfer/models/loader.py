@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .. import blas
 from ..errors import ModelNotFoundError, WeightMismatchError
 from ..formats.gguf_file import GGUFFile
 from ..formats.safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
@@ -102,6 +103,8 @@ def load_model(
     del weights  # the lazy arrays, or every whole tensor read stays held
     mx.eval(model.parameters(), _private_arrays(model))
     model.eval()
+    if mx.default_device().type == mx.DeviceType.cpu:  # before the CPU weights are timed: they use its GEMMs
+        blas.activate()  # once per process; not at import, as the swap reaches every MLX user in it
     kept = choose_cpu_weights(model, compute, machine_memory().usable_bytes(), cpu_weights_mode(cpu_weights))
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # after the choice: what is held
     log.info("loaded %s: %d quantized layers (%s), %.1f MB, %s", path, quantized, kept.kept, nbytes / 1e6, compute)

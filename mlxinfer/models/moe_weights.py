@@ -16,11 +16,17 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from ..errors import WeightMismatchError
 from ..untrusted import plain
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+    from .decoder import DecoderLM
 
 
 @dataclass(frozen=True)
@@ -40,20 +46,16 @@ class ExpertLayout:
     fused: tuple[str, str] | None = None
 
 
+# Qwen3-MoE, OLMoE and Qwen3.5-MoE (mlxinfer/families/mixtral.py and granitemoe.py hold their own layouts).
 QWEN = ExpertLayout("mlp", "gate.weight", "num_experts", fused=("experts.gate_up_proj", "experts.down_proj"))
-MIXTRAL = ExpertLayout(
-    "block_sparse_moe",
-    "gate.weight",
-    "num_local_experts",
-    names=(("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")),
-)
-GRANITE = ExpertLayout(
-    "block_sparse_moe",
-    "router.layer.weight",
-    "num_local_experts",
-    fused=("input_linear.weight", "output_linear.weight"),
-)
 _LAYER_BLOCK = r"(model\.layers\.(?:0|[1-9][0-9]{0,8})\.%s)"
+
+
+def expert_sanitizer(model: DecoderLM, config: ModelConfig, layout: ExpertLayout) -> None:
+    """Make the loader and the converter bring `layout`'s expert tensors into mlx-lm's layout (the adapter of
+    the MoE families whose blocks mlx-lm computes as transformers does)."""
+    experts = int(config.args[layout.count_key])
+    model.mlx_sanitize = partial(to_switch_layout, layout=layout, num_experts=experts, source=config.source)
 
 
 def to_switch_layout(

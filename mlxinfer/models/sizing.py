@@ -110,8 +110,11 @@ class MoeLayout:
 
     def layer_parameters(self, hidden: int, active: bool = False) -> int:
         """One MoE layer's gated MLPs (3 matrices each) and router; `active`: only the experts one token uses."""
-        routed = self.experts_per_token if active else self.experts
-        return 3 * hidden * (routed * self.expert_width + self.shared_width) + self.experts * hidden
+        return self.expert_parameters(hidden, active) + 3 * hidden * self.shared_width + self.experts * hidden
+
+    def expert_parameters(self, hidden: int, active: bool = False) -> int:
+        """One MoE layer's routed experts (gate, up and down each); `active`: only those one token uses."""
+        return 3 * hidden * (self.experts_per_token if active else self.experts) * self.expert_width
 
 
 def moe_layout(config: ModelConfig, source: str = "config.json") -> MoeLayout | None:

@@ -1,391 +1,24 @@
-"""The ASGI app: routes, the guard in front of them, and the bridge from scheduler threads to HTTP.
+"""The ASGI app put together: the shared core (core.API), every route module's routes, the guard in front of them.
 
-A request's body is read within a deadline, then parsed, validated and tokenized
-on worker threads (a bounded number at once: limits.py), and queued on
-its model's Scheduler as a Job. The scheduler's thread reports each event with
-`call_soon_threadsafe`; the handler streams them as server-sent events or
-gathers them into one body. A client that goes away cancels its job.
+The routes depend on the core and never on this module, so the server's imports have no circle:
+app -> routes/* -> core -> deltas, model_pool, schema, structured.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from functools import partial
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from .. import __version__
-from ..engine import Event, Finished, GenerationStats, Job
-from ..errors import MlxInferError
-from ..grammar import cancelled_by
-from ..local_server import IDENTITY_PATH
-from . import anthropic, embeddings, ollama
-from .answer import Answer
-from .errors import APIError, as_api_error
-from .guard import GuardMiddleware, shows_token
-from .limits import WorkGate
-from .metrics import Metrics
-from .models import ModelSet, ServedModel
-from .replies import Reply, event
-from .running import Done, JobEvents, Running, TokenClock
-from .schema import GenerationParams, openai_chat, openai_completion
+from ..engine import GenerationStats
+from .core import API
+from .guard import GuardMiddleware
+from .model_pool import ModelSet
+from .routes import anthropic, embeddings, ollama, openai, page, status
 from .settings import ServerSettings
-from .structured import Prepared, prepare_chat, prepare_completion
-
-log = logging.getLogger("mlxinfer.server")
-PAGE = Path(__file__).parent / "page"
-PAGE_ASSETS = {"chat.js": "text/javascript", "chat.css": "text/css"}
-# The page runs only its own files: no inline script, nothing fetched from elsewhere.
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'", "Cache-Control": "no-cache"}
-MAX_TOKENS = 1_000_000  # above this, the engine's own check answers (max_tokens out of range)
-
-
-class API:
-    """The endpoints, sharing the loaded models, the settings and the metrics."""
-
-    def __init__(
-        self, models: ModelSet, settings: ServerSettings, on_finished: Callable[[GenerationStats], None] | None = None
-    ):
-        self.models, self.settings = models, settings
-        self.metrics = Metrics(models)
-        self.preparing = WorkGate(settings.prepare_workers, settings.prepare_queue)
-        self._on_finished = on_finished
-        self.started = int(time.time())
-
-    def routes(self) -> list[Route]:
-        return [
-            Route("/v1/chat/completions", self._counted("chat", self.chat_completions), methods=["POST"]),
-            Route("/v1/completions", self._counted("completions", self.completions), methods=["POST"]),
-            Route("/v1/models", self._counted("models", self.list_models), methods=["GET"]),
-            Route("/health", self.health, methods=["GET"]),
-            Route(IDENTITY_PATH, self.identity, methods=["GET"]),
-            Route("/", self.page, methods=["GET"]),
-            Route("/page/{name}", self.page_asset, methods=["GET"]),
-            Route("/favicon.ico", self.favicon, methods=["GET"]),
-            Route("/metrics", self.render_metrics, methods=["GET"]),
-            *ollama.routes(self),  # /api/...: Ollama's API
-            *anthropic.routes(self),  # /v1/messages
-            *embeddings.routes(self),  # /v1/embeddings
-        ]
-
-    def _counted(self, endpoint: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
-        async def run(request: Request) -> Response:
-            try:
-                response = await handler(request)
-            except (APIError, MlxInferError, ClientDisconnect) as error:  # the request's fault, not a bug
-                response = as_api_error(error).response()
-            except Exception as error:  # noqa: BLE001 - a bug answers 500 in the API's shape; the server goes on
-                log.exception("%s failed", endpoint)
-                response = as_api_error(error).response()
-            self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-            return response
-
-        return run
-
-    def trusted(self, request: Request) -> bool:
-        """Whether the request shows this server's per-user token: it comes from the user's own front end
-        (`mlxinfer chat`, `mlxinfer.connect()`), which may name models by path."""
-        return shows_token(request.headers.get("authorization"), self.settings.local_token)
-
-    async def chat_completions(self, request: Request) -> Response:
-        running = await self.start(request, openai_chat)
-        return await self._openai(request, running, Reply(running.served.id, chat=True))
-
-    async def completions(self, request: Request) -> Response:
-        running = await self.start(request, openai_completion, encode=prepare_completion)
-        return await self._openai(request, running, Reply(running.served.id, chat=False))
-
-    async def start(
-        self,
-        request: Request,
-        parse: Callable[[bytes], tuple[Any, GenerationParams]],
-        encode: Callable[[Any, Any], Prepared] = prepare_chat,
-    ) -> Running:
-        """Read the body, parse it (`parse`: raw bytes to an OpenAI-shaped request and its parameters),
-        encode it for its model and queue it: every front end (OpenAI, Ollama, Anthropic) starts here."""
-        request.state.arrived = time.perf_counter()
-        raw = await read_body(request, self.settings)
-        served, prepared, params = await self._prepare(raw, parse, encode, request)
-        return self._submit(request, served, prepared, params)
-
-    async def encode_only(
-        self,
-        request: Request,
-        parse: Callable[[bytes], tuple[Any, GenerationParams]],
-        encode: Callable[[Any, Any], Prepared] = prepare_chat,
-    ) -> Prepared:
-        """What `start` would queue, without queueing it (token counting); the model is given back at once."""
-        raw = await read_body(request, self.settings)
-        served, prepared, _ = await self._prepare(raw, parse, encode, request)
-        self.models.release(served)
-        return prepared
-
-    async def _prepare(
-        self,
-        raw: bytes,
-        parse: Callable[[bytes], tuple[Any, GenerationParams]],
-        encode: Callable[[Any, Any], Prepared],
-        request: Request,
-    ) -> tuple[ServedModel, Prepared, GenerationParams]:
-        """Parse, template, tokenize and compile any grammar in one pass through the gate, so a request is
-        refused (429) before it is parsed or never. A model that must be loaded first loads outside the gate
-        (no place held for it); the tokenizing then waits for a place without a 429."""
-        trusted = self.trusted(request)
-        gone = threading.Event()  # a grammar compiling for this request stops once its client leaves
-        watching = asyncio.ensure_future(_set_when_disconnected(request, gone))
-        try:
-            with cancelled_by(gone):  # copied into the preparing threads with the rest of this context
-                return await self._prepare_for(raw, parse, encode, trusted)
-        finally:
-            watching.cancel()
-
-    async def _prepare_for(
-        self,
-        raw: bytes,
-        parse: Callable[[bytes], tuple[Any, GenerationParams]],
-        encode: Callable[[Any, Any], Prepared],
-        trusted: bool,
-    ) -> tuple[ServedModel, Prepared, GenerationParams]:
-        def everything() -> tuple[Any, GenerationParams, ServedModel | None, Prepared | None]:
-            body, params = parse(raw)
-            served = self.models.acquire_loaded(params.model, trusted)  # held: never unloaded under it
-            return body, params, served, None if served is None else self._encode(encode, served, body)
-
-        body, params, served, prepared = await self.preparing.run(everything)
-        if served is None or prepared is None:
-            served = await run_in_threadpool(self.models.acquire, params.model, trusted)  # loads it
-            try:
-                prepared = await self.preparing.run(encode, served.model, body, admitted=True)
-            except BaseException:
-                self.models.release(served)
-                raise
-        return served, prepared, params
-
-    def _encode(self, encode: Callable[[Any, Any], Prepared], served: ServedModel, body: Any) -> Prepared:
-        try:
-            return encode(served.model, body)
-        except BaseException:
-            self.models.release(served)
-            raise
-
-    def _submit(self, request: Request, served: ServedModel, prepared: Prepared, params: GenerationParams) -> Running:
-        """Queue the job on the model held for it; the model is released when the job's events end (or here,
-        if it cannot be queued)."""
-        release = partial(self.models.release, served, params.keep_alive)
-        try:
-            job, events = self._queue(served, prepared, params)
-        except BaseException:
-            release()
-            raise
-        clock = TokenClock(self.metrics, request.state.arrived)
-        return Running(served, job, events, Answer(prepared.parser), params, clock, len(prepared.ids), release)
-
-    def _queue(self, served: ServedModel, prepared: Prepared, params: GenerationParams) -> tuple[Job, JobEvents]:
-        ids = prepared.ids
-        room = served.model.context_tokens - len(ids)
-        if room < 1:
-            raise APIError(
-                400,
-                f"the prompt has {len(ids)} tokens; the model's context is {served.model.context_tokens}",
-                "messages",
-                "context_length_exceeded",
-            )
-        max_tokens = params.max_tokens or min(self.settings.default_max_tokens, room)
-        if max_tokens > room and max_tokens <= MAX_TOKENS:
-            raise APIError(
-                400,
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of "
-                f"{served.model.context_tokens} tokens; lower max_tokens to at most {room}",
-                "max_tokens",
-                "context_length_exceeded",
-            )
-        events = JobEvents(self._ended)
-        job = Job(
-            ids,
-            events.put,
-            max_tokens,
-            params.sampling,
-            params.stop,
-            self.settings.request_timeout_s,
-            constraint=prepared.constraint,
-            keep_special_tokens=prepared.keep_special_tokens,
-            speculate=served.model.speculate,
-        )
-        served.scheduler.submit(job)
-        return job, events
-
-    async def _openai(self, request: Request, running: Running, reply: Reply) -> Response:
-        if running.params.stream:
-            return running.streamed(self._stream(running, reply), "text/event-stream")
-        return await self.whole(request, running, lambda done: JSONResponse(reply.whole(running.answer, done.stats)))
-
-    async def _stream(self, running: Running, reply: Reply) -> AsyncIterator[str]:
-        try:
-            if reply.chat:
-                yield event(reply.chunk({"content": ""}, role=True))
-            async for item in running.deltas():
-                if isinstance(item, Done):
-                    yield event(reply.chunk(finish_reason=item.finish_reason))
-                    if running.params.include_usage:
-                        yield event(reply.usage_chunk(item.stats))
-                elif isinstance(item, APIError):
-                    yield event(item.body())
-                else:
-                    yield event(reply.chunk(item))
-            yield event("[DONE]")
-        finally:
-            running.cancel()  # a no-op once it finished; frees the slot if the client left
-
-    async def whole(
-        self,
-        request: Request,
-        running: Running,
-        render: Callable[[Done], Response],
-        on_delta: Callable[[dict[str, Any]], Any] | None = None,
-        error: Callable[[APIError], Response] = APIError.response,
-    ) -> Response:
-        """The whole answer as one response (`render` shapes it; `on_delta` sees each delta on the way, `error`
-        shapes a failure); 499 (never sent) and the job cancelled if the client leaves first."""
-
-        async def gather() -> Response:
-            async for item in running.deltas():
-                if isinstance(item, Done):
-                    return render(item)
-                if isinstance(item, APIError):
-                    return error(item)
-                if on_delta is not None:
-                    on_delta(item)
-            raise AssertionError("the event stream ended without a final event")
-
-        body, gone = asyncio.ensure_future(gather()), asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            answered = body.done()
-            if not answered:
-                body.cancel()
-            running.cancel()  # a no-op once it finished
-        return body.result() if answered else Response(status_code=499)  # 499: never sent, the client is gone
-
-    def _ended(self, event: Event) -> None:
-        if not isinstance(event, Finished):
-            self.metrics.finished.labels("error").inc()
-            return
-        self.metrics.record(event.stats)
-        if self._on_finished is not None:
-            try:
-                self._on_finished(event.stats)
-            except Exception:  # noqa: BLE001 - a listener's bug must not fail the answer
-                log.exception("on_finished listener failed")
-
-    async def list_models(self, request: Request) -> Response:
-        # `verified`: the family matches transformers; false for mlx-lm's model code run as it is (unverified).
-        data = [
-            {"id": name, "object": "model", "created": self.started, "owned_by": "mlxinfer",
-             "verified": self.models.verified(name)}
-            for name in self.models.ids
-        ]  # fmt: skip
-        return JSONResponse({"object": "list", "data": data})
-
-    async def identity(self, request: Request) -> Response:
-        """Who this server is, for the user's own front ends (local_server.find_server): only with the token."""
-        if not self.trusted(request):
-            return APIError(401, "this route is for the user's own front ends", code="invalid_api_key").response()
-        body = {"pid": os.getpid(), "version": __version__, "models": self.models.ids, "loaded": self.models.ps()}
-        return JSONResponse(body)
-
-    async def health(self, request: Request) -> Response:
-        loaded = {s.id: s for s in self.models}
-        models = [
-            {
-                "id": name,
-                "loaded": name in loaded,
-                "weights_bytes": loaded[name].model.footprint.weights_bytes if name in loaded else 0,
-            }
-            for name in self.models.ids
-        ]
-        body = {"status": "ok", "models": models, "memory_in_use_bytes": self.models.memory_in_use}
-        broken = [reason for s in self.models.schedulers() if (reason := getattr(s, "broken", None))]
-        if broken:  # a distributed model lost a rank: nothing can be served until the ranks restart
-            return JSONResponse({**body, "status": "unhealthy", "reason": broken[0]}, status_code=503)
-        return JSONResponse(body)
-
-    async def page(self, request: Request) -> Response:
-        return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)
-
-    async def page_asset(self, request: Request) -> Response:
-        name = request.path_params["name"]
-        if name not in PAGE_ASSETS:  # a fixed list: no path from the request ever reaches the file system
-            return APIError(404, f"no page asset {name!r}").response()
-        return FileResponse(PAGE / name, media_type=PAGE_ASSETS[name], headers=PAGE_HEADERS)
-
-    async def favicon(self, request: Request) -> Response:
-        # The tray icon (ui/tray.py's icon_image at 16, 32 and 48 px), where browsers look for it.
-        return FileResponse(PAGE / "favicon.ico", media_type="image/x-icon", headers=PAGE_HEADERS)
-
-    async def render_metrics(self, request: Request) -> Response:
-        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-async def read_body(request: Request, settings: ServerSettings) -> bytes:
-    """The body: 413 past the size limit (before reading, when Content-Length says so), 408 when it has not
-    all arrived `body_timeout_s` after the headers, 499 (never sent) when the client leaves half-way."""
-    limit = settings.max_body_bytes
-    length = request.headers.get("content-length")
-    if length is not None and (not (length.isascii() and length.isdigit()) or len(length) > 18 or int(length) > limit):
-        raise _too_large(limit)  # 18 digits: no slow int() of a 16 KiB header
-    deadline = time.monotonic() + settings.body_timeout_s
-    chunks, size, more = [], 0, True
-    while more:
-        message = await _receive_by(request, deadline, settings.body_timeout_s)
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> APIError:
-    # The unread rest of the body would otherwise be taken for the next request: close the connection.
-    return APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large", close=True)
-
-
-async def _receive_by(request: Request, deadline: float, timeout_s: float) -> dict[str, Any]:
-    try:
-        return await asyncio.wait_for(request.receive(), max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        # The rest of the body may still be on its way: this connection cannot carry another request.
-        raise APIError(
-            408, f"the request body did not arrive within {timeout_s:g} s", code="body_timeout", close=True
-        ) from None
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _set_when_disconnected(request: Request, gone: threading.Event) -> None:
-    await _disconnected(request)
-    gone.set()
 
 
 def create_app(
@@ -406,6 +39,17 @@ def create_app(
                 allow_headers=["Authorization", "Content-Type"],
             )
         )
-    app = Starlette(routes=api.routes(), middleware=middleware)
+    app = Starlette(routes=all_routes(api), middleware=middleware)
     app.state.api = api
     return app
+
+
+def all_routes(api: API) -> list[Route]:
+    return [
+        *openai.routes(api),  # /v1/chat/completions, /v1/completions, /v1/models
+        *status.routes(api),  # /health, the identity route, /metrics
+        *page.routes(),  # /, /page/{name}, /favicon.ico: the chat page
+        *ollama.routes(api),  # /api/...: Ollama's API
+        *anthropic.routes(api),  # /v1/messages
+        *embeddings.routes(api),  # /v1/embeddings
+    ]

@@ -8,7 +8,7 @@ of connecting or of its previous answer, and past `max_connections` one that hol
 work yet is closed to make room: the longest idle, else the one whose body has been
 arriving longest (a slow upload loses to a flood of them, not to a legitimate request).
 When every connection is busy being answered, the new one gets 503. (Bodies have their
-own deadline too: app.read_body.)
+own deadline too: core.read_body.)
 """
 
 from __future__ import annotations

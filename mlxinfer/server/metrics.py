@@ -13,9 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine import GenerationStats, Scheduler
-from ..engine.speculation import DRAFT_REASONS, REASONS
-from .models import ModelSet
+from ..engine import DRAFT_REASONS, REASONS, GenerationStats, Scheduler
+from .model_pool import ModelSet
 
 disable_created_metrics()  # no `*_created` series: they double the output and nobody here reads them
 

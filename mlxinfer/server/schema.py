@@ -18,8 +18,7 @@ from itertools import accumulate
 from typing import Any
 
 from ..chat import Tool, ToolChoice, check_messages, check_tool_choice, check_tools
-from ..engine import SamplingParams
-from ..engine.text import check_stops
+from ..engine import SamplingParams, check_stops
 from ..errors import GrammarError, SamplingError
 from ..grammar import check_schema
 from ..untrusted import is_finite_number, is_int, shown

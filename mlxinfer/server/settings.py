@@ -6,8 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine import SchedulerConfig
-from ..engine.speculation import check_startup_mode
+from ..engine import SchedulerConfig, check_startup_mode
 from ..errors import SamplingError, ServerConfigError
 from ..untrusted import is_finite_number, is_int, shown
 

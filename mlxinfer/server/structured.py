@@ -1,6 +1,6 @@
 """A request made ready for the engine: prompt ids, the grammar its output must match, and the output's parser.
 
-Runs on the preparing pool (app.py `_prepare`), never on a scheduler's thread: rendering, tokenizing and
+Runs on the preparing pool (core.py `_prepare`), never on a scheduler's thread: rendering, tokenizing and
 compiling a grammar (up to a second for a large schema; cached per tokenizer afterwards) are CPU work
 that would stall every running request if done between decode steps.
 """

@@ -17,15 +17,13 @@ from pathlib import Path
 
 from ..api import Model, load
 from ..display import mib
-from ..engine import GenerationStats
-from ..engine.threads import call_on_device_thread
+from ..engine import GenerationStats, call_on_device_thread
 from ..errors import ServerConfigError
 from ..library import local_models
 from ..local_server import find_server, new_token, publish, withdraw
 from ..memory import machine_memory
-from ..server import ModelSet, ServerSettings
-from ..server.models import local_catalog, model_id
-from ..server.run import BackgroundServer
+from ..server import BackgroundServer, ModelSet, ServerSettings
+from ..server.model_pool import local_catalog, model_id
 
 log = logging.getLogger("mlxinfer.menubar")
 
@@ -100,8 +98,7 @@ class MenubarController:
         whose one model is the default model (the CLI passes it when it was fetched)."""
         import os
 
-        from ..library import models_dir
-        from ..library.listing import CACHE, list_models
+        from ..library import CACHE, list_models, models_dir
 
         found = local_models(self.models_dir) if self.models_dir != models_dir() else []
         listed = [m for m in list_models() if m.source != CACHE]

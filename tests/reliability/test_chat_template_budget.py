@@ -504,7 +504,7 @@ def test_fast_encoding_gives_the_same_ids(name):
 def test_health_answers_while_a_long_prompt_is_tokenized(method):
     import mlxinfer
     from mlxinfer.server import ModelSet, ServerSettings
-    from mlxinfer.server.run import BackgroundServer
+    from mlxinfer.server.uvicorn_host import BackgroundServer
 
     text = "The quick brown fox jumps over the lazy dog. " * 80_000  # 3.6 MB: past the context, refused once counted
     endpoint, body = {

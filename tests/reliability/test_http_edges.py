@@ -31,8 +31,8 @@ from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.connections import accept_backlog
 from mlxinfer.server.errors import APIError, as_api_error
 from mlxinfer.server.limits import WorkGate
-from mlxinfer.server.run import BackgroundServer
 from mlxinfer.server.schema import MAX_DEPTH, nesting_depth, openai_chat, openai_completion
+from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY
 
 TIMEOUT_S = 1.0  # header and body deadlines of the test servers

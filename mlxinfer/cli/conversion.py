@@ -1,0 +1,72 @@
+"""`mlxinfer convert`: a Hugging Face folder, Hub id or GGUF file into an MLX model folder (mlxinfer.convert)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .common import errors_as_one_line
+
+
+@click.command()
+@click.argument("src")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), help="Output model folder.")
+@click.option(
+    "--bits",
+    type=click.Choice(["4", "8", "16"]),
+    default="4",
+    show_default=True,
+    help="Bits per quantized weight; 16 keeps the weights unquantized (in --dtype).",
+)
+@click.option(
+    "--group-size",
+    type=click.Choice(["32", "64", "128"]),
+    default=None,
+    help="Quantization group size [default: 64; 32 for GGUF Q4/Q8 sources, reused without rounding]",
+)
+@click.option(
+    "--recipe",
+    type=click.Choice(["uniform", "mixed-4-8", "sensitivity"]),
+    default=None,
+    help="mixed-4-8: 4-bit body, 8-bit embeddings and head; sensitivity: measured, needs --bpw.",
+)
+@click.option("--bpw", type=float, default=None, help="Bits-per-weight budget for --recipe sensitivity.")
+@click.option(
+    "--method",
+    type=click.Choice(["rtn", "gptq"]),
+    default=None,
+    help="Rounding: rtn (nearest, streaming) or gptq (error-compensating, fitted on calibration text) "
+    "[default: gptq with --recipe sensitivity, else rtn].",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float16", "bfloat16", "float32"]),
+    default=None,
+    help="Float type of unquantized tensors and scales [default: the source's 16-bit type].",
+)
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--no-eval", is_flag=True, help="Skip the perplexity / KL quality report.")
+@click.option("--eval-tokens", type=click.IntRange(16), default=512, show_default=True)
+@errors_as_one_line
+def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: bool, force: bool, **options: Any) -> None:
+    """Convert a Hugging Face folder, Hub id or GGUF file into an MLX model folder.
+
+    \b
+    Examples:
+      mlxinfer convert ~/hf/SmolLM2-135M-Instruct -o ~/models/SmolLM2-8bit --bits 8
+      mlxinfer convert Qwen/Qwen3-0.6B -o ~/models/Qwen3-0.6B-8bit --bits 8
+      mlxinfer convert model.Q4_1.gguf -o ~/models/m-4bit     # Q4_1 blocks reused as-is
+      mlxinfer convert ~/hf/model -o out --recipe sensitivity --bpw 4.75
+      mlxinfer convert ~/hf/model -o out --method gptq       # same size, closer to the source
+    """
+    from mlxinfer.convert import ConvertSettings, plan_conversion, run_conversion
+
+    settings = ConvertSettings(
+        bits=int(bits), group_size=int(group_size) if group_size else None, evaluate=not no_eval, **options
+    )
+    plan = plan_conversion(src, out, settings, force=force)
+    click.echo(plan.summary(), err=True)
+    result = run_conversion(plan)  # logs the quality warning, if any, on stderr
+    click.echo(result.summary())

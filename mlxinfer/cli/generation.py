@@ -1,0 +1,195 @@
+"""`mlxinfer generate` and `mlxinfer chat`: text from a model loaded here, or from the resident server's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..api import Model
+from ..engine import structure_of
+from ..errors import GrammarError, MlxInferError
+from ..grammar import MAX_GRAMMAR_CHARS
+from ..library import record_use
+from ..local_server import find_server, server_identity
+from ..remote import RemoteModel, model_field
+from ..untrusted import read_json_object
+from .common import errors_as_one_line, load_model
+from .options import checked_generation, generation_options, take_speculation
+
+
+@click.command()
+@generation_options
+@click.option("--prompt", "-p", required=True, help="Prompt text, or - to read it from stdin.")
+@click.option("--chat/--raw", default=True, show_default=True, help="Apply the model's chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and the stats.")
+@click.option(
+    "--schema",
+    "schema_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="A JSON schema file: the answer is JSON valid against it.",
+)
+@click.option("--regex", default=None, help="The whole answer matches this regular expression.")
+@click.option("--choice", "choice", multiple=True, help="The answer is exactly one of these (repeatable).")
+@errors_as_one_line
+def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: str | None, **options: Any) -> None:
+    """Generate a completion for one prompt.
+
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
+    \b
+    Examples:
+      mlxinfer generate -p "What is the capital of France?"
+      mlxinfer generate ~/models/Qwen3-0.6B -p "Once upon a time" --raw -t 0.8 --seed 1
+      echo "Summarize: ..." | mlxinfer generate -p - --json
+      mlxinfer generate -p "Invent a person." --schema person.json     # JSON valid against the schema
+      mlxinfer generate -p "Is water wet?" --choice yes --choice no
+      mlxinfer generate ~/models/Qwen3-4B-4bit --draft-model ~/models/Qwen3-0.6B-4bit -p "Hi"   # speculative
+    """
+    dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
+    speculation = take_speculation(options)
+    schema_file = options.pop("schema_file")
+    structured = _structure_options(schema_file, options.pop("regex"), options.pop("choice"))
+    local = options.pop("local") or bool(structured.get("regex") or structured.get("choices"))
+    generation = checked_generation(options)  # before the load: a bad flag should not cost one
+    text = sys.stdin.read() if prompt == "-" else prompt
+    llm = _model_for(model, local, dtype, quiet=as_json, kv_bits=kv_bits, **speculation)
+    messages = _messages(text, system) if chat else text
+    try:  # the grammar compiles here, for this model's tokenizer: an unsupported keyword names the file
+        run = llm.stream(messages, chat=chat, **generation, **structured)
+    except GrammarError as e:
+        raise click.ClickException(f"{schema_file}: {e}" if schema_file else str(e)) from None
+    structure = structure_of(**structured)
+    if as_json:
+        for _ in run:
+            pass
+        payload = {**_model_facts(llm), "text": run.text(), "finish_reason": run.stats.finish_reason}
+        if structure and structure.is_json:  # the answer as a JSON value, not a string holding it
+            payload["parsed"] = structure.parse(run.text(), run.stats.finish_reason)
+        click.echo(json.dumps({**payload, "stats": run.stats.to_dict()}, ensure_ascii=False))
+        return
+    for chunk in run:
+        click.echo(chunk, nl=False)
+    click.echo()
+    click.echo(run.stats.summary(), err=True)
+    if structure:  # a cut-off answer is not what the constraint promised: say so and exit non-zero
+        structure.check_complete(run.stats.finish_reason)
+
+
+@click.command()
+@generation_options
+@errors_as_one_line
+def chat(model: str | None, system: str | None, **options: Any) -> None:
+    """Chat with a model in the terminal; answers stream as they are generated.
+
+    MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
+
+    \b
+    Commands: /reset clears the conversation, /exit (or Ctrl-D) quits.
+    Ctrl-C stops the current answer.
+    """
+    dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
+    speculation = take_speculation(options)
+    local = options.pop("local")
+    generation = checked_generation(options)  # before the load: a bad flag should not cost one
+    llm = _model_for(model, local, dtype, quiet=False, kv_bits=kv_bits, **speculation)
+    history = _messages(None, system)
+    name = llm.path.name if isinstance(llm, Model) else llm.name or "the server's model"
+    click.echo(f"Chatting with {name}. /reset clears, /exit quits.", err=True)
+    while True:
+        try:
+            line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
+        except (EOFError, click.Abort):
+            click.echo(err=True)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            history = _messages(None, system)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            answer = _stream_answer(llm, history, generation)
+        except MlxInferError as e:  # one bad turn (a template refusal, say) does not end the chat
+            click.secho(f"Error: {e}", err=True, fg="red")
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": answer})
+
+
+def _model_for(model: str | None, local: bool, dtype: str | None, quiet: bool, **options: Any) -> Model | RemoteModel:
+    """The resident server's model when a server runs (no second copy of the weights), else one loaded here.
+
+    Options that change how a model loads (--dtype, --kv-bits, a draft model, a speculation mode) load it here:
+    the server's copy was loaded with its own."""
+    loads_here = local or dtype or options["kv_bits"] or options["draft_model"] or options["speculate"] != "auto"
+    server = None if loads_here else find_server()
+    if server is None:
+        llm = load_model(model, dtype, quiet, **options)
+        record_use(llm.path)  # `mlxinfer ls` shows when each model was last used
+        return llm
+    if not quiet:
+        click.echo(f"Using the mlxinfer server at {server.url} (pid {server.pid}); --local loads it here", err=True)
+    remote = RemoteModel(server, model_field(model))
+    remote.name = remote.name or next(iter(server_identity(server).get("models", [])), None)  # the server's first
+    return remote
+
+
+def _model_facts(llm: Model | RemoteModel) -> dict[str, Any]:
+    if isinstance(llm, RemoteModel):
+        return {"model": llm.name, "server": llm.server.url}
+    return {"model": str(llm.path), "architecture": llm.architecture, "verified": llm.verified}
+
+
+def _stream_answer(llm: Model | RemoteModel, history: list[dict[str, str]], options: dict[str, Any]) -> str:
+    run = llm.stream(history, chat=True, **options)
+    parts: list[str] = []
+    try:
+        for chunk in run:
+            parts.append(chunk)
+            click.echo(chunk, nl=False)
+    except KeyboardInterrupt:
+        click.echo(" [stopped]", nl=False)
+    click.echo()
+    click.secho(run.stats.summary(), err=True, dim=True)
+    return "".join(parts)
+
+
+def _messages(text: str | None, system: str | None) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": system}] if system else []
+    if text is not None:
+        messages.append({"role": "user", "content": text})
+    return messages
+
+
+def _structure_options(schema_file: Path | None, regex: str | None, choice: tuple[str, ...]) -> dict[str, Any]:
+    """Model.stream's keyword for --schema, --regex or --choice (at most one), checked before the load."""
+    given = {"schema": schema_file, "regex": regex, "choices": list(choice) or None}
+    given = {name: value for name, value in given.items() if value is not None}
+    if len(given) > 1:
+        flags = " and ".join(f"--{'choice' if name == 'choices' else name}" for name in given)
+        raise click.UsageError(f"{flags} were given together; an answer follows one constraint: keep one")
+    if schema_file is not None:
+        given["schema"] = _read_schema(schema_file)
+    try:
+        structure_of(**given)
+    except GrammarError as e:
+        raise click.ClickException(f"{schema_file}: {e}" if schema_file else str(e)) from None
+    return given
+
+
+def _read_schema(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, read no further than a schema may be long (real ones are a few KB)."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0  # missing or unreadable: read_json_object names the problem
+    if size > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{path}: {size:,} bytes; a schema file may have at most {MAX_GRAMMAR_CHARS:,}")
+    return read_json_object(path, GrammarError, limit=MAX_GRAMMAR_CHARS)

@@ -1,0 +1,81 @@
+"""Gemma 3's text model (Gemma3ForCausalLM; also the text half of model_type "gemma3", see models/multimodal.py).
+
+mlx-lm picks each layer's RoPE base from sliding_window_pattern; transformers from layer_types, which may follow
+any pattern: sliding layers rotate with rope_local_base_freq and no scaling, global ones with rope_theta and the
+config's scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.config import FULL, MAX_LAYERS, SLIDING, ModelConfig
+from ..models.decoder import DecoderLM
+from ..models.gguf_arch import GGUFArch, Meta
+from ..models.mlx_lm_modules import model_module
+from ..models.registry import GEMMA, ArchSpec
+
+
+def adapt(model: DecoderLM, config: ModelConfig) -> None:
+    initialize_rope = model_module("rope_utils").initialize_rope
+    args = config.args
+    for layer, kind in zip(model.layers, config.layer_types):
+        attn = layer.self_attn
+        if kind == SLIDING:
+            attn.rope = initialize_rope(attn.head_dim, base=args["rope_local_base_freq"], traditional=False)
+        else:
+            attn.rope = initialize_rope(
+                attn.head_dim,
+                base=args["rope_theta"],
+                traditional=False,
+                scaling_config=args.get("rope_scaling"),
+                max_position_embeddings=args.get("max_position_embeddings"),
+            )
+
+
+SPECS = {
+    "gemma3_text": ArchSpec(
+        "gemma3_text",
+        sliding="pattern",
+        neutral={"attn_logit_softcapping": None, "final_logit_softcapping": None},
+        adapt=adapt,
+        **GEMMA,
+    ),
+}
+
+
+def gguf_config(meta: Meta) -> dict[str, Any]:
+    layers, head_dim = meta.int("block_count", high=MAX_LAYERS), meta.int("attention.key_length", 256)
+    hidden, heads = meta.int("embedding_length"), meta.int("attention.head_count")
+    window = meta.int("attention.sliding_window", None)
+    # llama.cpp fixes every 6th layer global (set_swa_pattern(6)) unless the file says otherwise.
+    every = meta.int("attention.sliding_window_pattern", 6, high=MAX_LAYERS)
+    types = [SLIDING if window is not None and (i + 1) % every else FULL for i in range(layers)]
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": types,
+        "sliding_window": window,
+        # llama.cpp's f_attention_scale: 1/sqrt(head_dim), but hidden/heads for the 62-layer 27B model.
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        # llama.cpp hard-codes 10000 for the sliding layers; newer files write it.
+        "rope_local_base_freq": meta.float("rope.freq_base_swa", 10_000.0),
+        "final_logit_softcapping": meta.float("final_logit_softcapping", None),
+        "attn_logit_softcapping": meta.float("attn_logit_softcapping", None),
+    }
+    return out
+
+
+# llama.cpp's "gemma3": its norms are stored as 1 + w (Gemma3Model.norm_shift), which models/gguf.py undoes.
+GGUF = {
+    "gemma3": GGUFArch(
+        "gemma3_text",
+        (1e-6, 1_000_000.0),
+        gguf_config,
+        names={
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_attention_norm": "post_attention_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        },  # fmt: skip
+        norm_shift=1.0,
+    ),
+}
