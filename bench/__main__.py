@@ -11,8 +11,8 @@ import tempfile
 from datetime import date
 from pathlib import Path
 
-from mlxinfer.bench.report import markdown
-from mlxinfer.bench.suite import Settings, run_suite
+from mlxinfer.speed.report import markdown
+from mlxinfer.speed.suite import Settings, run_suite
 from mlxinfer.tokenizer import Tokenizer
 
 from .convert_bench import MLX_LM, output_folder, run_convert_bench

@@ -1,7 +1,7 @@
 """Aggregate decode tokens/s at 1, 2, 4 and 8 streams, through the engine's own scheduler, in one run.
 
 Each level submits N greedy requests at once (different prompts, EOS ignored, no prefix cache) to a
-Scheduler with max_batch N. The aggregate rate counts only the window in which all N rows decode together:
+ServingThread with max_batch N. The aggregate rate counts only the window in which all N rows decode together:
 from the last first token to the first finish. It is set against the bandwidth ceiling (weights read once a
 step, plus each row's KV cache), so one figure says how far a level is from the hardware on any backend.
 
@@ -19,11 +19,11 @@ from datetime import date
 from pathlib import Path
 
 import mlxinfer
-from mlxinfer.bench.bandwidth import ceiling_tps, measure_bandwidth
-from mlxinfer.bench.conditions import conditions
-from mlxinfer.bench.suite import prompt_ids
 from mlxinfer.default_model import default_model_path
-from mlxinfer.engine import Delta, Failed, Finished, Job, Scheduler, SchedulerConfig
+from mlxinfer.engine import Delta, Failed, Finished, Job, SchedulerConfig, ServingThread
+from mlxinfer.speed.bandwidth import ceiling_tps, measure_bandwidth
+from mlxinfer.speed.conditions import conditions
+from mlxinfer.speed.suite import prompt_ids
 
 LEVELS = (1, 2, 4, 8)
 PROMPT_TOKENS = 64
@@ -48,7 +48,7 @@ def run_level(model: mlxinfer.Model, n: int, ids: list[int], decode: int) -> dic
 
         return handle
 
-    scheduler = Scheduler(model.runtime, SchedulerConfig(max_batch=n))
+    scheduler = ServingThread(model.runtime, SchedulerConfig(max_batch=n))
     try:
         start = time.perf_counter()
         for i in range(n):

@@ -41,8 +41,8 @@ def run_convert_bench(source: Path, work: Path, eval_tokens: int, quick: bool = 
     from mlxinfer.quantize import compare_models
 
     import mlxinfer
-    from mlxinfer.bench.conditions import conditions
     from mlxinfer.data import prose_text
+    from mlxinfer.speed.conditions import conditions
 
     work.mkdir(parents=True, exist_ok=True)
     converters = list(CONVERTERS.items())[:2] if quick else list(CONVERTERS.items())  # quick: no sensitivity pass

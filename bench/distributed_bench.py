@@ -35,13 +35,13 @@ from typing import Any
 import httpx
 import psutil
 
-from mlxinfer.bench.conditions import conditions
 from mlxinfer.data import prose_text
 from mlxinfer.default_model import default_model_path
 from mlxinfer.distributed.estimate import DEFAULT_HOP_LATENCY_S
 from mlxinfer.distributed.layer_sizes import read_layer_sizes
 from mlxinfer.models import load_tokenizer
 from mlxinfer.models.dtype import DTYPES, choose_compute_dtype, dtype_name
+from mlxinfer.speed.conditions import conditions
 
 CONFIGS = (("1 rank", None, 1), ("pipeline", "pipeline", 2), ("pipeline", "pipeline", 3), ("tensor", "tensor", 3))
 CLI = [sys.executable, "-c", "from mlxinfer.cli import main; main()"]

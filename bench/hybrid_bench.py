@@ -45,7 +45,7 @@ class HybridSettings:
 
 def run_hybrid_bench(models: dict[str, Path], settings: HybridSettings) -> dict[str, Any]:
     """Figures for `models` ({family: folder}); families that do not load are rows that say why."""
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     with tempfile.TemporaryDirectory(prefix="mlxinfer-hybrid-bench-") as work:
         with _private_cache(Path(work) / "cache"):

@@ -22,9 +22,8 @@ import mlx.core as mx
 
 from mlxinfer.cache import make_cache
 from mlxinfer.cache.layers import FULL, SLIDING
+from mlxinfer.defaults import PREFILL_CHUNK_TOKENS
 from mlxinfer.memory import ModelFootprint
-
-PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ GEMMA3_4B = AttentionShape("Gemma 3 4B", 34, 6, 1024, 4, 256, mx.bfloat16)
 
 
 def held_bytes(kinds: list[tuple[str, int | None]], shape: AttentionShape, context: int,
-               chunk: int = PREFILL_CHUNK, every_layer: bool = False) -> dict[str, int]:  # fmt: skip
+               chunk: int = PREFILL_CHUNK_TOKENS, every_layer: bool = False) -> dict[str, int]:  # fmt: skip
     """Bytes the caches built by `make_cache(kinds)` hold after `context` positions written `chunk` at a time,
     per layer type (all layers of that type together)."""
     caches = make_cache(kinds)
@@ -84,9 +83,9 @@ def planned(kinds: list[tuple[str, int | None]], shape: AttentionShape) -> Model
 
 
 def run_kv_memory_bench(shape: AttentionShape = GEMMA3_4B, contexts: tuple[int, ...] = (8192, 32768),
-                        chunk: int = PREFILL_CHUNK, every_layer: bool = False) -> dict[str, Any]:  # fmt: skip
+                        chunk: int = PREFILL_CHUNK_TOKENS, every_layer: bool = False) -> dict[str, Any]:  # fmt: skip
     """Measured and planned KV bytes before and after sliding windows, at each context."""
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     rows = []
     for context in contexts:

@@ -91,7 +91,7 @@ def prepare_moe_model(family: str, tiny: bool, root: Path | None = None) -> Path
 
 def run_moe_bench(source: Path, family: str, settings: MoeSettings) -> dict[str, Any]:
     """Converter rows first (nothing else running), then decode rows on the source and on mlx-lm's output."""
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     with tempfile.TemporaryDirectory(prefix="mlxinfer-moe-bench-") as tmp:
         work = Path(tmp)

@@ -1,7 +1,7 @@
 """mlxinfer against llama.cpp and mlx-lm on one CPU, in one run: prefill and decode at 128/32 and 512/128.
 
 Every engine gets the same prompt token ids (the shipped prose) and decodes greedily with EOS ignored,
-each configuration in a fresh process (mlxinfer.bench.runner), one after the other:
+each configuration in a fresh process (mlxinfer.speed.runner), one after the other:
 - mlxinfer on the GGUF file, as it loads by default (on a CPU: float32 weights where measured faster, OpenBLAS
   on every core but one), with OpenBLAS on every core, and with MLXINFER_CPU_WEIGHTS=quantized (4-bit kernels);
 - llama.cpp (llama-cpp-python, built from source: `pip install llama-cpp-python==0.3.36`) on the same GGUF;
@@ -22,12 +22,12 @@ from pathlib import Path
 
 from mlxinfer.convert import convert
 
-from mlxinfer.bench.conditions import conditions
-from mlxinfer.bench.measure import RunSpec
-from mlxinfer.bench.runner import run_all
-from mlxinfer.bench.suite import prompt_ids
 from mlxinfer.default_model import default_model_path
 from mlxinfer.models import load_tokenizer
+from mlxinfer.speed.conditions import conditions
+from mlxinfer.speed.measure import RunSpec
+from mlxinfer.speed.runner import run_all
+from mlxinfer.speed.suite import prompt_ids
 
 SIZES = ((128, 32), (512, 128))
 

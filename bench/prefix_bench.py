@@ -34,8 +34,8 @@ def run_prefix_bench(model_path: Path, prefix_tokens: int = 1000, quick: bool = 
 
 def _run(model_path: Path, prefix_tokens: int, quick: bool) -> dict[str, Any]:
     import mlxinfer
-    from mlxinfer.bench.conditions import conditions
     from mlxinfer.data import calibration_text, prose_text
+    from mlxinfer.speed.conditions import conditions
 
     model = mlxinfer.load(model_path, dtype="float32")
     text_ids = model.tokenizer.encode((prose_text() + "\n\n" + calibration_text()) * 4, add_special_tokens=False)

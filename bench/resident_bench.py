@@ -317,7 +317,7 @@ def file_bytes(path: Path) -> int:
 
 
 def run_bench(quick: bool) -> dict[str, Any]:
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     repeats = 1 if quick else 3
     figures: dict[str, Any] = {"conditions": conditions(), "load_average_at_start": os.getloadavg()}

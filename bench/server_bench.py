@@ -42,7 +42,7 @@ TOPICS = [
 
 
 def run_server_bench(model: Path, max_tokens: int = 48, rounds: int = 2, quick: bool = False) -> dict[str, Any]:
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     levels, rounds, max_tokens = ((1, 2), 1, 8) if quick else (LEVELS, rounds, max_tokens)
     with tempfile.TemporaryDirectory(prefix="mlxinfer-server-bench-") as work:

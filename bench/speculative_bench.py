@@ -77,7 +77,7 @@ def prompts(settings: SpeculativeSettings) -> dict[str, str]:
 
 def run_speculative_bench(target: Path, draft: Path, source: str, settings: SpeculativeSettings) -> dict[str, Any]:
     import mlxinfer
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     model = mlxinfer.load(target, draft_model=draft)
     figures: dict[str, Any] = {
@@ -183,11 +183,12 @@ def draft_read_s(model: Any, ids: list[int]) -> float:
     """Seconds mlxinfer's draft model takes to read the prompt, timed apart. It reads it alongside the target's
     prefill (in the TTFT of a run that drafts with it) unless its own prefix cache has it, as in every run here
     after the first that drafts with it (mlx-lm prefills its draft model with the target, before the first token)."""
-    from mlxinfer.engine import DEFAULT_PREFILL_CHUNK_TOKENS, DraftModel, SamplingParams
+    from mlxinfer.defaults import PREFILL_CHUNK_TOKENS
+    from mlxinfer.engine import DraftModel, SamplingParams
 
     drafter = DraftModel(model.draft.model, ids, SamplingParams(), model.config.vocab_size)
     began = time.perf_counter()
-    while drafter.read(DEFAULT_PREFILL_CHUNK_TOKENS):  # in the chunks a lone request's prefill runs
+    while drafter.read(PREFILL_CHUNK_TOKENS):  # in the chunks a lone request's prefill runs
         pass
     return time.perf_counter() - began
 

@@ -22,7 +22,7 @@ ROWS = (("off", "off", False), ("auto", "auto", False), ("auto + draft model", "
 
 def run_floor(rounds: int, quick: bool) -> dict[str, Any]:
     import mlxinfer
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     target, draft, source = speculative_models(quick)
     settings = SpeculativeSettings.quick() if quick else SpeculativeSettings()

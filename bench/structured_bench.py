@@ -86,7 +86,7 @@ def structured_model(quick: bool) -> tuple[Path, str]:
 
 def run_structured_bench(path: Path, source: str, settings: StructuredSettings) -> dict[str, Any]:
     import mlxinfer
-    from mlxinfer.bench.conditions import conditions
+    from mlxinfer.speed.conditions import conditions
 
     model = mlxinfer.load(path, prefix_cache_bytes=0)
     prompt = [{"role": "user", "content": PROMPT}]

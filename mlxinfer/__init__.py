@@ -6,7 +6,7 @@ from .engine import GenerationStats, SamplingParams
 
 __version__ = "0.1.0"
 
-from .remote import RemoteModel, connect  # noqa: E402 - after __version__, which the server reads
+from .resident_client import RemoteModel, connect  # noqa: E402 - after __version__, which the server reads
 
 __all__ = [
     "GenerationResult",

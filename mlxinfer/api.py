@@ -15,6 +15,7 @@ import numpy as np
 
 from .cache import PrefixCache, PrefixCacheStats, make_cache
 from .default_model import default_model_path
+from .defaults import DEFAULT_MAX_TOKENS, PREFILL_CHUNK_TOKENS
 from .display import html_table, mib
 from .engine import (
     SNAPSHOT_EVERY,
@@ -110,7 +111,7 @@ class Model:
         )
         self.memory_limits = hold_limits(self, self.memory_plan())
 
-    def memory_plan(self, context: int | None = None, prefill_chunk: int = 512) -> MemoryPlan:
+    def memory_plan(self, context: int | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> MemoryPlan:
         """What this model needs at `context` tokens (default: its trained length, at most 32k) on this machine."""
         if context is None:
             context = min(self.context_tokens, 32768)
@@ -171,7 +172,7 @@ class Model:
 
     @property
     def runtime(self) -> ModelRuntime:
-        """The parts a Scheduler serves requests with (this model's weights, tokenizer and prefix cache)."""
+        """The parts a ServingThread serves requests with (this model's weights, tokenizer and prefix cache)."""
         return ModelRuntime(
             decoder=self._loaded.model,
             tokenizer=self._loaded.tokenizer,
@@ -279,9 +280,9 @@ class Model:
         chat: bool | None,
         structure: Structure | None,
         *,
-        max_tokens: int = 256,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         stop: str | Sequence[str] | None = None,
-        prefill_chunk_tokens: int = 512,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         use_cache: bool = True,
         snapshot_every: int = SNAPSHOT_EVERY,
         speculate: str | None = None,
@@ -326,11 +327,11 @@ class Model:
             raise SamplingError("a list of messages needs the chat template; drop chat=False")
         return self.tokenizer.encode_chat(items)
 
-    def logits(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> np.ndarray:
+    def logits(self, token_ids: Iterable[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> np.ndarray:
         """Next-token logits at every position, float32 numpy of shape (T, vocab)."""
         return np.concatenate(list(self.logit_chunks(token_ids, chunk_tokens)), axis=0)
 
-    def logit_chunks(self, token_ids: Iterable[int], chunk_tokens: int = 512) -> Iterator[np.ndarray]:
+    def logit_chunks(self, token_ids: Iterable[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Iterator[np.ndarray]:
         """`logits` one chunk at a time, (chunk_tokens, vocab) each: for a progress bar, or to keep
         only one chunk of a long text's logits in memory. Bad arguments raise here, not at the first chunk."""
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -387,7 +388,7 @@ class Model:
         *,
         pooling: str = "mean",
         normalize: bool = True,
-        chunk_tokens: int = 512,
+        chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     ) -> np.ndarray:
         """Embeddings: the final hidden states (after the last norm, before the LM head) pooled over each
         input's tokens ("mean", or "last": the last token's), unit length unless `normalize=False`; float32 numpy

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 import mlxinfer
-from mlxinfer.engine import Scheduler, SchedulerConfig
+from mlxinfer.engine import SchedulerConfig, ServingThread
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 ARCHITECTURES = [
@@ -126,11 +126,11 @@ def held_port():
 
 @pytest.fixture
 def scheduler_for():
-    """make(model, **SchedulerConfig fields) -> a running Scheduler, stopped when the test ends."""
-    made: list[Scheduler] = []
+    """make(model, **SchedulerConfig fields) -> a running ServingThread, stopped when the test ends."""
+    made: list[ServingThread] = []
 
-    def make(model: mlxinfer.Model, **config) -> Scheduler:
-        made.append(Scheduler(model.runtime, SchedulerConfig(**config)))
+    def make(model: mlxinfer.Model, **config) -> ServingThread:
+        made.append(ServingThread(model.runtime, SchedulerConfig(**config)))
         return made[-1]
 
     yield make

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mlxinfer.bench.bandwidth import ceiling_tps, kv_bytes_per_token
-from mlxinfer.bench.measure import Spread
-from mlxinfer.bench.report import markdown
-from mlxinfer.bench.suite import prompt_ids
 from mlxinfer.cli import main
+from mlxinfer.speed.bandwidth import ceiling_tps, kv_bytes_per_token
+from mlxinfer.speed.measure import Spread
+from mlxinfer.speed.report import markdown
+from mlxinfer.speed.suite import prompt_ids
 from mlxinfer.tokenizer import Tokenizer
 from tests.conftest import TINY
 

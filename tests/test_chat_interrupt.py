@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from mlxinfer.api import Model
 from mlxinfer.cli import main
-from mlxinfer.engine import Finished, Job, Scheduler, SchedulerConfig
+from mlxinfer.engine import Finished, Job, SchedulerConfig, ServingThread
 from mlxinfer.models.decoder import DecoderLM
 from tests.conftest import TINY
 from tests.test_interrupt import interrupt_on_call, no_pins
@@ -93,7 +93,7 @@ def test_request_cancelled_during_its_prefill_keeps_the_chunks_run(tiny_llama, m
         return hidden(self, *args, **kwargs)
 
     monkeypatch.setattr(DecoderLM, "hidden", cancel_in_third_chunk)
-    scheduler = Scheduler(tiny_llama.runtime, SchedulerConfig(prefill_chunk=8))
+    scheduler = ServingThread(tiny_llama.runtime, SchedulerConfig(prefill_chunk=8))
     try:
         scheduler.submit(job)
         assert ended.wait(60)

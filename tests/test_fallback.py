@@ -19,7 +19,7 @@ from mlxinfer.convert import convert
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.engine import Finished, SchedulerConfig
-from mlxinfer.engine.scheduler import Scheduler
+from mlxinfer.engine.serving import ServingThread
 from mlxinfer.errors import ConfigError, UnsupportedModelError
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.uvicorn_host import BackgroundServer
@@ -108,7 +108,7 @@ def test_a_scheduler_runs_its_requests_one_at_a_time_and_says_so(model, caplog):
     prompts = [ids, ids[:12], ids[5:]]
     alone = [model.generate(p, max_tokens=6).text for p in prompts]
     with caplog.at_level(logging.WARNING):
-        scheduler = Scheduler(model.runtime, SchedulerConfig(max_batch=8))
+        scheduler = ServingThread(model.runtime, SchedulerConfig(max_batch=8))
     assert "one request at a time" in caplog.text
     try:
         sizes = batch_sizes(scheduler)

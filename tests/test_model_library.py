@@ -255,14 +255,14 @@ def test_pull_bits_4_converts_into_a_model_that_loads_and_generates(hub_for, dir
 )  # fmt: skip
 def test_a_repo_id_that_is_not_a_plain_folder_name_is_refused(repo):
     from mlxinfer.errors import HubError
-    from mlxinfer.hub.remote import check_repo_id
+    from mlxinfer.hub.repo import check_repo_id
 
     with pytest.raises(HubError, match="not a Hub model id"):
         check_repo_id(repo)
 
 
 def test_hub_style_repo_ids_are_accepted():
-    from mlxinfer.hub.remote import check_repo_id
+    from mlxinfer.hub.repo import check_repo_id
 
     for repo in ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen3-0.6B", "a/b_c", "_x/y_", "o/" + "x" * 96):
         assert check_repo_id(repo) == repo

@@ -23,7 +23,7 @@ from click.testing import CliRunner
 import mlxinfer
 from mlxinfer.cache import prefix_file
 from mlxinfer.cli import main
-from mlxinfer.engine import Finished, Job, Scheduler, SchedulerConfig
+from mlxinfer.engine import Finished, Job, SchedulerConfig, ServingThread
 from mlxinfer.errors import CacheError, UnsupportedModelError
 from tests.conftest import HYBRID as CONFTEST_HYBRID
 from tests.conftest import TINY, golden
@@ -353,7 +353,7 @@ def test_the_server_s_scheduler_resumes_from_the_file_too(arch, root):
     ids = prompt(arch)
     load(arch).warm(ids[:WARMED])
     model = load(arch)
-    scheduler = Scheduler(model.runtime, SchedulerConfig(max_batch=2, prefill_chunk=8))
+    scheduler = ServingThread(model.runtime, SchedulerConfig(max_batch=2, prefill_chunk=8))
     try:
         done = [Collector() for _ in range(2)]
         for prompt_ids, collector in zip([ids, ids[:WARMED] + [9, 8, 7]], done):

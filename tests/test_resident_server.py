@@ -20,7 +20,7 @@ import pytest
 import mlxinfer
 from mlxinfer.errors import RemoteServerError, SamplingError
 from mlxinfer.local_server import LocalServer, find_server, new_token, publish, state_path, withdraw
-from mlxinfer.remote import RemoteModel
+from mlxinfer.resident_client import RemoteModel
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.errors import APIError
 from mlxinfer.server.uvicorn_host import BackgroundServer

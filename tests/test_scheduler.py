@@ -11,7 +11,7 @@ import pytest
 import mlxinfer
 from mlxinfer.cache import make_cache
 from mlxinfer.cache.batch import add_row, drop_rows, row_cache
-from mlxinfer.engine import Delta, Failed, Finished, Job, SamplingParams, Scheduler, SchedulerConfig
+from mlxinfer.engine import Delta, Failed, Finished, Job, SamplingParams, SchedulerConfig, ServingThread
 from mlxinfer.errors import BusyError, MemoryBudgetError, RequestTimeoutError, SamplingError, ShutdownError
 from mlxinfer.memory import MachineMemory
 from tests.conftest import ARCHITECTURES, TINY
@@ -49,14 +49,14 @@ class Collector:
         return "".join(self.texts)
 
 
-def run_jobs(scheduler: Scheduler, prompts: list[list[int]], max_tokens: int, **job) -> list[Collector]:
+def run_jobs(scheduler: ServingThread, prompts: list[list[int]], max_tokens: int, **job) -> list[Collector]:
     collectors = [Collector() for _ in prompts]
     for prompt, collector in zip(prompts, collectors):
         scheduler.submit(Job(prompt, collector, max_tokens=max_tokens, **job))
     return [c.wait() for c in collectors]
 
 
-def batch_sizes(scheduler: Scheduler) -> list[int]:
+def batch_sizes(scheduler: ServingThread) -> list[int]:
     """Sizes of the decode batches seen from the scheduler's thread (one entry per event)."""
     seen: list[int] = []
     step = scheduler._batch.step
@@ -263,7 +263,7 @@ def test_requests_wait_for_memory_instead_of_failing(tiny_llama):
     two = batch_peak_bytes(footprint, [3 + 200, 3 + 200], 3, 256)
     assert two - one > 50 << 20
     budget = (1 << 30) + (one + two) // 2  # room for one
-    scheduler = Scheduler(runtime, SchedulerConfig(max_batch=4), machine=small_machine(budget))
+    scheduler = ServingThread(runtime, SchedulerConfig(max_batch=4), machine=small_machine(budget))
     timeline = []
 
     def recorder(name):
@@ -288,7 +288,7 @@ def test_requests_wait_for_memory_instead_of_failing(tiny_llama):
 
 
 def test_a_request_that_can_never_fit_fails_with_the_numbers(tiny_llama):
-    scheduler = Scheduler(tiny_llama.runtime, machine=small_machine(1 << 30))  # nothing usable past headroom
+    scheduler = ServingThread(tiny_llama.runtime, machine=small_machine(1 << 30))  # nothing usable past headroom
     try:
         refused = Collector()
         scheduler.submit(Job([3, 4], refused, max_tokens=5))
@@ -299,7 +299,7 @@ def test_a_request_that_can_never_fit_fails_with_the_numbers(tiny_llama):
         scheduler.stop()
 
 
-def one_running_one_waiting(scheduler: Scheduler) -> tuple[Collector, Collector]:
+def one_running_one_waiting(scheduler: ServingThread) -> tuple[Collector, Collector]:
     """Two long requests on a one-place scheduler, returned once the first is decoding."""
     running, waiting = Collector(), Collector()
     params = SamplingParams(temperature=1.0, seed=6)
@@ -310,7 +310,7 @@ def one_running_one_waiting(scheduler: Scheduler) -> tuple[Collector, Collector]
 
 
 def test_stop_ends_running_and_waiting_requests(tiny_llama):
-    scheduler = Scheduler(tiny_llama.runtime, SchedulerConfig(max_batch=1))
+    scheduler = ServingThread(tiny_llama.runtime, SchedulerConfig(max_batch=1))
     running, waiting = one_running_one_waiting(scheduler)
     scheduler.stop("going away")
     for collector in (running, waiting):

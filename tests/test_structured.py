@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import mlxinfer
-from mlxinfer.engine import Failed, Finished, GenerationRequest, Job, SamplingParams, Scheduler
+from mlxinfer.engine import Failed, Finished, GenerationRequest, Job, SamplingParams, ServingThread
 from mlxinfer.engine.single import TextGeneration
 from mlxinfer.errors import GrammarError
 from mlxinfer.grammar import Constraint, Grammar, allowed_tokens, choices, compiled, constraint_for, json_schema, regex
@@ -154,7 +154,7 @@ def model() -> mlxinfer.Model:
     return mlxinfer.load(TINY / "llama_classic", dtype="float32", prefix_cache_bytes=0)
 
 
-def batch_rows(scheduler: Scheduler) -> list[list[Constraint | None]]:
+def batch_rows(scheduler: ServingThread) -> list[list[Constraint | None]]:
     """Per decode step, from the scheduler's thread: the constraint of each row of the batch."""
     seen: list[list[Constraint | None]] = []
     step = scheduler._batch.step
@@ -189,7 +189,7 @@ def run_alone(
     return run
 
 
-def run_together(scheduler: Scheduler, jobs: list[Job]) -> list[Collector]:
+def run_together(scheduler: ServingThread, jobs: list[Job]) -> list[Collector]:
     for job in jobs:
         scheduler.submit(job)
     return [job.on_event.wait() for job in jobs]

@@ -15,7 +15,7 @@ from ..errors import GrammarError, MlxInferError
 from ..grammar import MAX_GRAMMAR_CHARS
 from ..library import record_use
 from ..local_server import find_server, server_identity
-from ..remote import RemoteModel, model_field
+from ..resident_client import RemoteModel, model_field
 from ..untrusted import read_json_object
 from .common import errors_as_one_line, load_model
 from .options import checked_generation, generation_options, take_speculation

@@ -31,8 +31,8 @@ def bench(model: str | None, compare: bool, as_json: bool, **sizes: int | None) 
       mlxinfer bench                              # the default model
       mlxinfer bench ~/models/Qwen3-0.6B-4bit --compare --json
     """
-    from ..bench.report import markdown
-    from ..bench.suite import Settings, run_suite
+    from ..speed.report import markdown
+    from ..speed.suite import Settings, run_suite
 
     path = Path(model).expanduser() if model else default_model_path()
     if compare and path.suffix == ".gguf":

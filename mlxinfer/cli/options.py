@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from ..defaults import DEFAULT_MAX_TOKENS
 from ..engine import MODES, SamplingParams, check_max_tokens, check_startup_mode, check_stops
 from ..errors import SamplingError
 
@@ -32,7 +33,8 @@ def generation_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Model, sampling and speculation options shared by generate and chat."""
     decorators = [
         click.argument("model", required=False),
-        click.option("--max-tokens", type=int, default=256, show_default=True, help="Most tokens to generate."),
+        click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
+                     help="Most tokens to generate."),
         click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy."),
         click.option("--top-p", type=float, default=1.0, show_default=True,
                      help="Sample from the likeliest tokens whose probabilities add up to this; 1 disables it."),

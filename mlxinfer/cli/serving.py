@@ -12,6 +12,7 @@ import click
 
 from ..api import Model
 from ..default_model import default_model_path
+from ..defaults import SERVER_PREFILL_CHUNK_TOKENS
 from ..display import mib
 from ..engine import SchedulerConfig
 from ..errors import ServerConfigError
@@ -50,7 +51,7 @@ from .options import speculation_options
 @click.option(
     "--prefill-chunk",
     type=click.IntRange(1, 65536),
-    default=256,
+    default=SERVER_PREFILL_CHUNK_TOKENS,
     show_default=True,
     help="Prompt tokens per prefill step; running streams wait at most one step for a new prompt.",
 )

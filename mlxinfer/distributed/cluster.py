@@ -100,7 +100,7 @@ def agree(group: Any, value: int) -> list[int]:
 
 
 def leader_scheduler(rank: Rank, config: SchedulerConfig | None, stall_s: float = STALL_S) -> Any:
-    """Rank 0's Scheduler factory for the server: the other ranks learn its config first."""
+    """Rank 0's ServingThread factory for the server: the other ranks learn its config first."""
 
     def make(runtime: Any, slot_config: SchedulerConfig | None) -> LeaderScheduler:
         chosen = slot_config or config or SchedulerConfig()

@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from ..defaults import PREFILL_CHUNK_TOKENS
+
 DEFAULT_MEMORY_GBPS = 100.0  # GB/s: a base M2/M3 chip (M1 68, M4 120, Pro ~200-270, Max ~400-550, Ultra ~800)
 # Apple GPUs pair about 34 half-precision FLOPs with each byte/s of memory bandwidth (M1-M4, base to
 # Ultra); 30 leaves a little for what matmuls do not reach.
@@ -20,7 +22,6 @@ DEFAULT_LINK_GBPS = 40.0  # Gb/s: Thunderbolt 4
 LINK_GBPS = {"Thunderbolt 5": 80, "Thunderbolt 4": 40, "10 Gigabit Ethernet": 10, "Gigabit Ethernet": 1}
 DEFAULT_HOP_LATENCY_S = 50e-6  # one message over Thunderbolt or Ethernet, TCP included
 PROMPT_TOKENS = 512
-CHUNK_TOKENS = 512  # a prefill's chunk (memory/planner.py PREFILL_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,8 @@ def estimate_pipeline(
 
     stage_s = tuple(compute_s(load, 1) for load in stages)
     step_s = sum(stage_s) + traffic_s(1) + compute_s(head, 1)
-    full, rest = divmod(prompt_tokens, CHUNK_TOKENS)
-    chunks = [CHUNK_TOKENS] * full + ([rest] if rest else [])
+    full, rest = divmod(prompt_tokens, PREFILL_CHUNK_TOKENS)
+    chunks = [PREFILL_CHUNK_TOKENS] * full + ([rest] if rest else [])
     prefill_s = sum(sum(compute_s(load, n) for load in stages) + traffic_s(n) for n in chunks)
     return PipelineEstimate(
         decode_tps=1 / max(step_s, 1e-9),  # a weightless test model on one host costs nothing
@@ -128,5 +129,5 @@ def _assumptions(memory_gbps: float, flops: float, latency_s: float) -> tuple[st
         "slower; MoE experts all counted (real MoE decoding reads fewer); KV-cache reads left out",
         f"each hop sends one hidden state per token at the link's nominal rate plus {latency_s * 1e6:g} us; "
         "the last rank's output is then summed into every rank (ring all-reduce) and every rank computes the head",
-        f"one request at a time, hosts one after another (no overlap); prefill in {CHUNK_TOKENS}-token chunks",
+        f"one request at a time, hosts one after another (no overlap); prefill in {PREFILL_CHUNK_TOKENS}-token chunks",
     )

@@ -12,10 +12,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..defaults import PREFILL_CHUNK_TOKENS
 from ..errors import ModelNotFoundError
 from ..formats.gguf_file import GGUFFile
 from ..formats.safetensors_header import DTYPE_BYTES, FLOAT_DTYPES
-from ..memory.planner import PREFILL_CHUNK, RUNTIME_BYTES
+from ..memory.planner import RUNTIME_BYTES
 from ..models.checkpoint import open_folder
 from ..models.config import ModelConfig, normalize_config
 from ..models.dtype import DTYPES
@@ -140,7 +141,7 @@ def _sizes(
         shared_weight_bytes=shared,
         head_weight_bytes=head,
         head_parameters=head_params,
-        working_bytes=footprint.activation_bytes(min(PREFILL_CHUNK, context), context) + RUNTIME_BYTES,
+        working_bytes=footprint.activation_bytes(min(PREFILL_CHUNK_TOKENS, context), context) + RUNTIME_BYTES,
         notes=_notes(config),
     )
 

@@ -22,7 +22,7 @@ log = logging.getLogger("mlxinfer.distributed")
 
 @dataclass
 class Cluster:
-    """Rank 0's view: its own rank, the processes it started, and the Scheduler factory for the server."""
+    """Rank 0's view: its own rank, the processes it started, and the ServingThread factory for the server."""
 
     rank: Rank
     ranks: Ranks

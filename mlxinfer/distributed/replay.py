@@ -1,6 +1,6 @@
 """Every rank turns the same generation loop; rank 0 decides what each turn starts from.
 
-Rank 0's Scheduler takes requests as always. Before each turn it sends the other
+Rank 0's ServingThread takes requests as always. Before each turn it sends the other
 ranks a turn record: the new requests, the ones cancelled since, and rank 0's clock
 (expiry). Each rank then turns its own BatchLoop (engine/loop.py, the one loop every
 generation runs through) on the same inputs, so admissions, prefill chunks, batch
@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from ..engine import BatchLoop, Delta, Failed, Job, ModelRuntime, SamplingParams, Scheduler, SchedulerConfig
+from ..engine import BatchLoop, Delta, Failed, Job, ModelRuntime, SamplingParams, SchedulerConfig, ServingThread
 from ..errors import ClusterError, ShutdownError
 from ..grammar import Grammar, constraint_for
 from .channel import Channel
@@ -114,8 +114,8 @@ def apply_turn(loop: BatchLoop, record: dict[str, Any], cancelled: dict[int, Job
     return True
 
 
-class LeaderScheduler(Scheduler):
-    """Rank 0's Scheduler: each turn is first sent to the other ranks (distributed/follower.py turns them)."""
+class LeaderScheduler(ServingThread):
+    """Rank 0's ServingThread: each turn is first sent to the other ranks (distributed/follower.py turns them)."""
 
     def __init__(self, runtime: ModelRuntime, config: SchedulerConfig | None, channel: Channel, stall_s: float):
         self.channel, self.stall_s = channel, stall_s

@@ -1,16 +1,16 @@
 """The generation engine: one loop (loop.py) wiring admission, a model runner and an output stage; sampling,
-speculation, structured output, embeddings, and the Scheduler thread that serves the loop to a server."""
+speculation, structured output, embeddings, and the ServingThread thread that serves the loop to a server."""
 
 from .drafting import DraftModel, DraftRuntime
 from .embed import POOLINGS, check_ids, embed, embeddable, split_inputs
 from .job import Delta, Event, Failed, Finished, Job
 from .loop import BatchLoop
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY, Prefill, prefill
+from .prefill import SNAPSHOT_EVERY, Prefill, prefill
 from .prefix_store import prefix_store_for
 from .request import GenerationRequest, check_max_tokens
 from .runtime import ModelRuntime, SchedulerConfig
 from .sampling import SamplingParams
-from .scheduler import Scheduler
+from .serving import ServingThread
 from .single import TextGeneration, generate_ids, warm_alone
 from .speculation import DRAFT_REASONS, MODES, REASONS, StepCosts, check_mode, check_startup_mode
 from .stats import GenerationStats
@@ -20,7 +20,6 @@ from .threads import call_on_device_thread
 
 __all__ = [
     "BatchLoop",
-    "DEFAULT_PREFILL_CHUNK_TOKENS",
     "DRAFT_REASONS",
     "Delta",
     "DraftModel",
@@ -38,7 +37,7 @@ __all__ = [
     "REASONS",
     "SNAPSHOT_EVERY",
     "SamplingParams",
-    "Scheduler",
+    "ServingThread",
     "SchedulerConfig",
     "StepCosts",
     "Structure",

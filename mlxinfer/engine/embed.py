@@ -12,11 +12,11 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import make_cache
+from ..defaults import PREFILL_CHUNK_TOKENS
 from ..errors import EmbeddingError, SamplingError
 from ..models.decoder import DecoderLM
 from ..models.shared_layers import ScaledLayerNorm, ScaledRMSNorm
 from ..untrusted import shown
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS
 from .sampling import is_int
 
 POOLINGS = ("mean", "last")
@@ -25,7 +25,7 @@ POOLINGS = ("mean", "last")
 def embeddable(decoder: object, alongside_generation: bool = False) -> str | None:
     """Why `decoder`'s final hidden states cannot be embedded, or None when they can.
 
-    `alongside_generation`: the pass runs on its own thread while a Scheduler may run this same model."""
+    `alongside_generation`: the pass runs on its own thread while a ServingThread may run this same model."""
     if not isinstance(decoder, DecoderLM) or not decoder.verified:
         # models/fallback.py runs mlx-lm's whole __call__: its `hidden` already holds the logits.
         return (
@@ -77,7 +77,7 @@ def embed(
     *,
     vocab_size: int,
     kv_bits: int | None = None,
-    chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+    chunk_tokens: int = PREFILL_CHUNK_TOKENS,
     alongside_generation: bool = False,
 ) -> np.ndarray:
     """One float32 vector per input, shape (inputs, hidden): the final hidden states pooled over its tokens.

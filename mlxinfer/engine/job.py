@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..defaults import DEFAULT_MAX_TOKENS
 from ..grammar import Constraint
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -46,11 +47,11 @@ Event = Delta | Finished | Failed
 
 @dataclass
 class Job:
-    """A generation request queued on a Scheduler."""
+    """A generation request queued on a ServingThread."""
 
     prompt_ids: list[int]
     on_event: Callable[[Event], None]
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: Sequence[str] = ()
     time_limit_s: float = math.inf  # from submission, queueing included
@@ -81,7 +82,7 @@ class Job:
     def cancel(self) -> None:
         """Stop generating (the client went away); the scheduler frees the slot at its next step.
 
-        Call it through `Scheduler.cancel`, which also wakes an idle scheduler."""
+        Call it through `ServingThread.cancel`, which also wakes an idle scheduler."""
         self._cancelled.set()
 
     def stamp(self) -> None:

@@ -1,6 +1,6 @@
 """The one generation loop: a turn wires the admission, the model runner and the output stage together.
 
-Every generation runs through it. The Scheduler's thread turns it for a server
+Every generation runs through it. The ServingThread's thread turns it for a server
 (many requests decoding together); `TextGeneration` turns it on the caller's own
 thread for one request from the Python API or the CLI, a batch of one. So EOS,
 max_tokens, stop strings, stats, memory fitting and the prefix cache have one
@@ -37,7 +37,7 @@ log = logging.getLogger("mlxinfer.scheduler")
 
 
 class BatchLoop:
-    """Requests in, events out; turned by one thread at a time (the Scheduler's, or a TextGeneration's caller)."""
+    """Requests in, events out; turned by one thread at a time (the ServingThread's, or a TextGeneration's caller)."""
 
     def __init__(
         self,

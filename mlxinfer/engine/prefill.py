@@ -21,7 +21,6 @@ from ..cache import Cache, Snapshot, snapshot
 from ..cache.layers import cuttable
 from ..models.decoder import DecoderLM
 
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
 SNAPSHOT_EVERY = 1024  # tokens between state snapshots of a long prompt
 MAX_MESSAGE_MARKS = 64  # message ends snapshotted per prompt: the last ones, where edits happen
 MAX_SPACED_SNAPSHOTS = 64  # every-N snapshots per prompt: a longer prompt (or a tiny N) spaces them wider

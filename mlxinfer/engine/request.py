@@ -1,7 +1,7 @@
 """A generation request as the Python API states it, and the checks every request passes.
 
 The request runs through the one generation loop (engine/loop.py), alone on the
-caller's thread (engine/single.py) or batched with others (engine/scheduler.py);
+caller's thread (engine/single.py) or batched with others (engine/serving.py);
 the loop's admission (engine/admission.py) checks it with `check_request`.
 """
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..defaults import DEFAULT_MAX_TOKENS, MAX_TOKENS, PREFILL_CHUNK_TOKENS
 from ..errors import SamplingError
 from ..grammar import Constraint
 from ..untrusted import shown
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY
+from .prefill import SNAPSHOT_EVERY
 from .sampling import SamplingParams
-
-MAX_TOKENS = 1_000_000  # tokens one request may ask for
 
 
 @dataclass
@@ -24,10 +23,10 @@ class GenerationRequest:
     """Everything that decides which tokens come out."""
 
     prompt_ids: Sequence[int]
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: SamplingParams = field(default_factory=SamplingParams)
     eos_token_ids: Iterable[int] = ()
-    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS
     kv_bits: int | None = None  # 8 or 4: keys and values stored quantized
     snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
     constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn

@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..cache import PrefixCache
+from ..defaults import PREFILL_CHUNK_TOKENS, SERVER_PREFILL_CHUNK_TOKENS
 from ..errors import ConfigError
 from ..memory import ModelFootprint
 from ..models.decoder import DecoderLM
 from ..tokenizer import Tokenizer
 from ..untrusted import shown
 from .drafting import DraftRuntime
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS, SNAPSHOT_EVERY
+from .prefill import SNAPSHOT_EVERY
 from .speculation import StepCosts
 
 
@@ -34,7 +35,7 @@ class ModelRuntime:
 class SchedulerConfig:
     max_batch: int = 8  # sequences decoding together
     max_queue: int = 64  # requests waiting for a place; more are refused (BusyError)
-    prefill_chunk: int = 256  # tokens per prefill step, between decode steps of running sequences
+    prefill_chunk: int = SERVER_PREFILL_CHUNK_TOKENS  # tokens per prefill step, between decode steps
     snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
 
     def __post_init__(self) -> None:
@@ -45,4 +46,4 @@ class SchedulerConfig:
 
 
 # A single request from the Python API: prefilled in the chunks it asked for, alone in its batch.
-SINGLE = SchedulerConfig(max_batch=1, max_queue=1, prefill_chunk=DEFAULT_PREFILL_CHUNK_TOKENS)
+SINGLE = SchedulerConfig(max_batch=1, max_queue=1, prefill_chunk=PREFILL_CHUNK_TOKENS)

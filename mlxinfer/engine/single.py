@@ -13,12 +13,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ..cache import PrefixCache
+from ..defaults import MAX_TOKENS, PREFILL_CHUNK_TOKENS
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
 from .job import Delta, Event, Failed, Finished, Job
 from .loop import BatchLoop
-from .prefill import DEFAULT_PREFILL_CHUNK_TOKENS
-from .request import MAX_TOKENS, GenerationRequest, check_options
+from .request import GenerationRequest, check_options
 from .runtime import SINGLE, ModelRuntime, SchedulerConfig
 from .stats import GenerationStats
 from .text import check_stops, truncate_at_stop
@@ -54,7 +54,7 @@ def run_alone(runtime: ModelRuntime, job: Job, config: SchedulerConfig = SINGLE)
         raise
 
 
-def warm_alone(runtime: ModelRuntime, ids: list[int], chunk: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> None:
+def warm_alone(runtime: ModelRuntime, ids: list[int], chunk: int = PREFILL_CHUNK_TOKENS) -> None:
     """Prefill `ids` and keep their state in the prefix cache and on disk (MemoryBudgetError if it cannot fit)."""
     for _ in run_alone(runtime, Job(ids, on_event=_unset, max_tokens=1, prefill_chunk=chunk, warm=True)):
         pass

@@ -4,7 +4,7 @@ mlx.nn's activations are compiled functions, and MLX keeps per-thread state for
 them; on MLX 0.32 a thread that ran one and then ends makes the whole process
 abort at exit ("terminate called without an active exception"). So a thread
 that ran model code is never ended: when its work returns it parks, and the
-next piece of device work (a new Scheduler, after an unload) reuses it.
+next piece of device work (a new ServingThread, after an unload) reuses it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _serve(inbox: queue.SimpleQueue) -> None:
         except BaseException:  # noqa: BLE001 - a parked thread must survive its work failing
             log.exception("device work failed")
         finally:
-            work = None  # a parked thread must not keep the finished work (a Scheduler, its model) alive
+            work = None  # a parked thread must not keep the finished work (a ServingThread, its model) alive
             done.set()
             _parked.put(inbox)
 

@@ -1,9 +1,9 @@
 """Checkpoints from the Hugging Face Hub: checked over HTTP before the weights come, then downloaded resumably
 into the one download cache that `pull` and `convert ORG/NAME` share."""
 
-from .hf_cache import hf_cache_snapshot
+from .cached_copies import hf_cache_snapshot
 from .pull import PullPlan, check_disk, download, download_dir, estimated_plan, finish, plan_download, plan_pull
-from .remote import MAX_CONFIG_BYTES
+from .repo import MAX_CONFIG_BYTES
 
 __all__ = [
     "MAX_CONFIG_BYTES",

@@ -41,9 +41,9 @@ from ..models import ModelConfig, normalize_config
 from ..models.dtype import choose_compute_dtype
 from ..models.footprint import config_footprint
 from ..untrusted import listed, shown_path
-from .hf_cache import hf_cache_file, open_regular
+from .cached_copies import hf_cache_file, open_regular
 from .local_files import open_own, own_file, own_folder, remove_own_folder
-from .remote import Listing, RemoteFile, check_repo_id, fetch_config, fetch_header, file_url, list_files, request
+from .repo import Listing, RemoteFile, check_repo_id, fetch_config, fetch_header, file_url, list_files, request
 from .transport import NETWORK_ERRORS, open_url, reason_of
 
 # Side files a model folder needs (config, tokenizer, chat template); weights are *.safetensors only.

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..defaults import PREFILL_CHUNK_TOKENS  # positions a prefill writes at once, unless a plan says otherwise
 from ..display import html_table, mib, plural
 from ..errors import MemoryBudgetError
 from .machine import MachineMemory
 
 KV_STEP = 256  # the KV cache grows in steps of this many positions (cache/kv.py)
-PREFILL_CHUNK = 512  # positions a prefill writes at once, unless a plan says otherwise
 PREFIX_CACHE_FRACTION = 0.1  # of usable memory, for the prompt-prefix cache
 PREFIX_CACHE_MAX_BYTES = 4 << 30
 RUNTIME_BYTES = 64 << 20  # MLX's own buffers, the sampler, the tokenizer's arrays
@@ -102,7 +102,7 @@ class ModelFootprint:
         """Whether some layer's cache grows with the context (a full-attention layer)."""
         return self.full_layers > 0
 
-    def sliding_positions(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+    def sliding_positions(self, tokens: int, chunk: int = PREFILL_CHUNK_TOKENS) -> int:
         """Positions one sliding layer's cache holds at most over `tokens` positions written `chunk` at a time.
 
         cache/kv.py keeps the last window - 1 positions when a write of up to `chunk`
@@ -118,15 +118,15 @@ class ModelFootprint:
         """The full-attention layers' KV for `tokens` positions, growth steps included."""
         return self.kv_bytes_per_token * _steps(tokens)
 
-    def sliding_kv_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+    def sliding_kv_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK_TOKENS) -> int:
         """The sliding layers' KV at most, at `tokens` positions: it stops growing near the window."""
         return self.sliding_layers * self.kv_bytes_per_position * self.sliding_positions(tokens, chunk)
 
-    def kv_cache_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+    def kv_cache_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK_TOKENS) -> int:
         """The attention layers' KV allocation for `tokens` positions prefilled `chunk` at a time."""
         return self.full_kv_bytes(tokens) + self.sliding_kv_bytes(tokens, chunk)
 
-    def cache_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK) -> int:
+    def cache_bytes(self, tokens: int, chunk: int = PREFILL_CHUNK_TOKENS) -> int:
         """Everything one sequence's cache holds at `tokens` positions: KV and recurrent state."""
         return self.kv_cache_bytes(tokens, chunk) + self.state_bytes
 
@@ -160,7 +160,7 @@ class ModelFootprint:
             moments.append(self.cache_bytes(prompt, chunk) + self.activation_bytes(prompt - full_end, prompt))
         return self.weights_bytes + max(moments)
 
-    def cache_lines(self, context: int, chunk: int = PREFILL_CHUNK) -> list[str]:
+    def cache_lines(self, context: int, chunk: int = PREFILL_CHUNK_TOKENS) -> list[str]:
         """What each kind of layer keeps at `context` tokens, in words (the `plan` command prints these).
 
         Example:
@@ -187,7 +187,7 @@ class ModelFootprint:
             lines.append(f"{plural(self.recurrent_layers, 'recurrent layer')}: {state} of state per sequence")
         return lines
 
-    def layer_counts(self, context: int, chunk: int = PREFILL_CHUNK) -> dict[str, Any]:
+    def layer_counts(self, context: int, chunk: int = PREFILL_CHUNK_TOKENS) -> dict[str, Any]:
         """The cache of each kind of layer at `context` tokens, as numbers (for JSON)."""
         return {
             "full_layers": self.full_layers,
@@ -344,7 +344,7 @@ def plan_memory(
     machine: MachineMemory,
     footprint: ModelFootprint,
     context: int,
-    prefill_chunk: int = PREFILL_CHUNK,
+    prefill_chunk: int = PREFILL_CHUNK_TOKENS,
     prefix_cache_bytes: int | None = None,
     already_ours: int = 0,
     prompt: int | None = None,

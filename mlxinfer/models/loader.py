@@ -140,7 +140,7 @@ def _private_arrays(model: nn.Module) -> list[mx.array]:
     """Arrays modules keep outside their parameters (RoPE frequency tables, `_freqs`).
 
     Evaluated here, on the loading thread: MLX's GPU streams belong to the thread that
-    made them, and a still-lazy array would be computed later on a Scheduler's thread."""
+    made them, and a still-lazy array would be computed later on a ServingThread's thread."""
     return [v for _, module in model.named_modules() for v in module.values() if isinstance(v, mx.array)]
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible local server: HTTP in front of one Scheduler per loaded model.
+"""The OpenAI-compatible local server: HTTP in front of one ServingThread per loaded model.
 
 app.py puts the app together from routes/ (one module per API) over core.py (what every route shares);
 model_pool.py holds the served models, uvicorn_host.py listens and runs the app on uvicorn.

@@ -2,7 +2,7 @@
 
 A request's body is read within a deadline (read_body), then parsed, validated and tokenized
 on worker threads (a bounded number at once: limits.py), and queued on
-its model's Scheduler as a Job. The scheduler's thread reports each event with
+its model's ServingThread as a Job. The scheduler's thread reports each event with
 `call_soon_threadsafe` (deltas.py); a route streams them as server-sent events or
 gathers them into one body (API.whole). A client that goes away cancels its job.
 The routes (routes/) import this module; it imports none of them.
@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from ..defaults import MAX_TOKENS  # above it, the engine's own check answers (max_tokens out of range)
 from ..engine import Event, Finished, GenerationStats, Job
 from ..errors import MlxInferError
 from ..grammar import cancelled_by
@@ -36,7 +37,6 @@ from .settings import ServerSettings
 from .structured import Prepared, prepare_chat
 
 log = logging.getLogger("mlxinfer.server")
-MAX_TOKENS = 1_000_000  # above this, the engine's own check answers (max_tokens out of range)
 
 
 class API:

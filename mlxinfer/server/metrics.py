@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine import DRAFT_REASONS, REASONS, GenerationStats, Scheduler
+from ..engine import DRAFT_REASONS, REASONS, GenerationStats, ServingThread
 from .model_pool import ModelSet
 
 disable_created_metrics()  # no `*_created` series: they double the output and nobody here reads them
@@ -50,7 +50,7 @@ class Metrics:
             "mlxinfer_time_per_output_token_seconds", "Between output tokens", buckets=TOKEN_BUCKETS, registry=registry
         )
 
-        def total(read: Callable[[Scheduler], float]) -> Callable[[], float]:
+        def total(read: Callable[[ServingThread], float]) -> Callable[[], float]:
             return lambda: float(sum(read(s) for s in schedulers()))
 
         gauges = {
@@ -73,7 +73,7 @@ class Metrics:
         ).set_function(lambda: _hit_rate(list(schedulers())))
         self._speculation(registry, schedulers)
 
-    def _speculation(self, registry: CollectorRegistry, schedulers: Callable[[], list[Scheduler]]) -> None:
+    def _speculation(self, registry: CollectorRegistry, schedulers: Callable[[], list[ServingThread]]) -> None:
         self.drafted_tokens = Counter(
             "mlxinfer_speculative_drafted_tokens", "Drafted tokens the target verified", registry=registry
         )
@@ -116,18 +116,18 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _prefix(scheduler: Scheduler, name: str) -> float:
+def _prefix(scheduler: ServingThread, name: str) -> float:
     cache = scheduler.runtime.prefix_cache
     return getattr(cache.stats, name) if cache else 0
 
 
-def _prefix_bytes(scheduler: Scheduler) -> float:
+def _prefix_bytes(scheduler: ServingThread) -> float:
     draft = scheduler.runtime.draft
     held = draft.prefix_cache.stats.bytes_held if draft is not None and draft.prefix_cache else 0
     return _prefix(scheduler, "bytes_held") + held
 
 
-def _hit_rate(schedulers: list[Scheduler]) -> float:
+def _hit_rate(schedulers: list[ServingThread]) -> float:
     looked_up = sum(_prefix(s, "prompt_tokens") for s in schedulers)
     return sum(_prefix(s, "cached_tokens") for s in schedulers) / looked_up if looked_up else 0.0
 
@@ -137,7 +137,7 @@ class _PlainBatchSteps(Collector):
 
     A gauge, like the prefix-cache totals: it restarts when a model is unloaded."""
 
-    def __init__(self, schedulers: Callable[[], list[Scheduler]]):
+    def __init__(self, schedulers: Callable[[], list[ServingThread]]):
         self._schedulers = schedulers
 
     def collect(self) -> Iterator[Metric]:

@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from ..api import Model, load
 from ..display import mib
-from ..engine import Scheduler, SchedulerConfig, call_on_device_thread
+from ..engine import SchedulerConfig, ServingThread, call_on_device_thread
 from ..library import disk_bytes, find_model
 from ..untrusted import shown
 from .errors import APIError
@@ -42,7 +42,7 @@ DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: five minutes after the last re
 class ServedModel:
     id: str
     model: Model
-    scheduler: Scheduler
+    scheduler: ServingThread
 
 
 @dataclass
@@ -77,7 +77,7 @@ def path_id(path: Path) -> str:
 
 
 class ModelSet:
-    """Loaded (or unloaded, reloadable) models, each with its own Scheduler: batch, queue and prefix cache.
+    """Loaded (or unloaded, reloadable) models, each with its own ServingThread: batch, queue and prefix cache.
 
     `catalog(name)` finds a local model's path by name (None: not one); `loader(path)` loads one found so;
     `budget_bytes` bounds the models' memory together (None: no bound but the machine's)."""
@@ -90,7 +90,7 @@ class ModelSet:
         budget_bytes: int | None = None,
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        scheduler: Callable[..., Scheduler] = Scheduler,
+        scheduler: Callable[..., ServingThread] = ServingThread,
     ) -> None:
         self._scheduler = scheduler  # a distributed model's is rank 0's, which the other ranks follow
         self._slots: dict[str, _Slot] = {}
@@ -385,7 +385,7 @@ class ModelSet:
         """The loaded models."""
         return iter([s.served for s in list(self._slots.values()) if s.served is not None])
 
-    def schedulers(self) -> list[Scheduler]:
+    def schedulers(self) -> list[ServingThread]:
         return [s.scheduler for s in self]
 
     @property

@@ -1,6 +1,6 @@
 """Speed measurement shared by `mlxinfer bench` and the repository's bench/ harness.
 
-Each configuration runs in its own process (`python -m mlxinfer.bench.worker`) so
+Each configuration runs in its own process (`python -m mlxinfer.speed.worker`) so
 peak memory and warm-up are measured per engine, not inherited from the last one.
 """
 

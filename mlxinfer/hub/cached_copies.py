@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..library import hf_cache_dir
-from .remote import Listing, RemoteFile
+from .repo import Listing, RemoteFile
 
 
 def hf_cache_file(listing: Listing, remote: RemoteFile) -> Path | None:

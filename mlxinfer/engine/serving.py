@@ -27,7 +27,7 @@ from .threads import run_on_device_thread
 log = logging.getLogger("mlxinfer.scheduler")
 
 
-class Scheduler:
+class ServingThread:
     """Runs Jobs on a background thread; `submit`, `cancel` and `stop` are safe from any thread."""
 
     def __init__(

@@ -32,7 +32,7 @@ def run_all(specs: list[RunSpec], timeout_s: float = 1800.0, progress: bool = Tr
 def run_one(spec: RunSpec, timeout_s: float) -> Measurement:
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "mlxinfer.bench.worker"],
+            [sys.executable, "-m", "mlxinfer.speed.worker"],
             input=json.dumps(asdict(spec)),
             env={**os.environ, **spec.env},
             capture_output=True,

@@ -1,0 +1,7 @@
+"""The defaults more than one room uses, each in one place: the CLI, the Python API, the engine, the server and
+the memory planner read them from here, so changing one changes every front end and every estimate together."""
+
+DEFAULT_MAX_TOKENS = 256  # tokens generated when a caller names no limit (the server's own default is in settings)
+MAX_TOKENS = 1_000_000  # the most tokens one request may ask for
+PREFILL_CHUNK_TOKENS = 512  # prompt tokens per prefill step of a request running alone; what memory plans assume
+SERVER_PREFILL_CHUNK_TOKENS = 256  # per prefill step while other requests decode: each waits at most one step
