@@ -21,7 +21,7 @@ def output_config(
     source_config: dict[str, Any], config: ModelConfig, layers: dict[str, LayerQuant | None], settings: Any, dtype: Any
 ) -> dict[str, Any]:
     out = dict(source_config)
-    out.setdefault("architectures", [_ARCHITECTURES.get(config.model_type, "LlamaForCausalLM")])
+    out.setdefault("architectures", [config.spec.hf_class or "LlamaForCausalLM"])
     out.update({k: config.args[k] for k in _CLASSIC_ROPE_KEYS if k in config.args})
     # Arguments mlx-lm requires under its own name (lfm2's block_dim): the value mlxinfer derived.
     out.update({k: config.args[k] for k in config.spec.renamed if k in config.args and k not in out})
@@ -68,19 +68,3 @@ def _global_period(layer_types: tuple[str, ...]) -> int | None:
     n = next((i + 1 for i, kind in enumerate(layer_types) if kind == "full_attention"), len(layer_types))
     expected = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(len(layer_types)))
     return n if expected == layer_types else None
-
-
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "lfm2": "Lfm2ForCausalLM",
-    "qwen3_next": "Qwen3NextForCausalLM",
-    "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
-}

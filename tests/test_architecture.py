@@ -157,10 +157,10 @@ def test_imports_flow_one_way():
     assert not violations
 
 
-def test_leaf_modules_exist_and_forbid_every_other_room():
+def test_leaf_modules_import_nothing_of_ours_but_errors():
     for leaf in LEAVES:
-        assert (ROOT / "mlxinfer" / f"{leaf}.py").is_file()
-        assert {"models", "cache", "display", "convert"} <= FORBIDDEN[leaf] and "errors" not in FORBIDDEN[leaf]
+        path = ROOT / "mlxinfer" / f"{leaf}.py"
+        assert imported_rooms(path) - {leaf} <= {"errors"}, f"{leaf}.py imports {imported_rooms(path) - {leaf}}"
 
 
 def test_converter_and_quantizer_stay_out_of_the_runtime_and_ui():
@@ -276,7 +276,7 @@ def test_no_module_is_over_600_lines():
 
 
 def test_no_folder_holds_too_much():
-    lines = {p: len(p.read_text().splitlines()) for p in modules().values()}
+    lines = {p: len(p.read_text().splitlines()) for p in (ROOT / "mlxinfer").rglob("*.py")}
     total = sum(lines.values())
     rooms = [p for p in (ROOT / "mlxinfer").rglob("*") if p.is_dir() and (p / "__init__.py").exists()]
     for room in rooms:
@@ -310,5 +310,8 @@ def test_the_hub_code_opens_connections_in_one_module():
 
 
 def test_one_module_parses_gguf_headers():
-    readers = [p for p in modules().values() if b'b"GGUF"' in p.read_bytes() or b"b'GGUF'" in p.read_bytes()]
-    assert [p.relative_to(ROOT) for p in readers] == [Path("mlxinfer/formats/gguf_file.py")]
+    """formats/gguf_file.py is the one reader: nothing else checks the magic or uses the gguf package's reader."""
+    files = [*modules().values(), *(ROOT / "bench").rglob("*.py")]
+    signs = (b'b"GGUF"', b"b'GGUF'", b"GGUFReader", b"0x46554747")
+    readers = [p.relative_to(ROOT) for p in files if any(sign in p.read_bytes() for sign in signs)]
+    assert readers == [Path("mlxinfer/formats/gguf_file.py")]

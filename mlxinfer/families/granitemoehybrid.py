@@ -153,5 +153,6 @@ SPECS = {
         check_config=check_granitemoehybrid,
         mlx_sanitize=True,
         adapt=adapt,
+        hf_class="GraniteMoeHybridForCausalLM",
     ),
 }

@@ -17,5 +17,6 @@ SPECS = {
         mlx_sanitize=True,
         tied_by_default=True,
         neutral={"conv_bias": False},
+        hf_class="Lfm2ForCausalLM",
     ),
 }

@@ -26,6 +26,6 @@ GGUF = {"llama": GGUFArch("llama", (1e-5, 10_000.0), gguf_config, permutes_qk=Tr
 
 
 SPECS = {
-    "llama": ArchSpec("llama", neutral={"pretraining_tp": 1}),
-    "mistral": ArchSpec("llama", sliding="all"),
+    "llama": ArchSpec("llama", neutral={"pretraining_tp": 1}, hf_class="LlamaForCausalLM"),
+    "mistral": ArchSpec("llama", sliding="all", hf_class="MistralForCausalLM"),
 }

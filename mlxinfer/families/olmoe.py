@@ -31,6 +31,7 @@ SPECS = {
     "olmoe": ArchSpec(
         "olmoe",
         fixed_head_dim=True,  # its q_norm spans hidden_size, so transformers too needs heads * head_dim == hidden
+        whole_qk_norm=True,  # q_norm and k_norm span the whole projection, not one head
         neutral={"clip_qkv": None, "mlp_bias": False},  # mlx-lm never clips; transformers' experts have no bias
         renamed={"num_experts": "num_local_experts"},
         defaults=OLMOE_DEFAULTS,

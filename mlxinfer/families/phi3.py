@@ -11,7 +11,12 @@ from ..models.registry import ArchSpec
 
 SPECS = {
     "phi3": ArchSpec(
-        "phi3", sliding="all", fixed_head_dim=True, rope_types=frozenset({"default"}), partial_rotary=True
+        "phi3",
+        sliding="all",
+        fixed_head_dim=True,
+        rope_types=frozenset({"default"}),
+        partial_rotary=True,
+        hf_class="Phi3ForCausalLM",
     ),
 }
 

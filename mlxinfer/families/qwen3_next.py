@@ -245,7 +245,12 @@ _LINEAR_HYBRID = dict(
 SPECS = {
     # check_qwen3_next writes layer_types from full_attention_interval when absent.
     "qwen3_next": ArchSpec(
-        "qwen3_next", defaults=QWEN3_NEXT_DEFAULTS, check_config=check_qwen3_next, adapt=adapt, **_LINEAR_HYBRID
+        "qwen3_next",
+        defaults=QWEN3_NEXT_DEFAULTS,
+        check_config=check_qwen3_next,
+        adapt=adapt,
+        hf_class="Qwen3NextForCausalLM",
+        **_LINEAR_HYBRID,
     ),
     # mlx-lm has no qwen3_5_text module: its qwen3_5 takes the flat config.
     "qwen3_5_text": ArchSpec(
@@ -254,6 +259,7 @@ SPECS = {
         defaults=QWEN3_5_DEFAULTS,
         check_config=check_qwen3_5_text,
         adapt=adapt,
+        hf_class="Qwen3_5ForCausalLM",
         **_LINEAR_HYBRID,
     ),
     "qwen3_5_moe_text": ArchSpec(

@@ -41,7 +41,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     """Return every tensor's dtype and shape, or raise CorruptFileError naming the problem."""
     raw, size, header_len = _read_raw_header(path)
     try:
-        header = json.loads(raw, parse_constant=_refuse_constant)
+        header = parse_json(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptFileError(f"{path}: header is not valid JSON ({type(e).__name__}); re-download the file") from None
     if not isinstance(header, dict):
@@ -49,9 +49,19 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
     metadata = header.pop("__metadata__", None) or {}  # MLX writes null
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CorruptFileError(f"{path}: __metadata__ must map strings to strings")
-    data_bytes = size - 8 - header_len
-    tensors = {name: _check_entry(path, name, entry, data_bytes) for name, entry in header.items()}
-    _check_no_overlap(path, header)
+    return check_tensors(path, header, size - 8 - header_len)
+
+
+def parse_json(raw: bytes) -> object:
+    """A header's JSON, refusing NaN and Infinity (not JSON, yet Python's parser takes them); ValueError if bad."""
+    return json.loads(raw, parse_constant=_refuse_constant)
+
+
+def check_tensors(source: Path | str, header: dict, data_bytes: int) -> dict[str, TensorInfo]:
+    """Every entry of a parsed header (without __metadata__) checked against the `data_bytes` after it: dtype,
+    shape, offsets inside the data and no two tensors overlapping; CorruptFileError naming `source` if not."""
+    tensors = {name: _check_entry(source, name, entry, data_bytes) for name, entry in header.items()}
+    _check_no_overlap(source, header)
     return tensors
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptFileError, HubError
-from ..formats.safetensors_header import MAX_HEADER_BYTES, _check_entry, _check_no_overlap
+from ..formats.safetensors_header import MAX_HEADER_BYTES, check_tensors, parse_json
 from ..untrusted import first_line, is_int, plain, shown
 from .transport import NETWORK_ERRORS, open_url, reason_of
 
@@ -170,13 +170,11 @@ def fetch_header(listing: Listing, shard: RemoteFile) -> ShardHeader:
         )
     raw = read(url, length, what=source, byte_range=(8, 8 + length - 1))
     try:
-        header = json.loads(raw)
+        header = parse_json(raw)
         if not isinstance(header, dict):
             raise ValueError("not an object")
         header.pop("__metadata__", None)
-        data_bytes = shard.size - 8 - length
-        tensors = {name: _check_entry(source, name, entry, data_bytes) for name, entry in header.items()}
-        _check_no_overlap(source, header)
+        tensors = check_tensors(source, header, shard.size - 8 - length)
     except CorruptFileError as e:
         raise HubError(f"{e}; refused before downloading any weights") from None
     except (ValueError, RecursionError, UnicodeDecodeError):

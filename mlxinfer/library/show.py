@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import ConfigError, MlxInferError
 from ..formats.gguf_file import GGUFFile, read_metadata
-from ..untrusted import first_line, is_int, read_json_object, read_text
+from ..untrusted import first_line, is_int, read_json_object, read_text, shown_path
 from .local_model import LocalModel, file_type_bits, file_type_name, read_config
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def _gguf_template(path: Path) -> str | None:
             max_skipped_items=MAX_GGUF_ITEMS,
         )
     except (MlxInferError, OSError) as e:
-        log.warning("no chat template read: %s", first_line(e))
+        log.warning("%s: no chat template read (%s)", shown_path(path), first_line(e))
         return None
     template = found.get("tokenizer.chat_template")
     return template if isinstance(template, str) else None

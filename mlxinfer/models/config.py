@@ -275,9 +275,11 @@ def _refuse_code_and_foreign_quantization(raw: dict[str, Any], source: str) -> N
     if "auto_map" in raw:
         log.warning("%s: ignoring 'auto_map' (mlxinfer never imports code from a model folder)", source)
     qcfg = raw.get("quantization_config")
-    # gpt-oss's Hub checkpoints store their experts in MXFP4, which MLX runs as it is (families/gpt_oss.py).
-    native = raw.get("model_type") == "gpt_oss" and isinstance(qcfg, dict) and qcfg.get("quant_method") == "mxfp4"
-    if isinstance(qcfg, dict) and "quant_method" in qcfg and not native:
+    if not isinstance(qcfg, dict) or "quant_method" not in qcfg:
+        return
+    # A family may store some weights in a format MLX runs as it is (ArchSpec.native_quantization).
+    spec, method = ARCHITECTURES.get(raw.get("model_type")), qcfg["quant_method"]
+    if spec is None or not isinstance(method, str) or method not in spec.native_quantization:
         raise UnsupportedModelError(
             f"{source}: quantization_config.quant_method={shown(qcfg['quant_method'])} is not supported; "
             "use an unquantized checkpoint or an MLX-quantized folder (mlxinfer convert)"
@@ -348,36 +350,24 @@ def _check_neutral(args: dict[str, Any], source: str, spec: ArchSpec) -> None:
 
 def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, Any]:
     """Read rope settings from either config form into mlx-lm's classic keys."""
-    model_type = args["model_type"]
+    if spec.rope_args is not None:  # the family reads its own (mlxinfer/families/)
+        return spec.rope_args(args, source, spec)
     params = args.get("rope_parameters")
     out: dict[str, Any] = {}
-    if model_type == "gemma3_text":
-        nested = isinstance(params, dict) and FULL in params
-        full = _section(params, FULL, source) if nested else (params or {})
-        local = _section(params, SLIDING, source) if nested else {}
-        out["rope_theta"] = _not_null(full, "rope_theta", args.get("rope_theta", 1_000_000.0), source, FULL)
-        base = args.get("rope_local_base_freq", 10_000.0)
-        out["rope_local_base_freq"] = _not_null(local, "rope_theta", base, source, SLIDING)
-        out["rope_scaling"] = _scaling(full, source, spec)
-        if not nested and args.get("rope_scaling"):
-            out["rope_scaling"] = _scaling(args["rope_scaling"], source, spec)
-        if _scaling(local, source, spec) is not None:
-            raise UnsupportedModelError(f"{source}: rope scaling on sliding layers is not supported")
-        return out
     if params is not None:
-        out["rope_theta"] = _not_null(params, "rope_theta", args.get("rope_theta", 10000.0), source)
-        out["rope_scaling"] = _scaling(params, source, spec, args)
+        out["rope_theta"] = rope_value(params, "rope_theta", args.get("rope_theta", 10000.0), source)
+        out["rope_scaling"] = rope_scaling(params, source, spec, args)
         if "partial_rotary_factor" in params:
-            out["partial_rotary_factor"] = _not_null(params, "partial_rotary_factor", 1.0, source)
+            out["partial_rotary_factor"] = rope_value(params, "partial_rotary_factor", 1.0, source)
     else:
-        out["rope_scaling"] = _scaling(args.get("rope_scaling"), source, spec, args)
+        out["rope_scaling"] = rope_scaling(args.get("rope_scaling"), source, spec, args)
     if out.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0)) != 1.0 and not spec.partial_rotary:
         families = ", ".join(sorted(t for t, s in ARCHITECTURES.items() if s.partial_rotary))
         raise UnsupportedModelError(f"{source}: partial_rotary_factor is only supported for {families}")
     return out
 
 
-def _not_null(params: dict[str, Any], key: str, default: Any, source: str, section: str = "") -> Any:
+def rope_value(params: dict[str, Any], key: str, default: Any, source: str, section: str = "") -> Any:
     """`params[key]`, or `default` when absent; a null there is refused by its full name (a RoPE base has no off)."""
     if key in params and params[key] is None:
         name = ".".join(filter(None, ("rope_parameters", section, key)))
@@ -385,14 +375,17 @@ def _not_null(params: dict[str, Any], key: str, default: Any, source: str, secti
     return params.get(key, default)
 
 
-def _section(params: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+def rope_section(params: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    """`params[key]`: one layer type's section of a nested `rope_parameters` ({} when absent)."""
     value = params.get(key) or {}
     if not isinstance(value, dict):
         raise ConfigError(f"{source}: rope_parameters.{key} must be an object, got {shown(value)}")
     return value
 
 
-def _scaling(scaling: Any, source: str, spec: ArchSpec, args: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def rope_scaling(
+    scaling: Any, source: str, spec: ArchSpec, args: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """A rope scaling dict in mlx-lm's form, or None for plain RoPE."""
     if not scaling:
         return None

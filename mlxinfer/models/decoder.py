@@ -30,7 +30,7 @@ class Layout:
     sliding_window: int | None
     embed_scale: float | None
     final_logit_softcapping: float | None
-    # gemma2's attention folds grouped query heads into an extra axis, so a
+    # The attention folds grouped query heads into an extra axis (ArchSpec.folds_query_groups), so a
     # per-row mask needs one more axis to broadcast there.
     grouped_query_mask: bool = False
     final_norm: str = "norm"  # the backbone's attribute holding the last norm
@@ -145,7 +145,7 @@ def build_model(config: ModelConfig) -> DecoderLM:
         sliding_window=config.sliding_window,
         embed_scale=math.sqrt(config.hidden_size) if config.spec.scales_embeddings else None,
         final_logit_softcapping=config.args.get("final_logit_softcapping"),
-        grouped_query_mask=config.model_type == "gemma2"
+        grouped_query_mask=config.spec.folds_query_groups
         and config.args["num_attention_heads"] != config.args["num_key_value_heads"],
         final_norm=config.spec.final_norm,
     )

@@ -22,9 +22,6 @@ from .sizing import moe_layout
 KV_GROUP_SIZE = 64
 QUANT_GROUP_SIZE = 64  # weights: mlx's affine quantization keeps a 16-bit scale and bias per group of this many
 RECURRENCE_ELEMENT_BYTES = 4  # mlx-lm's Mamba-2 and Gated DeltaNet keep their state in float32 at any dtype
-# mlx-lm's gemma2 attention softcaps scores itself instead of calling the shared
-# attention function, so it cannot read quantized keys; its deepseek_v3 (MLA) multiplies the cached latent.
-NO_QUANTIZED_KV = {"gemma2", "deepseek_v3"}
 
 
 def check_kv_bits(kv_bits: int | None, config: ModelConfig) -> int | None:
@@ -38,7 +35,7 @@ def check_kv_bits(kv_bits: int | None, config: ModelConfig) -> int | None:
             f"model_type {config.model_type} is unverified (mlx-lm's model code): a quantized KV cache is not "
             "supported for it; load it with kv_bits=None"
         )
-    if config.model_type in NO_QUANTIZED_KV:
+    if config.spec.float_kv_only:
         raise ConfigError(f"{config.model_type} cannot use a quantized KV cache; load it with kv_bits=None")
     if int(config.args["head_dim"]) % KV_GROUP_SIZE:
         raise ConfigError(f"head_dim {config.args['head_dim']} is not a multiple of {KV_GROUP_SIZE}; use kv_bits=None")

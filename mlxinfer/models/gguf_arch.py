@@ -148,7 +148,9 @@ class _Conventions(Mapping[str, GGUFArch]):
 ARCHITECTURES: Mapping[str, GGUFArch] = _Conventions()
 
 
-_BY_MODEL_TYPE = {**{model_type: arch for arch, model_type in GGUF_FAMILIES.items()}, "mistral": "llama"}
+# Model types llama.cpp writes under another family's architecture name (families/llama.py reads Mistral back).
+WRITTEN_AS = {"mistral": "llama"}
+_BY_MODEL_TYPE = {**{model_type: arch for arch, model_type in GGUF_FAMILIES.items()}, **WRITTEN_AS}
 
 
 def conventions_of(model_type: str) -> GGUFArch:

@@ -64,8 +64,14 @@ class ArchSpec:
     partial_rotary: bool = False
     # q_proj also computes each head's output gate: 2 * num_attention_heads * head_dim outputs.
     gated_queries: bool = False
-    # q_norm/k_norm normalize the whole projection (OLMo), not each head: heads * head_dim wide.
+    # q_norm/k_norm normalize the whole projection (OLMo, OLMoE), not each head: heads * head_dim wide.
     whole_qk_norm: bool = False
+    # The module's attention folds grouped query heads into an extra axis (Gemma 2), so a per-row mask needs
+    # one more axis to broadcast there.
+    folds_query_groups: bool = False
+    # The module's attention cannot read a quantized KV cache (it soft-caps the scores itself, or multiplies a
+    # cached latent): loading with kv_bits is refused.
+    float_kv_only: bool = False
     # Layer types config.json may declare beyond full/sliding attention (recurrent kinds: each
     # gets a fixed-size state cache). Hybrid modules read `layer_types` themselves, so it stays in args.
     recurrent_kinds: frozenset[str] = frozenset()
@@ -86,6 +92,15 @@ class ArchSpec:
     # The family's own checks and rewrites of the args, run after the common size checks (before RoPE and
     # layer types): `check(args, source)`, raising ConfigError / UnsupportedModelError.
     check_config: Callable[[dict[str, Any], str], None] | None = None
+    # The family's own reading of its RoPE settings into mlx-lm's classic keys, instead of the common one:
+    # `rope_args(args, source, spec)` returns the keys to set (Gemma 3: a separate base for sliding layers).
+    rope_args: Callable[[dict[str, Any], str, ArchSpec], dict[str, Any]] | None = None
+    # quantization_config.quant_method values whose checkpoints MLX runs as stored (gpt-oss's MXFP4 experts);
+    # any other method is refused.
+    native_quantization: frozenset[str] = frozenset()
+    # transformers' class, written to a converted config.json's `architectures` when the source has none
+    # (None: LlamaForCausalLM).
+    hf_class: str | None = None
     # `adapt(model, config)` makes mlx-lm's freshly built layers compute what transformers does (and may
     # replace `model.mlx_sanitize`): the family file's layer adapters, run when such a model is built.
     adapt: Callable[[DecoderLM, ModelConfig], None] | None = None

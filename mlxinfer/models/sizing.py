@@ -214,8 +214,6 @@ def _evidence(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
         for field, norm in zip(("num_attention_heads * head_dim", "num_key_value_heads * head_dim"),
                                evidence.pop("head_dim")):  # fmt: skip
             evidence[field] += (norm,)
-    if config.model_type == "olmoe":  # its q/k norms span the whole projection, not one head
-        evidence["head_dim"] = ()
     if config.spec.gated_queries:
         q_proj, o_proj = evidence["num_attention_heads * head_dim"]
         evidence["num_attention_heads * head_dim"], evidence[_GATED_Q] = (o_proj,), (q_proj,)

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 
-from .footprint import NO_QUANTIZED_KV
 from .gguf_arch import ARCHITECTURES as GGUF_ARCHITECTURES
+from .gguf_arch import WRITTEN_AS
 from .multimodal import WRAPPERS
 from .registry import ARCHITECTURES, ArchSpec
 
 HEADER = ("family", "status", "GGUF import", "converter", "prefix cache", "batching", "KV quantization")
-# Families llama.cpp writes under another architecture's name.
-_GGUF_ALIASES = {"mistral": "llama"}
 
 
 @dataclass(frozen=True)
@@ -50,14 +48,14 @@ def _verified(model_type: str, spec: ArchSpec) -> Support:
     wrappers = sorted(name for name, w in WRAPPERS.items() if w.text_type == model_type)
     family = f"`{model_type}`" + "".join(f", `{w}` (vision-language: its text model)" for w in wrappers)
     gguf = [f"`{name}`" for name, arch in sorted(GGUF_ARCHITECTURES.items()) if arch.model_type == model_type]
-    if model_type in _GGUF_ALIASES:
-        gguf.append(f"`{_GGUF_ALIASES[model_type]}` (as llama.cpp writes it)")
+    if model_type in WRITTEN_AS:
+        gguf.append(f"`{WRITTEN_AS[model_type]}` (as llama.cpp writes it)")
     windows = spec.sliding != "none"
     if spec.recurrent_kinds or spec.sliding in ("alternate", "pattern"):  # always windows or a state
         prefix = "state snapshots"
     else:
         prefix = "cut at any position" + ("; snapshots with a sliding window" if windows else "")
-    if model_type in NO_QUANTIZED_KV:
+    if spec.float_kv_only:
         kv = "no"
     else:
         kv = "8 or 4 bits" + (" (attention layers)" if spec.recurrent_kinds else "")

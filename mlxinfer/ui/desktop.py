@@ -58,6 +58,9 @@ def instead(model: str | None = None, port: int = ServerSettings.port, kv_bits: 
 
 def tray_problem(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> str | None:
     """What is missing for a tray icon, in words; None when the icon can show."""
+    # pystray installs with mlxinfer where a menubar always exists (macOS, Windows); elsewhere it is an extra.
+    if platform not in ("darwin", "win32") and importlib.util.find_spec("pystray") is None:
+        return "the tray icon needs pystray, which installs with `pip install 'mlxinfer[tray]'`"
     if platform == "win32" or environ.get("PYSTRAY_BACKEND") == "dummy":
         return None
     if platform == "darwin":
