@@ -286,16 +286,22 @@ def test_no_folder_holds_too_much():
         assert count <= MAX_FOLDER_MODULES, f"{room.relative_to(ROOT)} holds {count} modules"
 
 
-def test_nothing_outside_the_engine_imports_past_its_init():
+# Rooms whose __init__ is their whole face: other rooms import its names from the package, never a module inside,
+# so a room can move its modules around without touching anyone else. (The issue asked it of the engine; the
+# others already keep it.)
+SEALED_ROOMS = ("engine", "chat", "grammar", "hub", "library")
+
+
+def test_nothing_imports_past_a_sealed_rooms_init():
     known = modules()
     side_doors = [
         f"{name} imports {target}"
         for name, path in known.items()
-        if not name.startswith("mlxinfer.engine")
         for target in imported_modules(path, known)
-        if target.startswith("mlxinfer.engine.")
+        for room in SEALED_ROOMS
+        if target.startswith(f"mlxinfer.{room}.") and not name.startswith(f"mlxinfer.{room}")
     ]
-    assert not side_doors, "import these from mlxinfer.engine:\n" + "\n".join(sorted(side_doors))
+    assert not side_doors, "import these from the room's package:\n" + "\n".join(sorted(side_doors))
 
 
 def test_the_hub_code_opens_connections_in_one_module():

@@ -20,11 +20,13 @@ named choice, constrain with call_grammar.
 
 from .forced import call_grammar
 from .formats import OutputFormat, output_format, require_tool_syntax
-from .messages import check_messages, template_messages
+from .messages import MAX_TOOL_CALLS, check_messages, template_messages
 from .parse import Content, OutputParser, Piece, Reasoning, ToolCall
-from .tools import Tool, ToolChoice, check_tool_choice, check_tools, template_tools
+from .tools import MAX_TOOLS, Tool, ToolChoice, check_tool_choice, check_tools, template_tools
 
 __all__ = [
+    "MAX_TOOLS",
+    "MAX_TOOL_CALLS",
     "Content",
     "OutputFormat",
     "OutputParser",

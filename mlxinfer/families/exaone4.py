@@ -63,9 +63,17 @@ def adapt(model: DecoderLM, config: ModelConfig) -> None:
         layer.self_attn.use_rope = not hybrid or kind == SLIDING
 
 
+def mlx_lm_form(config: ModelConfig) -> dict[str, Any]:
+    """mlx-lm reads sliding layers only from an L/G string (`sliding_window_pattern`)."""
+    if SLIDING not in config.layer_types:
+        return {}
+    return {"sliding_window_pattern": "".join("L" if t == SLIDING else "G" for t in config.layer_types)}
+
+
 SPECS = {
     "exaone4": ArchSpec(
         "exaone4",
+        mlx_lm_form=mlx_lm_form,
         sliding="declared",  # check_exaone4 derives layer_types from sliding_window_pattern when absent
         defaults=EXAONE4_DEFAULTS,
         check_config=check_exaone4,

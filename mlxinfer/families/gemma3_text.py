@@ -53,9 +53,23 @@ def adapt(model: DecoderLM, config: ModelConfig) -> None:
             )
 
 
+def mlx_lm_form(config: ModelConfig) -> dict[str, Any]:
+    """mlx-lm places global layers by a period only (`sliding_window_pattern`); transformers reads layer_types."""
+    period = _global_period(config.layer_types)
+    return {"sliding_window_pattern": period} if period else {}
+
+
+def _global_period(layer_types: tuple[str, ...]) -> int | None:
+    """N when every Nth layer (and only it) is global, as mlx-lm's `sliding_window_pattern` says; else None."""
+    n = next((i + 1 for i, kind in enumerate(layer_types) if kind == FULL), len(layer_types))
+    expected = tuple(FULL if (i + 1) % n == 0 else SLIDING for i in range(len(layer_types)))
+    return n if expected == layer_types else None
+
+
 SPECS = {
     "gemma3_text": ArchSpec(
         "gemma3_text",
+        mlx_lm_form=mlx_lm_form,
         sliding="pattern",
         neutral={"attn_logit_softcapping": None, "final_logit_softcapping": None},
         rope_args=rope_args,

@@ -261,9 +261,15 @@ class SharedKVAttention(_gemma4.Attention):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), None, None
 
 
+def mlx_lm_form(config: ModelConfig) -> dict[str, Any]:
+    """transformers 5 writes per_layer_config; mlx-lm reads the global layers' sizes at the top level."""
+    return {key: config.args[key] for key in ("global_head_dim", "num_global_key_value_heads")}
+
+
 SPECS = {
     "gemma4_text": ArchSpec(
         "gemma4_text",
+        mlx_lm_form=mlx_lm_form,
         sliding="declared",  # check_gemma4 writes transformers' layer_types
         keeps_layer_types=True,
         neutral={"attention_bias": False},

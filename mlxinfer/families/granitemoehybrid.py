@@ -140,9 +140,15 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * normed
 
 
+def mlx_lm_form(config: ModelConfig) -> dict[str, Any]:
+    """The values mlxinfer computed: legacy layer names, a dense model's MLP width, NoPE."""
+    return {key: config.args[key] for key in ("layer_types", "intermediate_size", "position_embedding_type")}
+
+
 SPECS = {
     "granitemoehybrid": ArchSpec(
         "granitemoehybrid",
+        mlx_lm_form=mlx_lm_form,
         sliding="declared",
         recurrent_kinds=frozenset({"mamba"}),
         layer_aliases={"linear_attention": "mamba", "attention": "full_attention"},

@@ -260,9 +260,15 @@ SPECS = {
         check_config=check_qwen3_5_text,
         adapt=adapt,
         hf_class="Qwen3_5ForCausalLM",
+        mlx_lm_form=lambda config: {"model_type": "qwen3_5"},  # its qwen3_5 reads a flat text config
         **_LINEAR_HYBRID,
     ),
     "qwen3_5_moe_text": ArchSpec(
-        "qwen3_5", defaults=QWEN3_5_MOE_DEFAULTS, check_config=check_qwen3_5_moe, adapt=adapt_moe, **_LINEAR_HYBRID
+        "qwen3_5",
+        defaults=QWEN3_5_MOE_DEFAULTS,
+        check_config=check_qwen3_5_moe,
+        adapt=adapt_moe,
+        mlx_lm_form=lambda config: {"model_type": "qwen3_5_moe"},  # no qwen3_5_moe_text in mlx-lm either
+        **_LINEAR_HYBRID,
     ),
 }

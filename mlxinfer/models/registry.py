@@ -101,6 +101,9 @@ class ArchSpec:
     # transformers' class, written to a converted config.json's `architectures` when the source has none
     # (None: LlamaForCausalLM).
     hf_class: str | None = None
+    # `mlx_lm_form(config)`: the keys a converted config.json must hold for mlx-lm's `load()`, where it would
+    # misread this family's source form (mlxinfer reads them too). None: nothing to rewrite.
+    mlx_lm_form: Callable[[ModelConfig], dict[str, Any]] | None = None
     # `adapt(model, config)` makes mlx-lm's freshly built layers compute what transformers does (and may
     # replace `model.mlx_sanitize`): the family file's layer adapters, run when such a model is built.
     adapt: Callable[[DecoderLM, ModelConfig], None] | None = None

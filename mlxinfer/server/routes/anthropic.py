@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ...chat.tools import MAX_TOOLS
+from ...chat import MAX_TOOLS
 from ...errors import MlxInferError
 from ...untrusted import shown
 from ..core import API

@@ -25,8 +25,7 @@ from starlette.routing import Route
 
 from ... import __version__, library
 from ...api import Model
-from ...chat import output_format
-from ...chat.messages import MAX_TOOL_CALLS
+from ...chat import MAX_TOOL_CALLS, output_format
 from ...engine import GenerationStats
 from ...errors import MlxInferError
 from ...untrusted import is_int, shown
