@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxinfer.default_model import cache_dir
 from mlxinfer.errors import UnsupportedModelError
 from mlxinfer.families.gpt_oss import GPT_OSS_YARN
+from mlxinfer.paths import cache_dir
 
 TINY = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tiny"
 # The committed tiny checkpoints of the same families (CI and --quick: no torch needed).

@@ -12,7 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from mlxinfer.default_model import cache_dir, default_model_path
+from mlxinfer.default_model import default_model_path
+from mlxinfer.paths import cache_dir
 
 GROUP_SIZE = 64  # mlx_lm.convert's default
 

@@ -83,7 +83,7 @@ def prepare_moe_model(family: str, tiny: bool, root: Path | None = None) -> Path
     """The bench's MoE checkpoint: the committed tiny fixture, or a shaped one built once (torch + transformers)."""
     if tiny:
         return TINY / family
-    from mlxinfer.default_model import cache_dir
+    from mlxinfer.paths import cache_dir
 
     root = root or cache_dir() / "bench-models" / "moe"
     return build_checkpoint(MOE_SHAPES[family], root / f"{family}-shaped-bf16", dtype="bfloat16")

@@ -303,7 +303,8 @@ def models_to_run(quick: bool) -> list[dict[str, Any]]:
     """The default model (its Q4_1 GGUF), and the bf16 checkpoint of bench/models.py when it is already made."""
     if quick:
         return [{"label": "tiny llama fixture (random weights)", "path": TINY}]
-    from mlxinfer.default_model import cache_dir, default_model_path
+    from mlxinfer.default_model import default_model_path
+    from mlxinfer.paths import cache_dir
 
     found = [{"label": "SmolLM2-135M-Instruct Q4_1 GGUF (default model)", "path": default_model_path()}]
     bf16 = cache_dir() / "bench-models" / "SmolLM2-135M-Instruct-bf16"

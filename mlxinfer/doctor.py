@@ -21,13 +21,14 @@ from typing import Any
 import mlx.core as mx
 
 from .blas import SLOW_GFLOPS, BlasReport, activate, probe_gflops
-from .default_model import DISPLAY_NAME, cache_dir, default_model_path
+from .default_model import DISPLAY_NAME, default_model_path
 from .display import mib
 from .errors import DefaultModelError, MlxInferError
 from .library import hf_cache_dir, models_dir
 from .memory.machine import machine_memory
 from .models.cpu_weights import cpu_weights_mode
 from .models.dtype import choose_compute_dtype, dtype_name
+from .paths import cache_dir
 
 OK, WARN, BROKEN = "ok", "warn", "broken"
 PACKAGES = ("mlx", "mlx-lm", "mlx-metal", "mlx-cpu", "mlx-cuda-12", "mlx-cuda-13")

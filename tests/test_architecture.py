@@ -61,7 +61,7 @@ FORBIDDEN["distributed"] = {
     "quantize",
 }  # serve's ranks (a Model each), plan's split
 # Leaf modules that every room may use: they import nothing of ours but errors.
-LEAVES = ("untrusted", "disk", "local_server", "blas", "defaults")
+LEAVES = ("untrusted", "disk", "local_server", "blas", "defaults", "paths")
 ROOMS = (
     {p.parent.name for p in (ROOT / "mlxinfer").glob("*/__init__.py")}
     | {p.stem for p in (ROOT / "mlxinfer").glob("*.py") if p.stem != "__init__"}

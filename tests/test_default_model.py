@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import socket
 import subprocess
 import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -154,3 +156,40 @@ def test_credentials_in_the_index_url_are_never_printed(tmp_path, monkeypatch):
         default_model_path(show_progress=False)
     assert "s3cret" not in str(raised.value) and "someone" not in str(raised.value)
     assert "127.0.0.1:" in str(raised.value)
+
+
+def test_an_index_that_drips_bytes_stalls_in_one_line(tmp_path, monkeypatch):
+    """A per-read timeout never trips on a byte every few tenths of a second; the Hub's stall limit does."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def drip() -> None:
+        with contextlib.suppress(OSError):
+            connection, _ = server.accept()
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/html\r\nContent-Length: 100000\r\n\r\n")
+            for _ in range(300):
+                connection.sendall(b" ")
+                time.sleep(0.2)
+
+    threading.Thread(target=drip, daemon=True).start()
+    monkeypatch.setenv("MLXINFER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MLXINFER_INDEX_URL", f"http://127.0.0.1:{server.getsockname()[1]}/simple/")
+    monkeypatch.setenv("MLXINFER_HUB_STALL_S", "1")
+    outcome: list[BaseException] = []
+    fetch = threading.Thread(target=lambda: outcome.append(_raised(default_model_path)), daemon=True)
+    fetch.start()
+    fetch.join(30)
+    server.close()
+    assert not fetch.is_alive(), "still waiting on a dripping index after 30 s"
+    assert isinstance(outcome[0], DefaultModelError) and "stalled" in str(outcome[0]), outcome
+    assert "\n" not in str(outcome[0])
+
+
+def _raised(call) -> BaseException | None:
+    try:
+        call(show_progress=False)
+    except BaseException as error:  # noqa: BLE001 - the test reads what it raised
+        return error
+    return None

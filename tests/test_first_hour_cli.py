@@ -15,12 +15,12 @@ from click.testing import CliRunner
 
 import mlxinfer
 from mlxinfer.cli import main
-from mlxinfer.default_model import cache_dir
 from mlxinfer.engine import check_max_tokens
 from mlxinfer.engine.sampling import SamplingParams
 from mlxinfer.errors import DefaultModelError, SamplingError
 from mlxinfer.library import disk_bytes, local_models
 from mlxinfer.memory import MachineMemory, plan_memory
+from mlxinfer.paths import cache_dir
 from tests.conftest import TINY
 from tests.test_gguf import write_tiny_gguf
 

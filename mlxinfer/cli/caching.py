@@ -8,9 +8,9 @@ import click
 
 from ..api import MAX_CHARS_PER_TOKEN
 from ..cache import clear_prefixes, list_prefixes
-from ..default_model import cache_dir
 from ..display import mib, plural
 from ..library import disk_bytes, local_models, models_dir
+from ..paths import cache_dir
 from ..untrusted import shown_path
 from .common import errors_as_one_line, load_model
 

@@ -15,12 +15,12 @@ import mlx.core as mx
 
 from ..cache import PrefixStore, StateCache, fingerprint, make_cache
 from ..cache.store import KVLayout
-from ..default_model import cache_dir
 from ..errors import CacheError
 from ..memory import ModelFootprint
 from ..models import LoadedModel
 from ..models.dtype import dtype_name
 from ..models.footprint import KV_GROUP_SIZE
+from ..paths import cache_dir
 
 log = logging.getLogger(__name__)
 

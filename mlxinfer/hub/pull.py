@@ -31,7 +31,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..default_model import cache_dir
 from ..disk import write_error
 from ..display import mib
 from ..errors import HubError
@@ -40,6 +39,7 @@ from ..memory import MemoryPlan, machine_memory, plan_memory
 from ..models import ModelConfig, normalize_config
 from ..models.dtype import choose_compute_dtype
 from ..models.footprint import config_footprint
+from ..paths import cache_dir
 from ..untrusted import listed, shown_path
 from .cached_copies import hf_cache_file, open_regular
 from .local_files import open_own, own_file, own_folder, remove_own_folder

@@ -4,7 +4,8 @@ urllib's timeout applies to each socket operation alone, so an endpoint that sen
 a request forever. Here a request has a connect timeout, and every read of its answer (status line, headers and
 body alike, across redirects) waits at most until the current stall window closes: at least MIN_PROGRESS_BYTES
 must arrive in every stall window (STALL_S, or MLXINFER_HUB_STALL_S seconds), else the read fails with Stalled.
-Headers are bounded by http.client itself (64 KiB a line, 100 lines). Only http and https are spoken.
+Headers are bounded by http.client itself (64 KiB a line, 100 lines). Only http and https are spoken, and a
+redirect never goes from https down to http.
 reason_of() turns any failure (the network, a stall, malformed HTTP) into one short printable line.
 huggingface_hub's client cannot keep these rules: its timeouts (HF_HUB_DOWNLOAD_TIMEOUT, HF_HUB_ETAG_TIMEOUT) are per
 socket read, which a dripping endpoint never trips, h11 accepts any number of headers, and http_get resumes a dropped
@@ -20,6 +21,7 @@ import os
 import socket
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -79,6 +81,16 @@ def stall_s() -> float:
     return value
 
 
+class _Redirects(urllib.request.HTTPRedirectHandler):
+    """Redirects to http(s) only, and never from https down to http (urllib alone would follow both)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's signature
+        old, new = urllib.parse.urlsplit(req.full_url).scheme, urllib.parse.urlsplit(newurl).scheme
+        if new not in ("http", "https") or (old, new) == ("https", "http"):
+            raise ValueError(f"{plain(req.full_url)} redirects to {plain(newurl)}, which is not allowed")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
 def open_url(req: urllib.request.Request) -> http.client.HTTPResponse:
     """Open `req` (http or https, redirects followed) with a connect timeout and the stall limit on every read."""
     pace = Pace(stall_s())
@@ -87,7 +99,7 @@ def open_url(req: urllib.request.Request) -> http.client.HTTPResponse:
         urllib.request.ProxyHandler(),
         urllib.request.UnknownHandler(),  # any other scheme (file:, ftp:, a redirect to one) is refused
         urllib.request.HTTPDefaultErrorHandler(),
-        urllib.request.HTTPRedirectHandler(),
+        _Redirects(),
         urllib.request.HTTPErrorProcessor(),
         _PacedHTTP(pace),
         _PacedHTTPS(pace),

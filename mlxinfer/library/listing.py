@@ -12,8 +12,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..default_model import cache_dir
 from ..errors import LibraryError
+from ..paths import cache_dir
 from ..untrusted import shown_path
 from .catalog import is_loadable, local_models, model_name, models_dir, resolved
 from .hf_cache import cached_model, cached_models, lists_snapshot, remove_repo

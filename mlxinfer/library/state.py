@@ -15,8 +15,8 @@ from typing import Any
 
 import platformdirs
 
-from ..default_model import cache_dir
 from ..errors import LibraryError
+from ..paths import cache_dir
 from ..untrusted import read_json_object, shown_path
 from .catalog import resolved
 
