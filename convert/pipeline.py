@@ -471,15 +471,21 @@ def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounde
         return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
     if isinstance(value, Quantized):
         if quant is not None and _same_format(quant, value):
-            # Same grid as the source (GGUF Q4_1 -> 4-bit group 32, MXFP4 -> mxfp4): copy, never round twice.
-            kept = [(name, value.weight), (f"{path}.scales", value.scales)]
-            return kept if value.biases is None else [*kept, (f"{path}.biases", value.biases)]
+            # Same grid as the source (GGUF Q4_1 or Q4_K -> 4-bit group 32, MXFP4 -> mxfp4): copy the codes, never
+            # round them twice. Float scales and biases take the output's dtype, as every other layer's (Q4_K's
+            # float32 d*sc rounds there); mxfp4's uint8 exponents stay.
+            kept = [(name, value.weight), (f"{path}.scales", _as_output(value.scales, plan.dtype))]
+            return kept if value.biases is None else [*kept, (f"{path}.biases", value.biases.astype(plan.dtype))]
         value = value.dequantized()
     if quant is None:
         cast = mx.issubdtype(value.dtype, mx.floating) and name not in plan.uncast
         return [(name, value.astype(plan.dtype) if cast else value)]
     packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype)
     return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+
+
+def _as_output(scales: mx.array, dtype: mx.Dtype) -> mx.array:
+    return scales.astype(dtype) if mx.issubdtype(scales.dtype, mx.floating) else scales
 
 
 def _same_format(quant: LayerQuant, value: Quantized) -> bool:

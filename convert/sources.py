@@ -116,8 +116,8 @@ class FolderSource:
 
 
 class GGUFSource:
-    """A GGUF file (the architectures models/gguf_arch.py reads); Q4_0/Q4_1/Q8_0 arrive quantized (group size 32),
-    MXFP4 as MLX mxfp4."""
+    """A GGUF file (the architectures models/gguf_arch.py reads); Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 arrive quantized (group
+    size 32, float16 scales), Q4_K/Q5_K too (4/5 bits, float32 scales: d*sc exactly), MXFP4 as MLX mxfp4."""
 
     # gguf_arch.py names every tensor as the runtime's (mlx-lm's) modules hold it: no layout conversion to run.
     in_runtime_layout = True
@@ -147,7 +147,7 @@ class GGUFSource:
         write_json(folder / "tokenizer_config.json", tokenizer_config_from_gguf(metadata))
 
     def load_bytes(self, compute: mx.Dtype) -> tuple[int, int]:
-        """As FolderSource.load_bytes; Q4_0/Q4_1/Q8_0/MXFP4 tensors stay packed, as the loader keeps them."""
+        """As FolderSource.load_bytes; the REPACKED types (gguf_file.py) stay packed, as the loader keeps them."""
         loaded = sum(t.loaded_bytes for t in gguf_tensors(self._file, compute.size).values())
         return loaded, _cast_bytes(self.tensors, compute)
 
@@ -161,7 +161,7 @@ def _itemsize(dtype: str) -> int:
 
 def _cast_bytes(tensors: dict[str, Tensor], compute: mx.Dtype) -> int:
     """Bytes of the float tensors stored in a type other than `compute`: loading holds them until
-    the cast is done. GGUF's other block types (K-quants) arrive dequantized to float32."""
+    the cast is done. GGUF's other block types (Q6_K, Q2_K, ...) arrive dequantized to float32."""
     held = 0
     for t in tensors.values():
         stored = FLOAT_DTYPES.get(t.dtype, None if t.dtype in PACKED_TYPES else mx.float32)

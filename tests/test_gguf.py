@@ -60,9 +60,17 @@ def random_q4_k_blocks(rows: int, cols: int, seed: int = 0, kind=gguf.GGMLQuanti
 
 
 def write_tiny_gguf(
-    path: Path, k_quant: str | None = None, hidden: int | None = None, k_type=gguf.GGMLQuantizationType.Q4_K
+    path: Path,
+    k_quant: str | None = None,
+    hidden: int | None = None,
+    k_type=gguf.GGMLQuantizationType.Q4_K,
+    k_quants: dict | None = None,
+    floats: dict[str, np.ndarray] | None = None,
 ) -> Path:
-    """The tiny llama fixture as GGUF; with `hidden`, random weights of that width instead."""
+    """The tiny llama fixture as GGUF; with `hidden`, random weights of that width instead. `k_quant` is stored as
+    `k_type` (random K blocks, or Q8_0 of its value), `k_quants` maps more names to their types; `floats` gives
+    tensors (HF names, already in llama.cpp's row order) stored as F32 instead."""
+    kinds = {**(k_quants or {}), **({k_quant: k_type} if k_quant else {})}
     folder = TINY / "llama_classic"
     config = json.loads((folder / "config.json").read_text())
     weights = {k: np.array(v) for k, v in mx.load(str(folder / "model.safetensors")).items()}
@@ -96,13 +104,15 @@ def write_tiny_gguf(
             value = llama_cpp_permute(value, config["num_attention_heads"])
         elif ".k_proj." in name:
             value = llama_cpp_permute(value, config["num_key_value_heads"])
-        if k_quant and name == k_quant:
+        if floats and name in floats:
+            writer.add_tensor(gguf_name(name), floats[name].astype(np.float32))
+        elif name in kinds:
             blocks = (
-                gguf.quants.quantize(value.astype(np.float32), k_type)
-                if k_type == gguf.GGMLQuantizationType.Q8_0
-                else random_q4_k_blocks(*value.shape, kind=k_type)
+                gguf.quants.quantize(value.astype(np.float32), kinds[name])
+                if kinds[name] == gguf.GGMLQuantizationType.Q8_0
+                else random_q4_k_blocks(*value.shape, kind=kinds[name])
             )
-            writer.add_tensor(gguf_name(name), blocks, raw_dtype=k_type)
+            writer.add_tensor(gguf_name(name), blocks, raw_dtype=kinds[name])
         else:
             writer.add_tensor(gguf_name(name), value.astype(np.float32))
     writer.write_header_to_file()
@@ -134,11 +144,12 @@ def test_gguf_written_like_llama_cpp_matches_transformers(tmp_path):
 
 
 def test_k_quant_tensors_are_dequantized_then_requantized(tmp_path):
+    """Converting Q4_K to 8 bits rounds afresh from its exact values (kept Q4_K is in test_gguf_kquants.py)."""
     name = "model.layers.0.mlp.down_proj.weight"  # (256, 512): rows of whole 256-value K blocks
     path = write_tiny_gguf(tmp_path / "kq.gguf", k_quant=name, hidden=256)
-    with GGUFFile(path) as f:
-        expected = f.read("blk.0.ffn_down.weight")
-    assert expected.shape == (256, 512) and np.isfinite(expected).all()
+    stored = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "blk.0.ffn_down.weight")
+    expected = gguf.quants.dequantize(stored.data, gguf.GGMLQuantizationType.Q4_K).reshape(256, 512)
+    assert np.isfinite(expected).all()
     out = tmp_path / "kq-8bit"
     convert(path, out, bits=8, group_size=32, evaluate=False, progress=False)
     layer = mlxinfer.load(out, dtype="float32")._loaded.model.model.layers[0].mlp.down_proj

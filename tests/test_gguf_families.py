@@ -270,9 +270,9 @@ def _random_k_blocks(kind: gguf.GGMLQuantizationType, rows: int, cols: int) -> n
     return blocks.reshape(rows, cols // per * size)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q5_0", "Q5_1"])
 def test_k_quant_tensors_load_as_their_dequantized_values(tmp_path, kind):
-    """A Gemma 3 270M Q4_K_M file mixes Q4_K, Q5_K, Q6_K and Q8_0; each reads as the gguf package dequantizes it."""
+    """Q4_K_M files mix Q4_K, Q5_K or Q5_0, Q6_K and Q8_0; each reads as the gguf package dequantizes it."""
     from tests.test_gguf import write_tiny_gguf
 
     qtype = gguf.GGMLQuantizationType[kind]
@@ -282,8 +282,10 @@ def test_k_quant_tensors_load_as_their_dequantized_values(tmp_path, kind):
     stored = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
     expected = gguf.quants.dequantize(stored.data, qtype).reshape(256, 512)
     layer = mlxinfer.load(path, dtype="float32")._loaded.model.model.layers[0].mlp.down_proj
-    if hasattr(layer, "scales"):  # Q8_0 stays quantized (exactly repacked)
-        got = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32, bits=8)
+    assert hasattr(layer, "scales") == (kind != "Q6_K")  # all but Q6_K stay quantized (exactly repacked)
+    if kind != "Q6_K":
+        assert (layer.bits, layer.group_size) == ({"Q4_K": 4, "Q5_K": 5, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5}[kind], 32)
+        got = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32, bits=layer.bits)
     else:
         got = layer.weight
     assert np.allclose(np.array(got), expected, rtol=1e-3, atol=1e-6)

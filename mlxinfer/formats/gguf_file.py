@@ -2,10 +2,11 @@
 
 Every count, length, dimension and offset in the header is checked against the
 file before it is used, so a crafted or truncated file raises CorruptFileError
-instead of reaching native code. Q4_0, Q4_1 and Q8_0 blocks are repacked into
-MLX's affine layout exactly (same grid, no second rounding), MXFP4 blocks into
-MLX's mxfp4 layout (same codes and exponents); other types are dequantized with
-the `gguf` package. Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
+instead of reaching native code. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks, and Q4_K
+and Q5_K sub-blocks (gguf_kquants.py), are repacked into MLX's affine layout exactly
+(same grid, no second rounding), MXFP4 blocks into MLX's mxfp4 layout (same codes
+and exponents); other types are dequantized with the `gguf` package.
+Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from ..errors import CorruptFileError, UnsupportedModelError
 from ..untrusted import is_int, plain, shown
+from .gguf_kquants import K_BLOCKS, Q4_K, Q5_K, pack_bits, repack_k
 from .safetensors_header import MAX_DIM
 
 MAGIC = b"GGUF"
@@ -34,10 +36,14 @@ MAX_ALIGNMENT = 1 << 20  # llama.cpp writes 32
 MAX_FILE_BYTES = 1 << 44  # 16 TiB: a larger tensor offset is garbage, not a big model
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
-F32, F16, Q4_0, Q4_1, Q8_0, BF16, MXFP4 = 0, 1, 2, 3, 8, 30, 39
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16, MXFP4 = 0, 1, 2, 3, 6, 7, 8, 30, 39
 # type -> (elements per block, bytes per block)
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), MXFP4: (32, 17)}
-REPACKED = (Q4_0, Q4_1, Q8_0, MXFP4)  # kept quantized (read() returns a QuantizedTensor); other types become floats
+_BLOCKS.update({Q5_0: (32, 22), Q5_1: (32, 24)})
+_BLOCKS.update({kind: (256, block_bytes) for kind, (block_bytes, _) in K_BLOCKS.items()})
+REPACKED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q4_K, Q5_K)  # kept quantized (read() returns a QuantizedTensor)
+# bits of the MLX affine grid each repacked type lands on (group size 32); MXFP4 is mxfp4, 4 bits
+AFFINE_BITS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8} | {kind: bits for kind, (_, bits) in K_BLOCKS.items()}
 _U64 = struct.Struct("<Q")
 
 
@@ -56,8 +62,10 @@ class QuantizedTensor:
     biases) or mxfp4 (weight and E8M0 exponents, no biases)."""
 
     weight: np.ndarray  # uint32, packed along the last axis
-    scales: np.ndarray  # float16 (affine) or uint8 (mxfp4: the power of two 2**(s - 127))
-    biases: np.ndarray | None  # float16; None for mxfp4
+    # float16 (affine, as stored), float32 (Q4_K/Q5_K: d*sc, which float16 would round) or uint8 (mxfp4: the
+    # power of two 2**(s - 127)); the loader casts float scales and biases to the compute dtype.
+    scales: np.ndarray
+    biases: np.ndarray | None  # as scales; None for mxfp4
     bits: int
     group_size: int
     mode: str = "affine"
@@ -281,7 +289,7 @@ class GGUFFile:
         self.close()
 
     def read(self, name: str) -> np.ndarray | QuantizedTensor:
-        """One tensor: a float array, or a QuantizedTensor for Q4_0/Q4_1/Q8_0/MXFP4."""
+        """One tensor: a float array, or a QuantizedTensor for the REPACKED types."""
         info = self.tensors[name]
         raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         if info.ggml_type == F32:
@@ -292,6 +300,10 @@ class GGUFFile:
             return raw.view(np.uint16).reshape(info.shape)  # caller views as bfloat16
         if info.ggml_type == MXFP4:
             return _repack_mxfp4(raw, info)
+        if info.ggml_type in REPACKED and info.ggml_type in K_BLOCKS:
+            rows = math.prod(info.shape[:-1])
+            weight, scales, biases, bits = repack_k(raw, rows, info.shape[-1], info.ggml_type)
+            return _shaped(QuantizedTensor(weight, scales, biases, bits, 32), info.shape)
         if info.ggml_type in REPACKED:
             return _repack(raw, info)
         from gguf import GGMLQuantizationType
@@ -360,7 +372,7 @@ def _block_size(kind: int, name: str, path: Path) -> tuple[int, int]:
 
 
 def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
-    """GGUF Q4_0/Q4_1/Q8_0 blocks of 32 -> MLX affine (w = scale * q + bias), exactly."""
+    """GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks of 32 -> MLX affine (w = scale * q + bias), exactly."""
     rows, cols = int(np.prod(info.shape[:-1])), info.shape[-1]
     _, block_bytes = _BLOCKS[info.ggml_type]
     blocks = raw.reshape(rows, cols // 32, block_bytes)
@@ -369,6 +381,8 @@ def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
         q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # signed -> unsigned grid
         bias = (scale.astype(np.float32) * -128).astype(np.float16)
         return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 8), scale, bias, 8, 32), info.shape)
+    if info.ggml_type in (Q5_0, Q5_1):  # d, [m (Q5_1)], 4 bytes whose bit j is element j's fifth bit, nibbles
+        return _shaped(_repack_q5(blocks, scale, info.ggml_type == Q5_1), info.shape)
     if info.ggml_type == Q4_1:
         bias, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
     else:  # Q4_0: w = d * (q - 8)
@@ -376,6 +390,21 @@ def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
     # Byte j holds element j in its low nibble and element j + 16 in its high nibble.
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
     return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 4), scale, bias, 4, 32), info.shape)
+
+
+def _repack_q5(blocks: np.ndarray, scale: np.ndarray, has_min: bool) -> QuantizedTensor:
+    """Q5_1 (w = d * q + m) or Q5_0 (w = d * (q - 16)) blocks (rows, blocks, bytes) -> MLX affine 5-bit."""
+    rows = blocks.shape[0]
+    start = 4 if has_min else 2
+    bias = (
+        blocks[..., 2:4].copy().view(np.float16)[..., 0]
+        if has_min
+        else (scale.astype(np.float32) * -16).astype(np.float16)
+    )
+    high = (blocks[..., start : start + 4].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # (rows, n, 32)
+    nibbles = blocks[..., start + 4 :]  # as Q4_0's: element j low, element j + 16 high
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | (high << 4).astype(np.uint8)
+    return QuantizedTensor(pack_bits(q.reshape(rows, -1), 5), scale, bias, 5, 32)
 
 
 def _repack_mxfp4(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:

@@ -1,6 +1,6 @@
 """Read a GGUF file as a Hugging Face-style config and weights.
 
-gguf_file.py validates the header and turns Q4_0/Q4_1/Q8_0 tensors into MLX
+gguf_file.py validates the header and turns Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K tensors into MLX
 affine quantized arrays (weight, scales, biases) and MXFP4 ones into MLX mxfp4
 (weight, scales); gguf_arch.py and each family's file (mlxinfer/families/) hold each
 architecture's keys and names. What is left here: applying them, and undoing
@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
-from ..formats.gguf_file import MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
+from ..formats.gguf_file import AFFINE_BITS, MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
 from ..untrusted import is_int, plain, shown
 from .gguf_arch import BARE, TOP_NAMES, GGUFArch, Meta, architecture, common_config, conventions_of, layer_name
 from .gguf_rope import llama3_from_rope_freqs
@@ -64,11 +64,17 @@ def _note_mxfp4(gguf: GGUFFile) -> None:
 
 
 def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
-    """Each tensor's logical shape and its bytes once loaded (Q4/Q8/MXFP4 stay packed, others become floats)."""
+    """Each tensor's logical shape and its bytes once loaded: a repacked type's packed codes plus a scale and a
+    bias per 32 values in the compute dtype (MXFP4: codes and exponent bytes, as stored), others as floats."""
 
     def stored(info: TensorInfo) -> StoredTensor:
-        floating = info.ggml_type not in REPACKED
-        return StoredTensor(info.shape, math.prod(info.shape) * compute_size if floating else info.nbytes)
+        elements = math.prod(info.shape)
+        if info.ggml_type not in REPACKED:
+            return StoredTensor(info.shape, elements * compute_size)
+        if info.ggml_type == MXFP4:
+            return StoredTensor(info.shape, info.nbytes)
+        bits = AFFINE_BITS[info.ggml_type]
+        return StoredTensor(info.shape, elements * bits // 8 + 2 * (elements // 32) * compute_size)
 
     return {hf: stored(gguf.tensors[name]) for hf, name in hf_names(gguf).items()}
 
@@ -83,7 +89,7 @@ def hf_names(gguf: GGUFFile) -> dict[str, str]:
             continue
         hf_name = hf_tensor_name(name, arch)
         stem = hf_name.removesuffix(".weight")
-        # A Q4/Q8 weight also brings its scales and biases, an MXFP4 one its scales (see to_mlx).
+        # A Q4/Q5/Q8 weight also brings its scales and biases, an MXFP4 one its scales (see to_mlx).
         extra = (f"{stem}.scales", f"{stem}.biases") if info.ggml_type in REPACKED else ()
         for key in (hf_name, *extra):
             if key in claimed:

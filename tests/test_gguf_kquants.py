@@ -1,0 +1,162 @@
+"""GGUF Q4_K and Q5_K kept as MLX affine 4-/5-bit, group size 32: the file's codes, scales and mins, exactly.
+
+Blocks are built byte by byte in ggml's layout (the `gguf` package cannot quantize K-types), written with its
+GGUFWriter and compared with its own dequantize, the reference for what the bytes mean.
+"""
+
+from __future__ import annotations
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlxinfer.convert import convert
+
+import mlxinfer
+from mlxinfer.formats.gguf_file import GGUFFile, QuantizedTensor
+from mlxinfer.formats.gguf_kquants import pack_bits
+from mlxinfer.models.gguf import gguf_tensors
+from tests.test_gguf import write_tiny_gguf
+
+Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 = (gguf.GGMLQuantizationType[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"))
+BITS = {Q4_K: 4, Q5_K: 5}
+
+
+def k_blocks(kind: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random codes, 6-bit scales and mins, high bits; f16 d and dmin spread over 2**-14..2**-3 (as real files)."""
+    per, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // per, size), dtype=np.uint8)
+    for at in (0, 2):  # d, then dmin
+        values = rng.uniform(1, 2, len(blocks)) * 2.0 ** rng.integers(-14, -3, len(blocks))
+        blocks[:, at : at + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // per * size)
+
+
+def write_one(path, kind, blocks: np.ndarray, shape: tuple[int, ...]):
+    """One tensor of logical `shape` from its block bytes (the writer reads the shape off the bytes' own)."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", blocks.reshape(*shape[:-1], -1), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_pack_bits_is_mlx_packing(bits):
+    """The words mx.quantize packs, rebuilt from its codes (5 bits straddle words)."""
+    w = mx.array(np.random.default_rng(bits).standard_normal((4, 128)).astype(np.float32))
+    packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
+    values = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
+    codes = np.rint((np.array(values) - np.repeat(biases, 32, 1)) / np.repeat(scales, 32, 1)).astype(np.uint8)
+    assert np.array_equal(pack_bits(codes, bits), np.array(packed))
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q5_K])
+def test_k_tensor_reads_as_gguf_dequantizes_it_exactly(tmp_path, kind):
+    """Exactly equal, not close: d*sc and dmin*m are exact in float32 (an f16 mantissa times 6 bits), d*sc*q too
+    (at most 22 bits), so both sides round once, on the same subtraction. Stacked experts keep their leading axis."""
+    shape = (2, 6, 512)  # (experts, out, in)
+    blocks = k_blocks(kind, 12, 512, seed=int(kind))
+    with GGUFFile(write_one(tmp_path / "k.gguf", kind, blocks, shape)) as f:
+        t = f.read("blk.0.ffn_down.weight")
+        assert isinstance(t, QuantizedTensor)
+        assert (t.bits, t.group_size, t.mode) == (BITS[kind], 32, "affine")
+        assert t.weight.shape == (2, 6, 512 * BITS[kind] // 32) and t.scales.shape == t.biases.shape == (2, 6, 16)
+        assert t.scales.dtype == t.biases.dtype == np.float32  # float16 would round d*sc
+    got = mx.dequantize(mx.array(t.weight), mx.array(t.scales), mx.array(t.biases), group_size=32, bits=t.bits)
+    expected = gguf.quants.dequantize(blocks.reshape(-1), kind).reshape(shape)
+    np.testing.assert_array_equal(np.array(got), expected)
+
+
+@pytest.mark.parametrize("kind", [Q5_0, Q5_1])
+def test_legacy_5_bit_blocks_read_as_gguf_dequantizes_them_exactly(tmp_path, kind):
+    """Q5_0 (w = d*(q - 16)) and Q5_1 (w = d*q + m) are MLX 5-bit group 32 with float16 d and m (or -16*d,
+    exact): equal once widened to float32, as the gguf package computes (MLX computes in the scales' dtype)."""
+    values = np.random.default_rng(int(kind)).standard_normal((6, 256)).astype(np.float32)
+    blocks = gguf.quants.quantize(values, kind)
+    with GGUFFile(write_one(tmp_path / "q5.gguf", kind, blocks, (6, 256))) as f:
+        t = f.read("blk.0.ffn_down.weight")
+    assert (t.bits, t.group_size, t.weight.shape, t.scales.dtype) == (5, 32, (6, 40), np.float16)
+    scales, biases = (mx.array(a).astype(mx.float32) for a in (t.scales, t.biases))  # as the loader casts them
+    got = mx.dequantize(mx.array(t.weight), scales, biases, group_size=32, bits=5)
+    np.testing.assert_array_equal(np.array(got), gguf.quants.dequantize(blocks, kind).reshape(6, 256))
+
+
+def _tiny(tmp_path, name, kinds, dequantized=False):
+    """The tiny llama at width 256 with `kinds` (HF name -> type); `dequantized`: the same values as F32."""
+    path = write_tiny_gguf(tmp_path / f"{name}.gguf", hidden=256, k_quants=kinds)
+    if not dequantized:
+        return path
+    reader = gguf.GGUFReader(str(path))
+    by_name = {t.name: t for t in reader.tensors}
+    floats = {}
+    for hf, kind in kinds.items():
+        stored = by_name[f"blk.0.{_short(hf)}.weight"]
+        floats[hf] = gguf.quants.dequantize(stored.data, kind).reshape(tuple(reversed(stored.shape.tolist())))
+    return write_tiny_gguf(tmp_path / f"{name}-f32.gguf", hidden=256, floats=floats)
+
+
+def _short(hf: str) -> str:
+    from tests.test_gguf import NAMES
+
+    return NAMES[hf.removeprefix("model.layers.0.").removesuffix(".weight")]
+
+
+def test_q4_k_model_runs_as_its_dequantized_twin_and_holds_4_bits(tmp_path):
+    down = "model.layers.0.mlp.down_proj.weight"  # (256, 512)
+    kinds = {down: Q4_K}
+    quantized = mlxinfer.load(_tiny(tmp_path, "q", kinds), dtype="float32")
+    dense = mlxinfer.load(_tiny(tmp_path, "d", kinds, dequantized=True), dtype="float32")
+    layer = quantized._loaded.model.model.layers[0].mlp.down_proj
+    assert (layer.bits, layer.group_size) == (4, 32)
+    # Held: 4-bit codes (128 of the block's 144 bytes) and one float32 scale and bias per 32 values.
+    assert layer.weight.nbytes == 256 * 512 // 2 == 256 * 512 // 256 * 128
+    assert layer.scales.nbytes == layer.biases.nbytes == 256 * 512 // 32 * 4
+    assert quantized._loaded.weights_bytes < dense._loaded.weights_bytes - 256 * 512 * 3
+    with GGUFFile(quantized._loaded.path) as f:  # the size forecast counts what is held
+        forecast = gguf_tensors(f, compute_size=4)[down].loaded_bytes
+    assert forecast == layer.weight.nbytes + layer.scales.nbytes + layer.biases.nbytes
+    ids = [1, 5, 9, 2, 7, 3]
+    a, b = quantized.logits(ids), dense.logits(ids)
+    # Same weights, different kernels (quantized matmul vs float matmul): float32 summation order only.
+    assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())
+    assert quantized.generate(ids, max_tokens=12).token_ids == dense.generate(ids, max_tokens=12).token_ids
+
+
+def test_mixed_k_quant_model_loads_each_tensor_at_its_own_bits(tmp_path):
+    """A Q4_K_M file mixes Q4_K, Q5_K, Q6_K (which stays float for now), and Q5_0 (Gemma 3 270M's has 81)."""
+    layers = "model.layers.0."
+    kinds = {
+        f"{layers}mlp.down_proj.weight": Q4_K,
+        f"{layers}mlp.up_proj.weight": Q5_K,
+        f"{layers}mlp.gate_proj.weight": Q6_K,
+        f"{layers}self_attn.q_proj.weight": Q5_0,
+        f"{layers}self_attn.v_proj.weight": Q5_1,
+    }
+    quantized = mlxinfer.load(_tiny(tmp_path, "m", kinds), dtype="float32")
+    dense = mlxinfer.load(_tiny(tmp_path, "md", kinds, dequantized=True), dtype="float32")
+    mlp = quantized._loaded.model.model.layers[0].mlp
+    attention = quantized._loaded.model.model.layers[0].self_attn
+    assert (mlp.down_proj.bits, mlp.up_proj.bits, attention.q_proj.bits, attention.v_proj.bits) == (4, 5, 5, 5)
+    assert mlp.up_proj.weight.nbytes == 512 * 256 * 5 // 8
+    assert not hasattr(mlp.gate_proj, "scales")
+    ids = [4, 8, 15, 16, 23, 42]
+    a, b = quantized.logits(ids), dense.logits(ids)
+    assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())
+
+
+def test_convert_to_4_bit_group_32_copies_q4_k_codes(tmp_path):
+    """The codes are copied, not rounded again; scales and biases take the output's dtype like every layer's."""
+    down = "model.layers.0.mlp.down_proj.weight"
+    path = _tiny(tmp_path, "c", {down: Q4_K})
+    convert(path, tmp_path / "out", bits=4, group_size=32, evaluate=False, progress=False)
+    written = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in mx.load(str(f)).items()}
+    with GGUFFile(path) as f:
+        source = f.read("blk.0.ffn_down.weight")
+    assert np.array_equal(np.array(written[down]), source.weight)
+    scales = written[down.replace("weight", "scales")]
+    expected = mx.array(source.scales).astype(scales.dtype)  # the one rounding: float32 d*sc -> output dtype
+    assert mx.array_equal(scales, expected)
