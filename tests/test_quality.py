@@ -202,10 +202,10 @@ def test_report_forecast_counts_a_bf16_source_once_when_it_computes_in_bf16(smol
 def test_report_forecast_keeps_a_gguf_source_packed(smol_path, tmp_path, monkeypatch):
     plan = plan_conversion(smol_path, tmp_path / "o", ConvertSettings(bits=4, eval_tokens=300))
     plan.source.close()
-    # Q4_1 blocks: 32 weights in 16 bytes plus two float16 numbers; Q8_0: 32 bytes and one; norms float32.
-    source = LINEAR * 20 // 32 + EMBED * 34 // 32 + NORMS * 4
-    # The output keeps the Q4_1 grid and the Q8_0 embedding at 8 bits; its scales load as float32.
-    output = LINEAR * (4 / 8 + 2 * 4 / 32) + EMBED * (1 + 2 * 4 / 32) + NORMS * 4
+    # The source holds what it loads, not its file's bytes: the Q4_1 codes (16 bytes per 32 weights) and Q8_0's
+    # (32), each group with a scale and a bias in the CPU's float32; norms float32. The output keeps the same
+    # grid, so both weigh the same.
+    source = output = LINEAR * (4 / 8 + 2 * 4 / 32) + EMBED * (1 + 2 * 4 / 32) + NORMS * 4
     scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
     # 300 tokens: the KV cache grows 256 positions at a time, to 512.
     assert evaluation_bytes(plan, mx.float32, monkeypatch) == source + output + kv_bytes(512, 4) + scores
