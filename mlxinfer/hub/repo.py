@@ -1,29 +1,28 @@
-"""What a Hugging Face Hub repository holds, asked over plain HTTP and trusted for nothing.
+"""What a Hugging Face Hub repository holds, asked through huggingface_hub and trusted for nothing.
 
-The file listing (`/api/models/{repo}/revision/{rev}?blobs=true`), config.json and each safetensors shard's
-header (two Range requests) are read with a size limit each, and within the time limits of transport.py; every
-file name is checked before it can become a path. HF_ENDPOINT and HF_TOKEN are honoured like huggingface_hub does.
-huggingface_hub's own readers are not used here: HfApi.model_info reads a listing whole (no size limit) and builds
-objects from it unchecked, and parse_safetensors_file_metadata asks for bytes=0-100000 and reads a whole shard from
-a server that ignores Range.
+huggingface_hub makes the requests: the file listing (HfApi.model_info with files_metadata), config.json (http_get)
+and each safetensors shard's header (HfApi.parse_safetensors_file_metadata). Each runs inside transport.bounded()
+with a size limit, and what comes back is checked here as if a stranger wrote it: every file name before it can
+become a path, every size and hash, and each header with the local reader's rules (formats.safetensors_header).
+HF_ENDPOINT is read at each call (huggingface_hub reads it once, at import); HF_TOKEN and the stored token are
+huggingface_hub's to send.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
-import struct
-import urllib.error
-import urllib.parse
-import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CorruptFileError, HubError
-from ..formats.safetensors_header import MAX_HEADER_BYTES, check_tensors, parse_json
+from ..formats.safetensors_header import MAX_HEADER_BYTES, check_tensors
 from ..untrusted import first_line, is_int, plain, shown
-from .transport import NETWORK_ERRORS, open_url, reason_of
+from .transport import Rules, Unanswered, bounded, install, reason_of
 
 MAX_LISTING_BYTES = 16 << 20  # a listing of 10,000 files is ~2 MB
 MAX_FILES = 10_000
@@ -77,14 +76,10 @@ def check_revision(revision: str) -> str:
 
 def list_files(repo_id: str, revision: str) -> Listing:
     """The repository's files with their sizes (and LFS sha256) at `revision`; a hostile name is refused."""
-    url = f"{endpoint()}/api/models/{check_repo_id(repo_id)}/revision/{_quote(check_revision(revision))}?blobs=true"
-    body = read(url, MAX_LISTING_BYTES, what=f"the file list of {repo_id}")
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        raise HubError(f"{repo_id}: the Hub's file list is not JSON; check HF_ENDPOINT ({endpoint()})") from None
-    siblings = data.get("siblings") if isinstance(data, dict) else None
-    commit = data.get("sha") if isinstance(data, dict) else None
+    check_repo_id(repo_id)
+    with asking(f"the file list of {repo_id}", MAX_LISTING_BYTES, malformed="not a listing of files"):
+        info = hf_api().model_info(repo_id, revision=check_revision(revision), files_metadata=True)
+    siblings, commit = info.siblings, info.sha
     if not isinstance(siblings, list) or len(siblings) > MAX_FILES:
         raise HubError(f"{repo_id}: the Hub's file list has no 'siblings' list of at most {MAX_FILES} files")
     if not isinstance(commit, str) or not re.fullmatch(r"[0-9a-f]{40}", commit):
@@ -94,18 +89,19 @@ def list_files(repo_id: str, revision: str) -> Listing:
 
 
 def _remote_file(repo_id: str, entry: Any) -> RemoteFile:
-    name = entry.get("rfilename") if isinstance(entry, dict) else None
+    """One of huggingface_hub's RepoSibling entries, checked: it builds them from the listing unchecked."""
+    name = getattr(entry, "rfilename", None)
     if not isinstance(name, str) or not _is_safe_name(name):
         raise HubError(f"{repo_id}: the Hub lists a file named {shown(name)}, which is not a safe file name; refused")
-    size, lfs = entry.get("size"), entry.get("lfs")
+    size, lfs = entry.size, entry.lfs
     if not is_int(size) or not 0 <= size <= MAX_FILE_BYTES:
         raise HubError(f"{repo_id}/{name}: the Hub lists size {shown(size)}; expected a byte count")
-    sha = lfs.get("sha256") if isinstance(lfs, dict) else None
+    sha = lfs.sha256 if lfs is not None else None
     if sha is not None and not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
         raise HubError(f"{repo_id}/{name}: the Hub lists sha256 {shown(sha)}; expected 64 hex digits")
     blob = None
-    if lfs is None:  # an LFS file's blobId is its pointer's, not its content's
-        blob = entry.get("blobId", entry.get("oid"))
+    if lfs is None:  # an LFS file's blob id is its pointer's, not its content's
+        blob = entry.blob_id
         if blob is not None and not (isinstance(blob, str) and _GIT_OID.fullmatch(blob)):
             raise HubError(f"{repo_id}/{name}: the Hub lists blob id {shown(blob)}; expected 40 hex digits")
     return RemoteFile(name, int(size), sha, blob)
@@ -124,20 +120,45 @@ def _is_safe_name(name: str) -> bool:
 
 
 def file_url(repo_id: str, commit: str, name: str) -> str:
-    return f"{endpoint()}/{repo_id}/resolve/{commit}/{_quote(name)}"
+    from huggingface_hub import hf_hub_url
+
+    return hf_hub_url(repo_id, name, revision=commit, endpoint=endpoint())
+
+
+def hf_api() -> Any:
+    """huggingface_hub's client for the endpoint HF_ENDPOINT names now."""
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=endpoint(), library_name="mlxinfer")
 
 
 def fetch_config(listing: Listing) -> dict[str, Any]:
     """config.json of the listed commit, as a JSON object."""
-    url = file_url(listing.repo_id, listing.commit, "config.json")
-    body = read(url, MAX_CONFIG_BYTES, what=f"{listing.repo_id}/config.json")
+    what = f"{listing.repo_id}/config.json"
+    listed = next(f for f in listing.files if f.name == "config.json")
+    if listed.size > MAX_CONFIG_BYTES:
+        raise HubError(f"{what}: the Hub lists {listed.size} bytes, more than {MAX_CONFIG_BYTES}; refused")
+    body = io.BytesIO()
+    with asking(what, MAX_CONFIG_BYTES):
+        http_get(listing, listed, body)
     try:
-        value = json.loads(body)
+        value = json.loads(body.getvalue())
     except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
-        raise HubError(f"{listing.repo_id}/config.json: not a JSON object; the repository is not a model checkpoint")
+        raise HubError(f"{what}: not a JSON object; the repository is not a model checkpoint")
     return value
+
+
+def http_get(listing: Listing, remote: RemoteFile, out: Any, have: int = 0, progress: Any = None) -> None:
+    """huggingface_hub's http_get of `remote` at the listed commit into `out` (from byte `have`: a Range request;
+    a server that ignores it restarts the file), no bar of its own unless `progress` is a tqdm class."""
+    from huggingface_hub.file_download import http_get as get
+    from huggingface_hub.utils import build_hf_headers
+
+    url = file_url(listing.repo_id, listing.commit, remote.name)
+    headers = build_hf_headers(library_name="mlxinfer")
+    get(url, out, resume_size=have, headers=headers, expected_size=remote.size, tqdm_class=progress or Silent)
 
 
 @dataclass(frozen=True)
@@ -157,73 +178,83 @@ class ShardHeader:
 
 
 def fetch_header(listing: Listing, shard: RemoteFile) -> ShardHeader:
-    """A safetensors shard's header, read with two Range requests and checked like a local file's header."""
+    """A safetensors shard's header (huggingface_hub reads it with Range requests), checked like a local file's."""
+    from huggingface_hub.errors import SafetensorsParsingError
+
     source = f"{listing.repo_id}/{shard.name}"
-    url = file_url(listing.repo_id, listing.commit, shard.name)
-    prefix = read(url, 8, what=source, byte_range=(0, 7))
-    if len(prefix) != 8:
-        raise HubError(f"{source}: {len(prefix)} bytes is too short for a safetensors file; refused")
-    (length,) = struct.unpack("<Q", prefix)
-    if not 2 <= length <= min(MAX_HEADER_BYTES, shard.size - 8):
-        raise HubError(
-            f"{source}: header length {length} does not fit the file ({shard.size} bytes); not safetensors, refused"
-        )
-    raw = read(url, length, what=source, byte_range=(8, 8 + length - 1))
     try:
-        header = parse_json(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not an object")
-        header.pop("__metadata__", None)
-        tensors = check_tensors(source, header, shard.size - 8 - length)
+        with asking(source, 8 + MAX_HEADER_BYTES, malformed="not safetensors"):
+            parsed = hf_api().parse_safetensors_file_metadata(listing.repo_id, shard.name, revision=listing.commit)
+    except SafetensorsParsingError as e:
+        raise HubError(f"{source}: {plain(first_line(e))}; not safetensors, refused") from None
+    header = {
+        name: {"dtype": t.dtype, "shape": t.shape, "data_offsets": list(t.data_offsets)}
+        for name, t in (parsed.tensors or {}).items()
+    }
+    try:
+        # The header's own length is not returned: the data is at most the file less the length and "{}".
+        tensors = check_tensors(source, header, shard.size - 8 - 2)
     except CorruptFileError as e:
         raise HubError(f"{e}; refused before downloading any weights") from None
-    except (ValueError, RecursionError, UnicodeDecodeError):
-        raise HubError(f"{source}: the header is not a JSON object; not safetensors, refused") from None
     return ShardHeader(shard.name, {name: (t.dtype, t.shape) for name, t in tensors.items()})
 
 
-def request(url: str, byte_range: tuple[int, int | None] | None = None) -> urllib.request.Request:
-    """A GET for `url`, with HF_TOKEN (never sent on to a redirect's host) and a Range header if asked."""
-    try:
-        req = urllib.request.Request(url, headers={"User-Agent": "mlxinfer"})
-    except ValueError as e:  # a malformed HF_ENDPOINT
-        raise HubError(f"{plain(url)}: not a URL ({first_line(e)}); check HF_ENDPOINT") from None
-    if byte_range is not None:
-        start, end = byte_range
-        req.add_header("Range", f"bytes={start}-{'' if end is None else end}")
-    if os.environ.get("HF_TOKEN"):
-        req.add_unredirected_header("Authorization", f"Bearer {os.environ['HF_TOKEN']}")
-    return req
+@contextlib.contextmanager
+def asking(
+    what: str, limit: int | None, malformed: str = "malformed", stopped: Callable[[str], str] | None = None
+) -> Iterator[Rules]:
+    """Run huggingface_hub's request(s) inside transport.bounded(limit); any failure becomes one HubError naming
+    `what`: an HTTP status with advice, an answer huggingface_hub cannot read, or no usable answer (the network, a
+    stall, malformed HTTP, a short body), which `stopped(reason)` words if given."""
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    install()
+    with bounded(limit) as rules:
+        try:
+            yield rules
+        except HfHubHTTPError as e:
+            code = e.response.status_code if e.response is not None else None
+            if rules.failure is None:
+                raise HubError(f"{what}: the Hub answered HTTP {code}{_advice(code)}") from None
+        except OfflineModeIsEnabled:
+            raise HubError(f"{what}: HF_HUB_OFFLINE is set; unset it to reach the Hub") from None
+        except Unanswered as e:
+            rules.failure = rules.failure or e
+        except OSError:  # http_get found fewer bytes than the listed size, the connection closed cleanly
+            rules.failure = rules.failure or Unanswered("the answer ended before the size the Hub lists")
+        except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as e:
+            if rules.failure is None:
+                raise HubError(
+                    f"{what}: the Hub's answer is {malformed} ({plain(first_line(e))}); check HF_ENDPOINT"
+                ) from None
+        if rules.failure is not None:
+            reason = reason_of(rules.failure)
+            if stopped is not None:
+                raise HubError(f"{what}: {stopped(reason)}") from None
+            raise HubError(
+                f"{what}: no usable answer from {endpoint()} ({reason}); check HF_ENDPOINT or retry later"
+            ) from None
 
 
-def read(url: str, limit: int, what: str, byte_range: tuple[int, int] | None = None) -> bytes:
-    """The body of a GET, at most `limit` bytes (more is refused); an HTTP or network error names `what`."""
-    req = request(url, byte_range)
-    try:
-        with open_url(req) as response:
-            if byte_range is not None and response.status == 200:  # Range ignored: read only the part asked for
-                start, end = byte_range
-                body = response.read(end + 1)[start:]
-                return body
-            body = response.read(limit + 1)
-    except urllib.error.HTTPError as e:
-        raise HubError(f"{what}: the Hub answered HTTP {e.code}{_advice(e.code)}") from None
-    except NETWORK_ERRORS as e:
-        raise HubError(
-            f"{what}: no usable answer from {endpoint()} ({reason_of(e)}); check HF_ENDPOINT or retry later"
-        ) from None
-    if len(body) > limit:
-        raise HubError(f"{what}: more than {limit} bytes; refused")
-    return body
+class Silent:
+    """A tqdm stand-in that shows nothing: huggingface_hub's http_get draws a bar of its own otherwise."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def __enter__(self) -> Silent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def update(self, count: int) -> None:
+        pass
 
 
-def _advice(code: int) -> str:
+def _advice(code: int | None) -> str:
     if code in (401, 403):
         return " (a gated or private repository: set HF_TOKEN to a token that may read it)"
     if code == 404:
         return " (no such repository, revision or file: check the id and --revision)"
     return ""
-
-
-def _quote(text: str) -> str:
-    return urllib.parse.quote(text, safe="/")

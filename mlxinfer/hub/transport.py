@@ -1,45 +1,75 @@
-"""HTTP for the Hub client, bounded in time and explained in one line.
+"""The rules every Hub request keeps, below huggingface_hub: bounded in time and size, explained in one line.
 
-urllib's timeout applies to each socket operation alone, so an endpoint that sends a byte every few seconds holds
-a request forever. Here a request has a connect timeout, and every read of its answer (status line, headers and
-body alike, across redirects) waits at most until the current stall window closes: at least MIN_PROGRESS_BYTES
-must arrive in every stall window (STALL_S, or MLXINFER_HUB_STALL_S seconds), else the read fails with Stalled.
-Headers are bounded by http.client itself (64 KiB a line, 100 lines). Only http and https are spoken, and a
-redirect never goes from https down to http.
-reason_of() turns any failure (the network, a stall, malformed HTTP) into one short printable line.
-huggingface_hub's client cannot keep these rules: its timeouts (HF_HUB_DOWNLOAD_TIMEOUT, HF_HUB_ETAG_TIMEOUT) are per
-socket read, which a dripping endpoint never trips, h11 accepts any number of headers, and http_get resumes a dropped
-download by itself five times, a second apart, where a pull stops and says how to resume.
+huggingface_hub makes the Hub requests (its model_info, parse_safetensors_file_metadata and http_get) through the
+httpx2 client installed here with its set_client_factory. Outside `bounded()` that client behaves as
+huggingface_hub's own; inside it, where mlxinfer's calls run:
+- every read of an answer (status line, headers and body alike, across redirects) waits only until the current
+  stall window closes: at least MIN_PROGRESS_BYTES must arrive in every window (STALL_S, or MLXINFER_HUB_STALL_S
+  seconds), else the request fails with Stalled. A per-read timeout (HF_HUB_DOWNLOAD_TIMEOUT) never trips on an
+  endpoint that drips a byte now and then; connecting waits at most CONNECT_TIMEOUT_S.
+- a body holds at most the limit given to bounded() (a listing, a config), and the answer to a Range request with an
+  end holds at most the bytes asked for: from a server that ignores Range, only those bytes are read.
+- a redirect never goes from https down to http; h11 bounds the header block (16 KiB).
+- a failure raises Unanswered, which huggingface_hub does not retry by itself (it retries its own httpx errors five
+  times, a second apart): a pull stops and says how to resume. A failure in the middle of a body ends the body there
+  instead, so huggingface_hub writes what came (it writes in 10 MB pieces) before it finds the file short; the
+  failure is kept in the Rules that bounded() yields, and the caller reports it.
+The default model's index is read through the same client (client()), under the same rules.
 """
 
 from __future__ import annotations
 
-import http.client
-import io
+import contextlib
 import math
 import os
-import socket
+import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
+
+import httpcore2
+import httpx2
 
 from ..errors import HubError
 from ..untrusted import first_line, plain
 
-CONNECT_TIMEOUT_S = 30
+CONNECT_TIMEOUT_S = 30.0
 STALL_S = 60.0  # default stall window
 MAX_STALL_S = 86400.0
 STALL_ENV = "MLXINFER_HUB_STALL_S"
 MIN_PROGRESS_BYTES = 1024  # per stall window: a slower answer has stalled
-# What a failed request raises, besides HubError: urllib's errors (HTTPError first: it is an answer), the socket's,
-# http.client's for malformed answers, and ValueError for the malformed ones it does not wrap (a bad chunk size).
-NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, OSError, ValueError)
 
 
-class Stalled(TimeoutError):
+class Unanswered(Exception):
+    """No usable answer: the network, a stall, malformed HTTP, a refused redirect or a body over its limit.
+    str() is one short printable line."""
+
+
+class Stalled(Unanswered):
     """Fewer than the minimum bytes arrived within one stall window."""
+
+
+@dataclass
+class Rules:
+    limit: int | None  # bytes a body may hold; None: no limit (a download, checked against its listed size)
+    scheme: str | None = None  # the first request's scheme: after https, never http
+    failure: Unanswered | None = None  # why a body ended early, when it did
+
+
+_rules: ContextVar[Rules | None] = ContextVar("mlxinfer_hub_rules", default=None)
+
+
+@contextlib.contextmanager
+def bounded(limit: int | None = None) -> Iterator[Rules]:
+    """The rules above for the requests made inside (in this thread or task), each body at most `limit` bytes."""
+    rules = Rules(limit)
+    token = _rules.set(rules)
+    try:
+        yield rules
+    finally:
+        _rules.reset(token)
 
 
 class Pace:
@@ -81,118 +111,169 @@ def stall_s() -> float:
     return value
 
 
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    """Redirects to http(s) only, and never from https down to http (urllib alone would follow both)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001, ANN201 - urllib's signature
-        old, new = urllib.parse.urlsplit(req.full_url).scheme, urllib.parse.urlsplit(newurl).scheme
-        if new not in ("http", "https") or (old, new) == ("https", "http"):
-            raise ValueError(f"{plain(req.full_url)} redirects to {plain(newurl)}, which is not allowed")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
-def open_url(req: urllib.request.Request) -> http.client.HTTPResponse:
-    """Open `req` (http or https, redirects followed) with a connect timeout and the stall limit on every read."""
-    pace = Pace(stall_s())
-    opener = urllib.request.OpenerDirector()
-    for handler in (
-        urllib.request.ProxyHandler(),
-        urllib.request.UnknownHandler(),  # any other scheme (file:, ftp:, a redirect to one) is refused
-        urllib.request.HTTPDefaultErrorHandler(),
-        _Redirects(),
-        urllib.request.HTTPErrorProcessor(),
-        _PacedHTTP(pace),
-        _PacedHTTPS(pace),
-    ):
-        opener.add_handler(handler)
-    return opener.open(req, timeout=CONNECT_TIMEOUT_S)
-
-
 def reason_of(error: BaseException) -> str:
-    """Why a request failed, on one short printable line (URLError wraps the socket's error in `reason`)."""
-    reason = getattr(error, "reason", error)
-    if isinstance(reason, Stalled):
-        return str(reason)
-    if isinstance(reason, OSError):  # the network (a refused connection, a timeout, a reset)
-        return plain(first_line(reason))
-    if isinstance(reason, http.client.IncompleteRead):
-        return "not valid HTTP: the body ended early or its chunks are malformed"
-    if isinstance(reason, (http.client.HTTPException, ValueError)):
-        return f"not valid HTTP: {plain(first_line(reason))}"
-    return plain(first_line(reason)) if isinstance(reason, BaseException) else plain(str(reason))
+    """Why a request failed, on one short printable line."""
+    if isinstance(error, Unanswered):
+        return str(error)
+    if isinstance(error, (httpx2.RemoteProtocolError, httpx2.LocalProtocolError, httpx2.DecodingError)):
+        return f"not valid HTTP: {plain(first_line(error)) or 'the answer ended early or is malformed'}"
+    if isinstance(error, httpx2.TimeoutException):
+        return f"timed out ({type(error).__name__})"
+    return plain(first_line(error)) or type(error).__name__
 
 
-# -- the stall limit, below urllib -------------------------------------------------------------------
+# -- the client huggingface_hub uses -----------------------------------------------------------------------
+
+_install_lock = threading.Lock()
+_installed = False
 
 
-class _PacedReader(io.RawIOBase):
-    """A socket's incoming bytes, each read waiting only as long as `pace` allows."""
+def install() -> None:
+    """Make huggingface_hub use client() from now on (once per process; outside bounded() nothing changes)."""
+    global _installed
+    with _install_lock:
+        if not _installed:
+            import huggingface_hub
 
-    def __init__(self, sock: socket.socket, pace: Pace):
-        super().__init__()
-        self._sock, self._pace = sock, pace
-        self._io = sock.makefile("rb", buffering=0)  # keeps the socket open until this closes, as http.client needs
+            huggingface_hub.set_client_factory(client)
+            _installed = True
 
-    def readable(self) -> bool:
-        return True
 
-    def readinto(self, buffer: Any) -> int | None:
-        self._sock.settimeout(self._pace.wait_s())
+def client() -> httpx2.Client:
+    """huggingface_hub's default client (its request hook, redirects followed) on the transport below."""
+    try:  # the hook that honours HF_HUB_OFFLINE and tags requests; private, so looked up, not required
+        from huggingface_hub.utils._http import hf_request_event_hook
+
+        hooks = [hf_request_event_hook]
+    except ImportError:
+        hooks = []
+    return _Client(transport=_Transport(), event_hooks={"request": hooks}, follow_redirects=True, timeout=None)
+
+
+class _Client(httpx2.Client):
+    def _init_proxy_transport(self, proxy: Any, **kwargs: Any) -> httpx2.BaseTransport:
+        return _Transport(proxy=proxy, **kwargs)  # a proxy from the environment keeps the rules too
+
+
+class _Transport(httpx2.HTTPTransport):
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        pool = self._pool  # httpcore2's ConnectionPool or proxy (a ConnectionPool too): it opens every connection
+        pool._network_backend = _PacedBackend(pool._network_backend)
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        rules = _rules.get()
+        if rules is None:
+            return super().handle_request(request)
+        scheme = request.url.scheme
+        if rules.scheme == "https" and scheme != "https":
+            raise Unanswered(f"redirected from https to {plain(str(request.url))}, which is not allowed")
+        rules.scheme = rules.scheme or scheme
         try:
-            count = self._io.readinto(buffer)
-        except TimeoutError:  # the read waited out the rest of the window
-            raise self._pace.stalled() from None
-        self._pace.got(count or 0)
-        return count
+            response = super().handle_request(request)
+        except httpx2.TransportError as e:
+            raise Unanswered(reason_of(e)) from None
+        skip, keep = _asked_range(request, response.status_code)
+        response.stream = _Body(response.stream, rules, skip, keep)
+        return response
 
-    def fileno(self) -> int:
-        return self._io.fileno()
+
+def _asked_range(request: httpx2.Request, status: int) -> tuple[int, int | None]:
+    """(bytes to skip, bytes to keep) of an answer to `bytes=START-END`: a 206 holds at most END-START+1 bytes;
+    a 200 (Range ignored) holds the whole file, of which bytes START..END are kept. (0, None) otherwise."""
+    asked = request.headers.get("range", "")
+    first, _, last = asked.removeprefix("bytes=").partition("-")
+    if not (asked.startswith("bytes=") and first.isdigit() and last.isdigit()) or int(last) < int(first):
+        return 0, None
+    start, end = int(first), int(last)
+    return (start if status == 200 else 0), end - start + 1
+
+
+class _Body(httpx2.SyncByteStream):
+    """An answer's body: `skip` bytes dropped, then at most `keep` bytes (a Range's end: the rest is not read),
+    and over the rules' limit a failure; a failure in the middle ends the body where it broke, kept in `rules`."""
+
+    def __init__(self, inner: httpx2.SyncByteStream, rules: Rules, skip: int, keep: int | None):
+        self._inner, self._rules, self._skip, self._keep = inner, rules, skip, keep
+
+    def __iter__(self) -> Iterator[bytes]:
+        got, limit = 0, self._rules.limit
+        try:
+            for chunk in self._inner:
+                if self._skip:
+                    dropped = min(self._skip, len(chunk))
+                    chunk, self._skip = chunk[dropped:], self._skip - dropped
+                if self._keep is not None and got + len(chunk) >= self._keep:
+                    yield chunk[: self._keep - got]
+                    return
+                got += len(chunk)
+                if limit is not None and got > limit:
+                    self._rules.failure = Unanswered(f"more than {limit} bytes; refused")
+                    return
+                yield chunk
+        except httpx2.TransportError as e:
+            self._rules.failure = Unanswered(reason_of(e))
+        except Unanswered as e:
+            self._rules.failure = e
 
     def close(self) -> None:
-        self._io.close()
-        super().close()
+        self._inner.close()
 
 
-class _PacedSocket:
-    """A connected socket whose answers are read through _PacedReader; everything else is the socket's own."""
-
-    def __init__(self, sock: socket.socket, pace: Pace):
-        self._sock, self._pace = sock, pace
-
-    def makefile(self, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        if mode != "rb":
-            return self._sock.makefile(mode, *args, **kwargs)
-        return io.BufferedReader(_PacedReader(self._sock, self._pace))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
+# -- the stall limit, below httpcore2 --------------------------------------------------------------------
 
 
-def _paced(http_class: type, pace: Pace) -> type:
-    """`http_class` (HTTPConnection or HTTPSConnection) reading its answers at `pace`, once connected."""
+class _PacedBackend(httpcore2.NetworkBackend):
+    """Connections whose reads keep to a Pace while bounded() rules apply; a connect timeout then too."""
 
-    class Paced(http_class):  # type: ignore[misc, valid-type]
-        def connect(self) -> None:
-            super().connect()  # within the connect timeout (and TLS set up, for https)
-            self.sock = _PacedSocket(self.sock, pace)
+    def __init__(self, inner: httpcore2.NetworkBackend):
+        self._inner = inner
 
-    return Paced
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, **kwargs: Any) -> httpcore2.NetworkStream:
+        if _rules.get() is not None:
+            timeout = CONNECT_TIMEOUT_S if timeout is None else min(timeout, CONNECT_TIMEOUT_S)
+        return _PacedStream(self._inner.connect_tcp(host, port, timeout, **kwargs))
 
+    def connect_unix_socket(self, path: str, timeout: float | None = None, **kwargs: Any) -> httpcore2.NetworkStream:
+        return _PacedStream(self._inner.connect_unix_socket(path, timeout, **kwargs))
 
-class _PacedHandler:
-    pace: Pace
-
-    def do_open(self, http_class: type, req: Any, **kwargs: Any) -> Any:
-        return super().do_open(_paced(http_class, self.pace), req, **kwargs)  # type: ignore[misc]
-
-
-class _PacedHTTP(_PacedHandler, urllib.request.HTTPHandler):
-    def __init__(self, pace: Pace):
-        super().__init__()
-        self.pace = pace
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
 
 
-class _PacedHTTPS(_PacedHandler, urllib.request.HTTPSHandler):
-    def __init__(self, pace: Pace):
-        super().__init__()
-        self.pace = pace
+class _PacedStream(httpcore2.NetworkStream):
+    """A connection; each request written starts a new Pace, and each read of its answer waits only as it allows."""
+
+    def __init__(self, inner: httpcore2.NetworkStream, pace: Pace | None = None):
+        self._inner, self._pace, self._answering = inner, pace, False
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if self._pace is None or self._answering:  # the first bytes of a new request
+            self._pace = Pace(stall_s()) if _rules.get() is not None else None
+            self._answering = False
+        self._inner.write(buffer, timeout)
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        pace = self._pace if _rules.get() is not None else None
+        self._answering = True
+        if pace is None:
+            return self._inner.read(max_bytes, timeout)
+        wait = pace.wait_s()
+        window_ends = time.monotonic() + wait
+        try:
+            data = self._inner.read(max_bytes, wait if timeout is None else min(timeout, wait))
+        except httpcore2.ReadTimeout:
+            if time.monotonic() >= window_ends - 0.01:  # else the caller's own timeout came first
+                raise pace.stalled() from None
+            raise
+        pace.got(len(data))
+        return data
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, *args: Any, **kwargs: Any) -> httpcore2.NetworkStream:
+        return _PacedStream(self._inner.start_tls(*args, **kwargs), self._pace)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
