@@ -18,6 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from gguf import GGMLQuantizationType
 from mlx.utils import tree_flatten
 from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
 from mlxinfer.quantize.affine import bits_per_weight, quantize_rows
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 from mlxinfer.cache.kv import STEP as KV_STEP
 from mlxinfer.disk import file_size_errors
 from mlxinfer.errors import ConversionError, MemoryBudgetError
+from mlxinfer.formats.gguf_file import AFFINE
 from mlxinfer.memory import peak_rss_bytes
 from mlxinfer.models.config import ModelConfig, normalize_config
 from mlxinfer.models.decoder import build_model
@@ -52,7 +54,9 @@ from .writer import (
 
 log = logging.getLogger(__name__)
 
-BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}  # GGUF block types that are MLX grids at group size 32
+# GGUF types the loader keeps on an MLX affine grid, by name -> (bits, group size): their own codes (Q4_0 to Q8_0,
+# Q4_K, Q5_K) or rounded once more (formats/gguf_requant.py).
+BLOCK_GRIDS = {GGMLQuantizationType(kind).name: grid for kind, grid in AFFINE.items()}
 METHODS = ("rtn", "gptq")
 RUNTIME_BYTES = 200 * 2**20  # Python, MLX, the tokenizer and what the steps before left allocated
 
@@ -186,7 +190,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     in_layout = getattr(source, "in_runtime_layout", False)
     sanitize = model.mlx_sanitize if config.spec.mlx_sanitize and not in_layout else None
     shapes = _check_tensors(source, model, output_shapes(source, names, sanitize))
-    block_quantized = any(t.dtype in BLOCK_BITS or t.dtype == "MXFP4" for t in source.tensors.values())
+    block_quantized = any(t.dtype in BLOCK_GRIDS or t.dtype == "MXFP4" for t in source.tensors.values())
     if settings.group_size is None:
         settings.group_size = 32 if block_quantized else 64
     recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
@@ -343,9 +347,9 @@ def _check_tensors(source: Source, model: nn.Module, given: dict[str, tuple[int,
 def _gptq_layers(plan: ConversionPlan) -> dict[str, LayerQuant | None]:
     # A GGUF block copied onto the same grid is already as rounded as it will be.
     def copies(path: str) -> bool:
-        bits = BLOCK_BITS.get(getattr(plan.source.tensors.get(f"{path}.weight"), "dtype", ""))
+        grid = BLOCK_GRIDS.get(_source_dtype(plan.source, path))
         quant = plan.layers[path]
-        return quant is not None and (quant.bits, quant.group_size) == (bits, 32)
+        return quant is not None and (quant.bits, quant.group_size) == grid
 
     return {path: quant for path, quant in plan.layers.items() if not copies(path)}
 
@@ -356,9 +360,9 @@ def _keep_finer_blocks(source: Source, layers: dict[str, LayerQuant | None]) -> 
     # fewer bits would throw away what the GGUF's own quantizer chose to keep.
     kept = dict(layers)
     for path, quant in layers.items():
-        source_bits = BLOCK_BITS.get(getattr(source.tensors.get(f"{path}.weight"), "dtype", ""))
-        if quant is not None and source_bits and source_bits >= quant.bits and quant.group_size == 32:
-            kept[path] = LayerQuant(source_bits, 32)
+        bits, group = BLOCK_GRIDS.get(_source_dtype(source, path), (0, 0))
+        if quant is not None and bits >= quant.bits and group == quant.group_size:
+            kept[path] = LayerQuant(bits, group)
     return kept
 
 
@@ -379,7 +383,7 @@ def _source_dtype(source: Source, path: str) -> str:
 def _default_dtype(source: Source) -> mx.Dtype:
     # GGUF scales are float16, so a GGUF source stays in float16; safetensors keep their 16-bit type.
     kinds = {t.dtype for t in source.tensors.values()}
-    if kinds & set(BLOCK_BITS) or ("F16" in kinds and "BF16" not in kinds):
+    if kinds & set(BLOCK_GRIDS) or ("F16" in kinds and "BF16" not in kinds):
         return mx.float16
     return mx.bfloat16
 
@@ -457,7 +461,7 @@ def _written_names(plan: ConversionPlan, shapes: dict[str, tuple[int, ...]]) -> 
         names[name] = len(shape)
         path = name.removesuffix(".weight")
         stored = getattr(plan.source.tensors.get(name), "dtype", "")
-        if name.endswith(".weight") and (plan.layers.get(path) or stored in BLOCK_BITS or stored == "MXFP4"):
+        if name.endswith(".weight") and (plan.layers.get(path) or stored in BLOCK_GRIDS or stored == "MXFP4"):
             names |= {f"{path}.scales": len(shape), f"{path}.biases": len(shape)}
     return names
 

@@ -66,6 +66,7 @@ def write_tiny_gguf(
     k_type=gguf.GGMLQuantizationType.Q4_K,
     k_quants: dict | None = None,
     floats: dict[str, np.ndarray] | None = None,
+    file_type: int | None = None,
 ) -> Path:
     """The tiny llama fixture as GGUF; with `hidden`, random weights of that width instead. `k_quant` is stored as
     `k_type` (random K blocks, or Q8_0 of its value), `k_quants` maps more names to their types; `floats` gives
@@ -82,6 +83,8 @@ def write_tiny_gguf(
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])] + specials
     tokens += [f"[UNUSED{i}]" for i in range(config["vocab_size"] - len(tokens))]
     writer = gguf.GGUFWriter(str(path), "llama")
+    if file_type is not None:  # general.file_type, llama.cpp's LlamaFileType
+        writer.add_file_type(file_type)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])

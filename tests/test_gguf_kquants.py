@@ -1,10 +1,13 @@
-"""GGUF Q4_K and Q5_K kept as MLX affine 4-/5-bit, group size 32: the file's codes, scales and mins, exactly.
+"""GGUF Q4_K and Q5_K kept as MLX affine 4-/5-bit, group size 32: the file's codes, scales and mins, exactly;
+Q2_K, Q3_K, Q6_K and the IQ and TQ types rounded once onto the MLX type gguf_requant.py names.
 
-Blocks are built byte by byte in ggml's layout (the `gguf` package cannot quantize K-types), written with its
-GGUFWriter and compared with its own dequantize, the reference for what the bytes mean.
+Blocks are built byte by byte in ggml's layout (the `gguf` package cannot quantize K-, IQ- or TQ-types), written
+with its GGUFWriter and compared with its own dequantize, the reference for what the bytes mean.
 """
 
 from __future__ import annotations
+
+import json
 
 import gguf
 import mlx.core as mx
@@ -15,6 +18,7 @@ from mlxinfer.convert import convert
 import mlxinfer
 from mlxinfer.formats.gguf_file import GGUFFile, QuantizedTensor
 from mlxinfer.formats.gguf_kquants import pack_bits
+from mlxinfer.formats.gguf_requant import REQUANTIZED
 from mlxinfer.models.gguf import gguf_tensors
 from tests.test_gguf import write_tiny_gguf
 
@@ -44,9 +48,9 @@ def write_one(path, kind, blocks: np.ndarray, shape: tuple[int, ...]):
     return path
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_pack_bits_is_mlx_packing(bits):
-    """The words mx.quantize packs, rebuilt from its codes (5 bits straddle words)."""
+    """The words mx.quantize packs, rebuilt from its codes (3, 5 and 6 bits straddle words)."""
     w = mx.array(np.random.default_rng(bits).standard_normal((4, 128)).astype(np.float32))
     packed, scales, biases = mx.quantize(w, group_size=32, bits=bits)
     values = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
@@ -127,12 +131,12 @@ def test_q4_k_model_runs_as_its_dequantized_twin_and_holds_4_bits(tmp_path):
 
 
 def test_mixed_k_quant_model_loads_each_tensor_at_its_own_bits(tmp_path):
-    """A Q4_K_M file mixes Q4_K, Q5_K, Q6_K (which stays float for now), and Q5_0 (Gemma 3 270M's has 81)."""
+    """A Q4_K_M file mixes Q4_K, Q5_K, Q6_K and Q5_0 (Gemma 3 270M's has 81). The types of 32-value (sub-)blocks
+    keep their codes, so the model answers as its dequantized twin; Q6_K is rounded once more onto 6-bit groups."""
     layers = "model.layers.0."
     kinds = {
         f"{layers}mlp.down_proj.weight": Q4_K,
         f"{layers}mlp.up_proj.weight": Q5_K,
-        f"{layers}mlp.gate_proj.weight": Q6_K,
         f"{layers}self_attn.q_proj.weight": Q5_0,
         f"{layers}self_attn.v_proj.weight": Q5_1,
     }
@@ -142,21 +146,74 @@ def test_mixed_k_quant_model_loads_each_tensor_at_its_own_bits(tmp_path):
     attention = quantized._loaded.model.model.layers[0].self_attn
     assert (mlp.down_proj.bits, mlp.up_proj.bits, attention.q_proj.bits, attention.v_proj.bits) == (4, 5, 5, 5)
     assert mlp.up_proj.weight.nbytes == 512 * 256 * 5 // 8
-    assert not hasattr(mlp.gate_proj, "scales")
     ids = [4, 8, 15, 16, 23, 42]
     a, b = quantized.logits(ids), dense.logits(ids)
     assert np.abs(a - b).max() <= 1e-5 * max(1.0, np.abs(b).max())
+    with_q6 = mlxinfer.load(_tiny(tmp_path, "m6", {**kinds, f"{layers}mlp.gate_proj.weight": Q6_K}), dtype="float32")
+    gate = with_q6._loaded.model.model.layers[0].mlp.gate_proj
+    assert (gate.bits, gate.group_size, gate.weight.nbytes) == (6, 32, 512 * 256 * 6 // 8)
 
 
-def test_convert_to_4_bit_group_32_copies_q4_k_codes(tmp_path):
-    """The codes are copied, not rounded again; scales and biases take the output's dtype like every layer's."""
-    down = "model.layers.0.mlp.down_proj.weight"
-    path = _tiny(tmp_path, "c", {down: Q4_K})
-    convert(path, tmp_path / "out", bits=4, group_size=32, evaluate=False, progress=False)
+def test_convert_to_4_bits_keeps_each_k_quant_grid_it_can(tmp_path):
+    """`convert --bits 4` of a K-quant file (group size 32 by default for block-quantized sources): Q4_K codes are
+    copied, not rounded again; Q6_K (6 bits, once rounded at load) and Q5_0 stay on their finer grids with their
+    codes; scales and biases take the output's dtype like every layer's."""
+    layers = "model.layers.0."
+    kinds = {f"{layers}mlp.down_proj.weight": Q4_K, f"{layers}mlp.gate_proj.weight": Q6_K}
+    kinds[f"{layers}self_attn.v_proj.weight"] = Q5_0  # v: no rotary row order to undo
+    path = _tiny(tmp_path, "c", kinds)
+    convert(path, tmp_path / "out", bits=4, evaluate=False, progress=False)
     written = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in mx.load(str(f)).items()}
-    with GGUFFile(path) as f:
-        source = f.read("blk.0.ffn_down.weight")
-    assert np.array_equal(np.array(written[down]), source.weight)
-    scales = written[down.replace("weight", "scales")]
-    expected = mx.array(source.scales).astype(scales.dtype)  # the one rounding: float32 d*sc -> output dtype
-    assert mx.array_equal(scales, expected)
+    quantization = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
+    default = {"bits": quantization["bits"], "group_size": quantization["group_size"]}  # layers not listed
+    for hf in kinds:
+        with GGUFFile(path) as f:
+            source = f.read(f"blk.0.{_short(hf)}.weight")  # what the loader holds
+        path_key = hf.removesuffix(".weight")
+        assert quantization.get(path_key, default) == {"bits": source.bits, "group_size": 32}, hf
+        assert np.array_equal(np.array(written[hf]), source.weight), hf
+        scales = written[hf.replace("weight", "scales")]
+        expected = mx.array(source.scales).astype(scales.dtype)  # the one rounding: float32 d*sc -> output dtype
+        assert mx.array_equal(scales, expected), hf
+
+
+def any_blocks(kind: gguf.GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random block bytes of any type, each below 0x78: every f16 in them (d, dmin, packed scales) is finite."""
+    per, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 0x78, size=(rows, cols // per * size), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("kind", sorted(REQUANTIZED), ids=lambda k: gguf.GGMLQuantizationType(k).name)
+def test_a_type_no_mlx_group_holds_is_rounded_once_within_half_a_step(tmp_path, kind):
+    """Each value is within half a step of what the gguf package dequantizes, on the grid REQUANTIZED names."""
+    kind = gguf.GGMLQuantizationType(kind)
+    bits, group = REQUANTIZED[kind]
+    blocks = any_blocks(kind, 4, 512, seed=int(kind))
+    with GGUFFile(write_one(tmp_path / "r.gguf", kind, blocks, (4, 512))) as f:
+        t = f.read("blk.0.ffn_down.weight")
+    assert (t.bits, t.group_size, t.weight.shape, t.scales.shape) == (
+        bits,
+        group,
+        (4, 512 * bits // 32),
+        (4, 512 // group),
+    )
+    got = np.array(mx.dequantize(*(mx.array(a) for a in (t.weight, t.scales, t.biases)), group_size=group, bits=bits))
+    expected = gguf.quants.dequantize(blocks.reshape(-1), kind).reshape(4, 512)
+    half_step = np.repeat(t.scales, group, axis=1) / 2
+    assert np.isfinite(expected).all() and np.all(np.abs(got - expected) <= half_step * (1 + 1e-5) + 1e-6)
+    span = expected.reshape(4, -1, group).max(-1) - expected.reshape(4, -1, group).min(-1)
+    np.testing.assert_allclose(t.scales, span / ((1 << bits) - 1), rtol=1e-6)  # the group's own range: no wider
+
+
+def test_the_load_line_says_what_was_rounded_once_more(tmp_path, caplog):
+    kinds = {"model.layers.0.mlp.gate_proj.weight": Q6_K, "model.layers.0.mlp.down_proj.weight": Q4_K}
+    path = _tiny(tmp_path, "line", kinds)
+    with caplog.at_level("WARNING", logger="mlxinfer"):
+        mlxinfer.load(path, dtype="float32")
+    lines = [r.getMessage() for r in caplog.records if "rounded once more" in r.getMessage()]
+    assert lines == ["line.gguf: 1 Q6_K tensors to MLX 6-bit group 32: rounded once more (no MLX group holds these "
+                     "blocks as they are)"]  # fmt: skip
+    with GGUFFile(path) as f:  # the forecast counts the grid the tensor is held on: 6 bits, a scale and bias per 32
+        held = gguf_tensors(f, compute_size=4)["model.layers.0.mlp.gate_proj.weight"].loaded_bytes
+    assert held == 512 * 256 * 6 // 8 + 2 * (512 * 256 // 32) * 4

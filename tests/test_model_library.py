@@ -13,6 +13,7 @@ from collections import namedtuple
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import gguf
 import pytest
 from click.testing import CliRunner
 
@@ -487,6 +488,24 @@ def test_show_prints_the_config_summary_and_the_memory_plan(dirs):
     info = json.loads(run("show", "llama_classic", "--json").output)
     assert info["layers"] == 2 and info["memory_plan"]["verdict"] in ("fits", "fits but risks swap", "does not fit")
     assert info["memory_plan"]["weights_bytes"] > 0
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q3_K"])
+def test_show_gives_a_k_quant_file_the_group_size_it_is_held_at(dirs, kind):
+    from tests.test_gguf import write_tiny_gguf
+
+    qtype, file_type = (
+        gguf.GGMLQuantizationType[kind],
+        gguf.LlamaFileType[f"MOSTLY_{kind}_M" if kind != "Q6_K" else "MOSTLY_Q6_K"],
+    )
+    name = "model.layers.0.mlp.down_proj.weight"
+    path = write_tiny_gguf(dirs.models / "kq.gguf", k_quant=name, hidden=256, k_type=qtype, file_type=file_type)
+    layer = mlxinfer.load(path, dtype="float32")._loaded.model.model.layers[0].mlp.down_proj  # the reference
+    info = json.loads(run("show", "kq", "--json").output)
+    assert (
+        info["quantization"]["group_size"] == layer.group_size
+        and info["quantization"]["mode"] == f"gguf {file_type.name}"
+    )
 
 
 def test_a_corrupt_registry_warns_and_the_listing_goes_on(dirs, caplog):

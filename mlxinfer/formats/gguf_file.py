@@ -5,7 +5,8 @@ file before it is used, so a crafted or truncated file raises CorruptFileError
 instead of reaching native code. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks, and Q4_K
 and Q5_K sub-blocks (gguf_kquants.py), are repacked into MLX's affine layout exactly
 (same grid, no second rounding), MXFP4 blocks into MLX's mxfp4 layout (same codes
-and exponents); other types are dequantized with the `gguf` package.
+and exponents); Q2_K, Q3_K, Q6_K and the IQ and TQ types are dequantized with the `gguf`
+package and rounded once onto the MLX affine type that measured closest (gguf_requant.py).
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 
@@ -24,7 +25,8 @@ import numpy as np
 
 from ..errors import CorruptFileError, UnsupportedModelError
 from ..untrusted import is_int, plain, shown
-from .gguf_kquants import K_BLOCKS, Q4_K, Q5_K, pack_bits, repack_k
+from .gguf_kquants import K_BLOCKS, pack_bits, repack_k
+from .gguf_requant import REQUANTIZED, requantize
 from .safetensors_header import MAX_DIM
 
 MAGIC = b"GGUF"
@@ -41,9 +43,11 @@ F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16, MXFP4 = 0, 1, 2, 3, 6, 7, 8, 30, 3
 _BLOCKS = {F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), MXFP4: (32, 17)}
 _BLOCKS.update({Q5_0: (32, 22), Q5_1: (32, 24)})
 _BLOCKS.update({kind: (256, block_bytes) for kind, (block_bytes, _) in K_BLOCKS.items()})
-REPACKED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, Q4_K, Q5_K)  # kept quantized (read() returns a QuantizedTensor)
-# bits of the MLX affine grid each repacked type lands on (group size 32); MXFP4 is mxfp4, 4 bits
-AFFINE_BITS = {Q4_0: 4, Q4_1: 4, Q5_0: 5, Q5_1: 5, Q8_0: 8} | {kind: bits for kind, (_, bits) in K_BLOCKS.items()}
+# The MLX affine grid (bits, group size) each type is kept on: exactly its own codes (the types of 32-value
+# blocks and sub-blocks), or rounded once (gguf_requant.py: 16-value sub-blocks and codebooks). MXFP4 is mxfp4.
+AFFINE = {Q4_0: (4, 32), Q4_1: (4, 32), Q5_0: (5, 32), Q5_1: (5, 32), Q8_0: (8, 32)}
+AFFINE |= {kind: (bits, 32) for kind, (_, bits) in K_BLOCKS.items()} | REQUANTIZED
+REPACKED = (*AFFINE, MXFP4)  # kept quantized (read() returns a QuantizedTensor)
 _U64 = struct.Struct("<Q")
 
 
@@ -62,8 +66,8 @@ class QuantizedTensor:
     biases) or mxfp4 (weight and E8M0 exponents, no biases)."""
 
     weight: np.ndarray  # uint32, packed along the last axis
-    # float16 (affine, as stored), float32 (Q4_K/Q5_K: d*sc, which float16 would round) or uint8 (mxfp4: the
-    # power of two 2**(s - 127)); the loader casts float scales and biases to the compute dtype.
+    # float16 (affine, as stored), float32 (Q4_K/Q5_K: d*sc, which float16 would round; the re-rounded types) or
+    # uint8 (mxfp4: the power of two 2**(s - 127)); the loader casts float scales and biases to the compute dtype.
     scales: np.ndarray
     biases: np.ndarray | None  # as scales; None for mxfp4
     bits: int
@@ -288,10 +292,15 @@ class GGUFFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def raw(self, name: str) -> np.ndarray:
+        """One tensor's stored bytes (uint8, a view of the file)."""
+        info = self.tensors[name]
+        return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
     def read(self, name: str) -> np.ndarray | QuantizedTensor:
         """One tensor: a float array, or a QuantizedTensor for the REPACKED types."""
         info = self.tensors[name]
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        raw = self.raw(name)
         if info.ggml_type == F32:
             return raw.view(np.float32).reshape(info.shape)
         if info.ggml_type == F16:
@@ -300,10 +309,14 @@ class GGUFFile:
             return raw.view(np.uint16).reshape(info.shape)  # caller views as bfloat16
         if info.ggml_type == MXFP4:
             return _repack_mxfp4(raw, info)
-        if info.ggml_type in REPACKED and info.ggml_type in K_BLOCKS:
+        if info.ggml_type in K_BLOCKS:
             rows = math.prod(info.shape[:-1])
             weight, scales, biases, bits = repack_k(raw, rows, info.shape[-1], info.ggml_type)
             return _shaped(QuantizedTensor(weight, scales, biases, bits, 32), info.shape)
+        if info.ggml_type in REQUANTIZED:
+            rows = math.prod(info.shape[:-1])
+            weight, scales, biases, bits, group = requantize(raw, rows, info.shape[-1], info.ggml_type)
+            return _shaped(QuantizedTensor(weight, scales, biases, bits, group), info.shape)
         if info.ggml_type in REPACKED:
             return _repack(raw, info)
         from gguf import GGMLQuantizationType
@@ -380,7 +393,7 @@ def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
     if info.ggml_type == Q8_0:
         q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # signed -> unsigned grid
         bias = (scale.astype(np.float32) * -128).astype(np.float16)
-        return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 8), scale, bias, 8, 32), info.shape)
+        return _shaped(QuantizedTensor(pack_bits(q.reshape(rows, cols), 8), scale, bias, 8, 32), info.shape)
     if info.ggml_type in (Q5_0, Q5_1):  # d, [m (Q5_1)], 4 bytes whose bit j is element j's fifth bit, nibbles
         return _shaped(_repack_q5(blocks, scale, info.ggml_type == Q5_1), info.shape)
     if info.ggml_type == Q4_1:
@@ -389,7 +402,7 @@ def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
         bias, nibbles = (scale.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
     # Byte j holds element j in its low nibble and element j + 16 in its high nibble.
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-    return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 4), scale, bias, 4, 32), info.shape)
+    return _shaped(QuantizedTensor(pack_bits(q.reshape(rows, cols), 4), scale, bias, 4, 32), info.shape)
 
 
 def _repack_q5(blocks: np.ndarray, scale: np.ndarray, has_min: bool) -> QuantizedTensor:
@@ -417,7 +430,7 @@ def _repack_mxfp4(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
     blocks = raw.reshape(rows, cols // 32, 17)
     exponents, nibbles = blocks[..., 0].copy(), blocks[..., 1:]
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (rows, cols / 32, 32), in element order
-    return _shaped(QuantizedTensor(_pack(q.reshape(rows, cols), 4), exponents, None, 4, 32, "mxfp4"), info.shape)
+    return _shaped(QuantizedTensor(pack_bits(q.reshape(rows, cols), 4), exponents, None, 4, 32, "mxfp4"), info.shape)
 
 
 def _shaped(t: QuantizedTensor, shape: tuple[int, ...]) -> QuantizedTensor:
@@ -427,11 +440,3 @@ def _shaped(t: QuantizedTensor, shape: tuple[int, ...]) -> QuantizedTensor:
     return QuantizedTensor(
         t.weight.reshape(*lead, -1), t.scales.reshape(*lead, -1), biases, t.bits, t.group_size, t.mode
     )
-
-
-def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """Pack unsigned values (rows, cols) into uint32 words, value k at bits [k*bits, (k+1)*bits)."""
-    per_word = 32 // bits
-    q = q.astype(np.uint32).reshape(q.shape[0], -1, per_word)
-    shifts = np.arange(per_word, dtype=np.uint32) * bits
-    return np.bitwise_or.reduce(q << shifts, axis=-1)

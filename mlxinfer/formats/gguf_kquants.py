@@ -64,20 +64,15 @@ def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
-    """Codes (rows, cols) of 4, 5 or 8 bits -> MLX's packed uint32 words: one little-endian bit stream per row,
-    value k at bits [k*bits, (k+1)*bits) (at 5 bits, 8 values fill 5 bytes and values straddle words).
+    """Codes (rows, cols) of 2 to 8 bits -> MLX's packed uint32 words: one little-endian bit stream per row,
+    value k at bits [k*bits, (k+1)*bits) (at 3, 5 and 6 bits values straddle words); cols*bits % 32 == 0.
 
     Checked against mx.quantize in tests/test_gguf_kquants.py."""
     rows, cols = q.shape
-    q = q.astype(np.uint8, copy=False)
-    if bits == 5:
-        v = [q[:, k::8] for k in range(8)]  # value k of each run of 8, (rows, cols/8)
-        five = np.stack(  # the run's 40 bits as 5 bytes; uint8 shifts drop what belongs to the next byte
-            [v[0] | v[1] << 5, v[1] >> 3 | v[2] << 2 | v[3] << 7, v[3] >> 1 | v[4] << 4,
-             v[4] >> 4 | v[5] << 1 | v[6] << 6, v[6] >> 2 | v[7] << 3],
-            axis=-1,
-        )  # fmt: skip
-        return five.reshape(rows, cols * 5 // 8).view("<u4").astype(np.uint32, copy=False)
+    if 32 % bits:
+        stream = (q.astype(np.uint8, copy=False)[..., None] >> np.arange(bits, dtype=np.uint8)) & 1
+        packed = np.packbits(stream.reshape(rows, cols * bits), axis=-1, bitorder="little")
+        return packed.view("<u4").astype(np.uint32, copy=False)
     per_word = 32 // bits
     words = q.reshape(rows, -1, per_word).astype(np.uint32)  # (rows, words, values per word)
     return np.bitwise_or.reduce(words << (np.arange(per_word, dtype=np.uint32) * bits), axis=-1)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, MlxInferError
-from ..formats.gguf_file import GGUFFile, read_metadata
+from ..formats.gguf_file import AFFINE, GGUFFile, read_metadata
 from ..untrusted import first_line, is_int, read_json_object, read_text, shown_path
 from .local_model import LocalModel, file_type_bits, file_type_name, read_config
 
@@ -19,7 +19,6 @@ MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file or GGUF value; real ones ar
 MAX_TOKENIZER_CONFIG_BYTES = 64 << 20  # tokenizer_config.json: its added_tokens_decoder can take megabytes
 MAX_GGUF_ALL_KEYS = 1 << 16  # metadata keys walked looking for tokenizer.chat_template
 MAX_GGUF_ITEMS = 1 << 24  # string items stepped over on the way (a vocabulary and its merges: ~10^5 each)
-GGUF_GROUPS_OF_32 = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # llama.cpp's legacy quants: one scale per 32
 
 
 def details(model: LocalModel) -> dict[str, Any]:
@@ -133,6 +132,18 @@ def _gguf_details(path: Path) -> tuple[dict[str, Any], str | None, dict[str, Any
     template = metadata.get("tokenizer.chat_template")
     file_type = metadata.get("general.file_type")
     name = file_type_name(file_type)
-    group = 32 if name and any(q in name for q in GGUF_GROUPS_OF_32) else None
+    group = _loaded_group(name)
     quantization = {"bits": file_type_bits(file_type), "group_size": group, "mode": f"gguf {name}" if name else "gguf"}
     return config, template if isinstance(template, str) else None, quantization
+
+
+def _loaded_group(file_type: str | None) -> int | None:
+    """The MLX group size the file's main type is held at once loaded (formats/gguf_file.AFFINE): MOSTLY_Q4_K_M ->
+    Q4_K -> 32, MOSTLY_Q3_K_S -> Q3_K -> 64; None for float files and types kept as floats."""
+    from gguf import GGMLQuantizationType
+
+    if not file_type:
+        return None
+    names = {GGMLQuantizationType(kind).name: group for kind, (_, group) in AFFINE.items()}
+    found = [name for name in names if name in file_type.removeprefix("MOSTLY_")]
+    return names[max(found, key=len)] if found else None

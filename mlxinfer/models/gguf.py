@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
-from ..formats.gguf_file import AFFINE_BITS, MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
+from ..formats.gguf_file import AFFINE, MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
+from ..formats.gguf_requant import REQUANTIZED
 from ..untrusted import is_int, plain, shown
 from .gguf_arch import BARE, TOP_NAMES, GGUFArch, Meta, architecture, common_config, conventions_of, layer_name
 from .gguf_rope import llama3_from_rope_freqs
@@ -46,6 +48,7 @@ def gguf_weights(
     its Hugging Face name; the others are never read."""
     weights: dict[str, mx.array] = {}
     _note_mxfp4(gguf)
+    _note_requantized(gguf)
     for hf_name, name in hf_names(gguf).items():
         if keep is not None and not keep(hf_name):
             continue
@@ -63,9 +66,23 @@ def _note_mxfp4(gguf: GGUFFile) -> None:
         log.info("%s: %d MXFP4 tensors (e.g. %s) are kept as MLX mxfp4", gguf.path, len(mxfp4), plain(mxfp4[0]))
 
 
+def _note_requantized(gguf: GGUFFile) -> None:
+    """One line for the types no MLX group holds as they are (gguf_requant.py): what each becomes."""
+    from gguf import GGMLQuantizationType
+
+    counts = Counter(t.ggml_type for t in gguf.tensors.values() if t.ggml_type in REQUANTIZED)
+    parts = [
+        f"{n} {GGMLQuantizationType(kind).name} tensors to MLX {REQUANTIZED[kind][0]}-bit group {REQUANTIZED[kind][1]}"
+        for kind, n in sorted(counts.items())
+    ]
+    if parts:
+        why = "rounded once more (no MLX group holds these blocks as they are)"
+        log.warning("%s: %s: %s", gguf.path.name, "; ".join(parts), why)
+
+
 def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
     """Each tensor's logical shape and its bytes once loaded: a repacked type's packed codes plus a scale and a
-    bias per 32 values in the compute dtype (MXFP4: codes and exponent bytes, as stored), others as floats."""
+    bias per group in the compute dtype (MXFP4: codes and exponent bytes, as stored), others as floats."""
 
     def stored(info: TensorInfo) -> StoredTensor:
         elements = math.prod(info.shape)
@@ -73,8 +90,8 @@ def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
             return StoredTensor(info.shape, elements * compute_size)
         if info.ggml_type == MXFP4:
             return StoredTensor(info.shape, info.nbytes)
-        bits = AFFINE_BITS[info.ggml_type]
-        return StoredTensor(info.shape, elements * bits // 8 + 2 * (elements // 32) * compute_size)
+        bits, group = AFFINE[info.ggml_type]
+        return StoredTensor(info.shape, elements * bits // 8 + 2 * (elements // group) * compute_size)
 
     return {hf: stored(gguf.tensors[name]) for hf, name in hf_names(gguf).items()}
 
