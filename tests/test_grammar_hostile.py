@@ -272,14 +272,19 @@ def _serving_url(process: subprocess.Popen) -> str:
     raise AssertionError(f"the server did not start (exit {process.wait()})")
 
 
-def _model_with_tools(folder: Path) -> Path:
-    """The tiny llama checkpoint wearing Qwen3's chat template (Hermes tool calls), with a long context."""
+def _model_with_tools(folder: Path, endless: bool = False) -> Path:
+    """The tiny llama checkpoint wearing Qwen3's chat template (Hermes tool calls), with a long context;
+    `endless`: with no end-of-sequence token, so a stream runs until something stops it (the random weights
+    otherwise pick one now and then, and a stream meant to be running at SIGTERM would have ended)."""
     import shutil
 
     shutil.copytree(TINY / "llama_classic", folder, ignore=shutil.ignore_patterns("golden.safetensors"))
+    no_eos = {"eos_token_id": None} if endless else {}
     for name, changes in (
-        ("config.json", {"max_position_embeddings": 8192}),  # room for a stream still running at SIGTERM
+        ("config.json", {"max_position_embeddings": 8192, **no_eos}),  # room for a stream still running at SIGTERM
+        ("generation_config.json", no_eos),
         ("tokenizer_config.json", {"chat_template": (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()}),
+        ("tokenizer_config.json", {"eos_token": None} if endless else {}),
     ):
         (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), **changes}))
     return folder
@@ -360,7 +365,7 @@ def test_sigterm_ends_compiles_and_streams_and_exits_0(tmp_path):
         "isolated.COMPILE_TIMEOUT_S = 60.0"  # past the test's waits: only a stop, not the deadline, ends a compile
     )
     (tmp_path / "child_check.py").write_text("import time\ntime.sleep(60)\n")
-    process = _serve(_model_with_tools(tmp_path / "tools"), before)
+    process = _serve(_model_with_tools(tmp_path / "tools", endless=True), before)
     try:
         url = _serving_url(process)
         threading.Thread(target=process.stderr.read, daemon=True).start()

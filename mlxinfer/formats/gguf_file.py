@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import CorruptFileError, UnsupportedModelError
 from ..untrusted import is_int, plain, shown
-from .gguf_kquants import K_BLOCKS, pack_bits, repack_k
+from .gguf_kquants import K_BLOCKS, by_rows, pack_bits, repack_k
 from .gguf_requant import REQUANTIZED, requantize
 from .safetensors_header import MAX_DIM
 
@@ -385,27 +385,34 @@ def _block_size(kind: int, name: str, path: Path) -> tuple[int, int]:
 
 
 def _repack(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
-    """GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks of 32 -> MLX affine (w = scale * q + bias), exactly."""
+    """GGUF Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks of 32 -> MLX affine (w = scale * q + bias), exactly; a slice of rows
+    at a time (a 262,144-row Q8_0 embedding would otherwise hold ~2 GB of temporaries)."""
     rows, cols = int(np.prod(info.shape[:-1])), info.shape[-1]
     _, block_bytes = _BLOCKS[info.ggml_type]
     blocks = raw.reshape(rows, cols // 32, block_bytes)
+    weight, scale, bias = by_rows(rows, cols, lambda part: _repack_rows(blocks[part], info.ggml_type))
+    return _shaped(QuantizedTensor(weight, scale, bias, AFFINE[info.ggml_type][0], 32), info.shape)
+
+
+def _repack_rows(blocks: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks (rows, blocks, bytes) of one legacy type -> (packed codes, float16 scales, float16 biases)."""
+    rows = blocks.shape[0]
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    if info.ggml_type == Q8_0:
+    if kind == Q8_0:
         q = blocks[..., 2:].view(np.int8).astype(np.int16) + 128  # signed -> unsigned grid
-        bias = (scale.astype(np.float32) * -128).astype(np.float16)
-        return _shaped(QuantizedTensor(pack_bits(q.reshape(rows, cols), 8), scale, bias, 8, 32), info.shape)
-    if info.ggml_type in (Q5_0, Q5_1):  # d, [m (Q5_1)], 4 bytes whose bit j is element j's fifth bit, nibbles
-        return _shaped(_repack_q5(blocks, scale, info.ggml_type == Q5_1), info.shape)
-    if info.ggml_type == Q4_1:
+        return pack_bits(q.reshape(rows, -1), 8), scale, (scale.astype(np.float32) * -128).astype(np.float16)
+    if kind in (Q5_0, Q5_1):  # d, [m (Q5_1)], 4 bytes whose bit j is element j's fifth bit, nibbles
+        return _repack_q5(blocks, scale, kind == Q5_1)
+    if kind == Q4_1:
         bias, nibbles = blocks[..., 2:4].copy().view(np.float16)[..., 0], blocks[..., 4:]
     else:  # Q4_0: w = d * (q - 8)
         bias, nibbles = (scale.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]
     # Byte j holds element j in its low nibble and element j + 16 in its high nibble.
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
-    return _shaped(QuantizedTensor(pack_bits(q.reshape(rows, cols), 4), scale, bias, 4, 32), info.shape)
+    return pack_bits(q.reshape(rows, -1), 4), scale, bias
 
 
-def _repack_q5(blocks: np.ndarray, scale: np.ndarray, has_min: bool) -> QuantizedTensor:
+def _repack_q5(blocks: np.ndarray, scale: np.ndarray, has_min: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q5_1 (w = d * q + m) or Q5_0 (w = d * (q - 16)) blocks (rows, blocks, bytes) -> MLX affine 5-bit."""
     rows = blocks.shape[0]
     start = 4 if has_min else 2
@@ -417,7 +424,7 @@ def _repack_q5(blocks: np.ndarray, scale: np.ndarray, has_min: bool) -> Quantize
     high = (blocks[..., start : start + 4].copy().view("<u4") >> np.arange(32, dtype=np.uint32)) & 1  # (rows, n, 32)
     nibbles = blocks[..., start + 4 :]  # as Q4_0's: element j low, element j + 16 high
     q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1) | (high << 4).astype(np.uint8)
-    return QuantizedTensor(pack_bits(q.reshape(rows, -1), 5), scale, bias, 5, 32)
+    return pack_bits(q.reshape(rows, -1), 5), scale, bias
 
 
 def _repack_mxfp4(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
@@ -428,9 +435,14 @@ def _repack_mxfp4(raw: np.ndarray, info: TensorInfo) -> QuantizedTensor:
     (the table is E2M1 doubled), which is how MLX's mxfp4 reads code q with scale byte e."""
     rows, cols = int(np.prod(info.shape[:-1])), info.shape[-1]
     blocks = raw.reshape(rows, cols // 32, 17)
-    exponents, nibbles = blocks[..., 0].copy(), blocks[..., 1:]
-    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (rows, cols / 32, 32), in element order
-    return _shaped(QuantizedTensor(pack_bits(q.reshape(rows, cols), 4), exponents, None, 4, 32, "mxfp4"), info.shape)
+
+    def rows_of(part: slice) -> tuple[np.ndarray, np.ndarray]:
+        nibbles = blocks[part, :, 1:]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)  # (rows, cols / 32, 32), in element order
+        return pack_bits(q.reshape(len(q), cols), 4), blocks[part, :, 0].copy()
+
+    weight, exponents = by_rows(rows, cols, rows_of)
+    return _shaped(QuantizedTensor(weight, exponents, None, 4, 32, "mxfp4"), info.shape)
 
 
 def _shaped(t: QuantizedTensor, shape: tuple[int, ...]) -> QuantizedTensor:

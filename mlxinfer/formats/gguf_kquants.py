@@ -9,6 +9,8 @@ quants.py reads them: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 Q4_K, Q5_K = 12, 13
@@ -16,22 +18,27 @@ BLOCK = 256  # values per super-block
 SUB = 32  # values per sub-block: one MLX group
 # type -> (bytes per super-block, bits per code)
 K_BLOCKS = {Q4_K: (144, 4), Q5_K: (176, 5)}
-CHUNK_VALUES = 1 << 22  # values repacked at a time: bounds the temporaries
+CHUNK_VALUES = 1 << 22  # values converted at a time (by_rows): bounds the temporaries
 
 
 def repack_k(raw: np.ndarray, rows: int, cols: int, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(packed uint32 (rows, cols*bits/32), scales and biases float32 (rows, cols/32), bits) of `raw`'s bytes.
-
-    Rows go a slice at a time, so the temporaries stay near CHUNK_VALUES values."""
+    """(packed uint32 (rows, cols*bits/32), scales and biases float32 (rows, cols/32), bits) of `raw`'s bytes."""
     block_bytes, bits = K_BLOCKS[ggml_type]
     blocks = raw.reshape(rows, cols // BLOCK, block_bytes)
-    packed = np.empty((rows, cols * bits // 32), np.uint32)
-    scales, biases = np.empty((rows, cols // SUB), np.float32), np.empty((rows, cols // SUB), np.float32)
-    step = max(1, CHUNK_VALUES // cols)
-    for start in range(0, rows, step):
-        part = slice(start, start + step)
-        packed[part], scales[part], biases[part] = _repack_rows(blocks[part], ggml_type, bits)
+    packed, scales, biases = by_rows(rows, cols, lambda part: _repack_rows(blocks[part], ggml_type, bits))
     return packed, scales, biases, bits
+
+
+def by_rows(rows: int, cols: int, convert: Callable[[slice], tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    """convert(rows slice) for slices of about CHUNK_VALUES values, written into whole-tensor arrays allocated
+    once: the temporaries of a conversion stay near one slice's, however large the tensor."""
+    step = max(1, CHUNK_VALUES // cols)
+    first = convert(slice(0, step))
+    out = tuple(np.empty((rows, *part.shape[1:]), part.dtype) for part in first)
+    for start in range(0, rows, step):
+        for whole, part in zip(out, first if start == 0 else convert(slice(start, start + step)), strict=True):
+            whole[start : start + len(part)] = part
+    return out
 
 
 def _repack_rows(blocks: np.ndarray, ggml_type: int, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -2,19 +2,19 @@
 
 Q2_K, Q3_K and Q6_K scale sub-blocks of 16 values, and the IQ and TQ types use lattice or ternary codebooks;
 MLX's affine groups are 32, 64 or 128 values with one scale and bias each. These tensors are dequantized by the
-`gguf` package (a slice of rows at a time) and rounded to nearest on the type below: of the MLX affine types that
-hold at most 1.1x the source's bits per weight (codes plus a 16-bit scale and bias per group), the one that adds
-the least error to the source's own values. The choice was measured by bench/gguf_requant_bench.py (its table
-in bench/README.md): relative RMS error added, on the Gemma 3 270M Q4_K_M file's real Q6_K tensors and on random
-blocks of every other type. Below 2 bits per weight (IQ1_S, IQ1_M, TQ1_0) nothing fits: 2-bit group 128, the
-smallest MLX type, is used.
+`gguf` package (a slice of rows at a time: gguf_kquants.by_rows) and rounded to nearest onto the type below.
+Of the MLX affine types that hold at most 1.1x the source's bits per weight (codes plus a 16-bit scale and bias
+per group), it is the one that adds the least error to the source's own values. bench/gguf_requant_bench.py
+measured the choice (its table is in bench/README.md): the relative RMS error added, on the Gemma 3 270M Q4_K_M
+file's real Q6_K tensors and on random blocks of every other type. Below 2 bits per weight (IQ1_S, IQ1_M, TQ1_0)
+nothing fits: 2-bit group 128, the smallest MLX type, is used.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .gguf_kquants import pack_bits
+from .gguf_kquants import by_rows, pack_bits
 
 # ggml's type ids (ggml.h) -> (MLX bits, group size)
 Q2_K, Q3_K, Q6_K = 10, 11, 14
@@ -27,7 +27,6 @@ REQUANTIZED: dict[int, tuple[int, int]] = {
     IQ2_S: (2, 64), IQ2_XS: (2, 64), IQ2_XXS: (2, 128),
     IQ1_M: (2, 128), IQ1_S: (2, 128), TQ1_0: (2, 128), TQ2_0: (2, 128),
 }  # fmt: skip
-CHUNK_VALUES = 1 << 22  # values dequantized at a time: bounds the float temporaries
 
 
 def requantize(
@@ -41,13 +40,12 @@ def requantize(
     bits, group = REQUANTIZED[ggml_type]
     kind = GGMLQuantizationType(ggml_type)
     by_row = raw.reshape(rows, -1)
-    packed = np.empty((rows, cols * bits // 32), np.uint32)
-    scales, biases = np.empty((rows, cols // group), np.float32), np.empty((rows, cols // group), np.float32)
-    step = max(1, CHUNK_VALUES // cols)
-    for start in range(0, rows, step):
-        part = slice(start, start + step)
+
+    def rows_of(part: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         values = dequantize(by_row[part], kind).reshape(-1, cols).astype(np.float32, copy=False)
-        packed[part], scales[part], biases[part] = round_affine(values, bits, group)
+        return round_affine(values, bits, group)
+
+    packed, scales, biases = by_rows(rows, cols, rows_of)
     return packed, scales, biases, bits, group
 
 
