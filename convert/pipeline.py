@@ -22,21 +22,21 @@ from gguf import GGMLQuantizationType
 from mlx.utils import tree_flatten
 from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
 from mlxinfer.quantize.affine import bits_per_weight, quantize_rows
-from mlxinfer.quantize.quality import scoring_bytes
 from tqdm.auto import tqdm
 
-from mlxinfer.cache.kv import STEP as KV_STEP
 from mlxinfer.disk import file_size_errors
-from mlxinfer.errors import ConversionError, MemoryBudgetError
+from mlxinfer.errors import ConversionError
 from mlxinfer.formats.gguf_file import AFFINE
 from mlxinfer.memory import peak_rss_bytes
 from mlxinfer.models.config import ModelConfig, normalize_config
 from mlxinfer.models.decoder import build_model
-from mlxinfer.models.dtype import choose_compute_dtype, dtype_name, parse_dtype
-from mlxinfer.models.sizing import check_checkpoint, refuse_beyond_machine
+from mlxinfer.models.dtype import choose_compute_dtype, parse_dtype
+from mlxinfer.models.sizing import check_checkpoint
 from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
+from .evaluation import evaluate, evaluation_bytes, evaluation_fits
+from .layer_bytes import MXFP4Quant, written_bytes
 from .layout import Sanitize, converted_tensors, output_shapes
 from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates, routers_at_8_bits
 from .output_config import output_config
@@ -59,16 +59,6 @@ log = logging.getLogger(__name__)
 BLOCK_GRIDS = {GGMLQuantizationType(kind).name: grid for kind, grid in AFFINE.items()}
 METHODS = ("rtn", "gptq")
 RUNTIME_BYTES = 200 * 2**20  # Python, MLX, the tokenizer and what the steps before left allocated
-
-
-@dataclass(frozen=True)
-class MXFP4Quant(LayerQuant):
-    """A GGUF MXFP4 layer (gpt-oss's experts) kept as stored: MLX mxfp4, 4-bit E2M1 codes in groups of 32,
-    one power-of-two (E8M0) scale each and no biases. Copied, never rounded: no affine grid holds it exactly."""
-
-    bits: int = 4
-    group_size: int = 32
-    mode: str = "mxfp4"
 
 
 @dataclass
@@ -209,7 +199,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     layers = _keep_mxfp4(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(
-        _output_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
+        written_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
     )
     params = sum(math.prod(shape) for shape in shapes.values())
     peak = _stream_peak_bytes(source, names, shapes)
@@ -218,9 +208,9 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         # numpy working copies of the largest tensor, and the output.
         peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * max(map(math.prod, shapes.values()))
         peak += output_bytes
-    evaluation = _evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
+    evaluation = evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
     if settings.evaluate:
-        settings.evaluate = _evaluation_fits(source, evaluation)
+        settings.evaluate = evaluation_fits(source, evaluation)
     no_eval_peak = peak
     if settings.evaluate:  # the steps run one after another: the process peaks in the larger one
         peak = max(peak, RUNTIME_BYTES + evaluation)
@@ -229,13 +219,6 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         source, out, settings, config, layers, names, dtype, output_bytes, peak, params,
         no_eval_peak_bytes=no_eval_peak, shapes=shapes, sanitize=sanitize, uncast=uncast,
     )  # fmt: skip
-
-
-def _kv_width(config: ModelConfig) -> int:
-    """K (or V) elements per position in one layer; an unverified config may leave head_dim to its module."""
-    args = config.args
-    heads = int(args.get("num_attention_heads") or 1)
-    return int(args.get("num_key_value_heads") or heads) * int(args.get("head_dim") or config.hidden_size // heads)
 
 
 def _stream_peak_bytes(source: Source, names: list[str], shapes: dict[str, tuple[int, ...]]) -> int:
@@ -272,44 +255,6 @@ def _check_calibration(config: ModelConfig, shapes: dict[str, tuple[int, ...]], 
             f"--method gptq{default} cannot round the experts of model_type {config.model_type!r} yet; "
             "add --method rtn (round-to-nearest)"
         )
-
-
-def _evaluation_bytes(
-    source: Source,
-    config: ModelConfig,
-    layers: dict[str, LayerQuant | None],
-    names: list[str],
-    tokens: int,
-    shapes: dict[str, tuple[int, ...]] | None = None,
-) -> int:
-    """What the quality report holds on top of the runtime: both models, their KV caches, one chunk's scores.
-
-    `shapes`: the output's tensors, when they are not the source's `names`."""
-    compute = choose_compute_dtype(None)
-    # Loading the source holds the tensors stored in another float type until their cast to
-    # the compute dtype is done (a bf16 source on a bf16 GPU is never cast); the output is
-    # loaded next, into the memory those free. Its unquantized tensors, scales and biases
-    # follow the compute dtype too; its packed weights stay as written.
-    loaded, cast = source.load_bytes(compute)
-    shapes = shapes if shapes is not None else {n: source.tensors[n].shape for n in names}
-    output = sum(_output_bytes(shape, layers.get(n.removesuffix(".weight")), compute) for n, shape in shapes.items())
-    positions = -(-tokens // KV_STEP) * KV_STEP  # the KV cache grows in steps of KV_STEP positions
-    per_position = 2 * config.num_layers * _kv_width(config)
-    kv = 2 * per_position * positions * compute.size  # two models, keys and values each
-    return loaded + max(cast, output) + kv + scoring_bytes(config.vocab_size, compute.size)
-
-
-def _evaluation_fits(source: Source, needed: int) -> bool:
-    """Whether the quality report fits in memory (a warning if not)."""
-    compute = dtype_name(choose_compute_dtype(None))
-    what = f"the source and the output, loaded together in {compute} for the quality report,"
-    try:
-        refuse_beyond_machine(needed, what, source.description)
-    except MemoryBudgetError as e:
-        reason = str(e).split("; use a smaller")[0]  # one line; that advice is for loading, not for converting
-        log.warning("%s; converting without the quality report (--no-eval skips evaluation)", reason)
-        return False
-    return True
 
 
 def _method(settings: ConvertSettings, sensitivity: bool) -> str:
@@ -386,15 +331,6 @@ def _default_dtype(source: Source) -> mx.Dtype:
     if kinds & set(BLOCK_GRIDS) or ("F16" in kinds and "BF16" not in kinds):
         return mx.float16
     return mx.bfloat16
-
-
-def _output_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dtype) -> int:
-    count = math.prod(shape)
-    if quant is None:
-        return count * dtype.size
-    if isinstance(quant, MXFP4Quant):
-        return count // 2 + count // 32  # packed codes and one byte of exponent per group
-    return count * quant.bits // 8 + 2 * (count // quant.group_size) * dtype.size  # packed, scales and biases
 
 
 def run_conversion(plan: ConversionPlan, progress: bool = True) -> ConversionResult:
@@ -501,7 +437,7 @@ def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: 
     """The quality report; a failed evaluation is a warning, never the loss of the finished output."""
     mx.clear_cache()  # the tensor stream's buffers: the report needs that memory for the models
     try:
-        report = _evaluate(plan, folder, bpw, progress)
+        report = evaluate(plan.source, plan.settings.eval_tokens, folder, bpw, progress)
     except Exception as e:  # the output is complete: keep it, without a quality block
         log.warning("%s: skipping the quality report: evaluation failed (%s)", shown_path(plan.out), first_line(e))
         return None
@@ -511,24 +447,6 @@ def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: 
     if report.warning:  # logged once, here: a script or notebook shows it as the CLI does
         log.warning("%s", report.warning)
     return report
-
-
-def _evaluate(plan: ConversionPlan, folder: Path, bpw: float, progress: bool) -> QualityReport:
-    from mlxinfer.quantize import compare_models
-
-    from mlxinfer.api import load
-    from mlxinfer.data import prose_text
-
-    tokens = plan.settings.eval_tokens
-    with tqdm(total=2 * tokens, unit="tok", desc="quality report", disable=not progress) as bar:
-        bar.set_postfix_str("loading both models")
-        # The source first: the output then fits in the memory its loading needed beyond the model.
-        source = load(source_path(plan.source))
-        output = load(folder)
-        ids = output.tokenizer.encode(prose_text(), add_special_tokens=False)[:tokens]
-        bar.reset(total=2 * len(ids))
-        bar.set_postfix_str("source and output, chunk by chunk", refresh=False)
-        return compare_models(source, output, ids, bits_per_weight=bpw, progress=bar.update)
 
 
 def _sensitivity_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> str | None:

@@ -451,6 +451,7 @@ def load(
     kv_bits: int | None = None,
     draft_model: str | Path | None = None,
     speculate: str = "auto",
+    cpu_weights: str | None = None,
 ) -> Model:
     """Load a model folder or .gguf file; with no path, the default model (fetched once).
 
@@ -459,11 +460,13 @@ def load(
     `draft_model`: a small model with the same tokenizer, for speculative decoding. `speculate` (the default
     of every call): "auto" speculates while it measures it faster (with the draft model if given, else prompt
     lookup), "lookup" or "draft" always do, "off" never; output is the same either way (greedy: token for
-    token; sampled: the same distribution).
+    token; sampled: the same distribution). `cpu_weights` (on a CPU): "dense" runs quantized layers from float32
+    copies, "quantized" from their stored bits, "auto" (the default, or MLXINFER_CPU_WEIGHTS) whichever measures
+    faster and fits.
 
     Example:
         >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
     """
-    loaded = load_model(path if path is not None else default_model_path(), dtype=dtype)
-    draft = load_model(draft_model, dtype=dtype) if draft_model is not None else None
+    loaded = load_model(path if path is not None else default_model_path(), dtype=dtype, cpu_weights=cpu_weights)
+    draft = load_model(draft_model, dtype=dtype, cpu_weights=cpu_weights) if draft_model is not None else None
     return Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits, draft=draft, speculate=speculate)

@@ -179,13 +179,14 @@ def kv_bytes(positions: int, size: int) -> int:
 
 
 def evaluation_bytes(plan, compute, monkeypatch) -> int:
-    from mlxinfer.convert import pipeline
+    from mlxinfer.convert import evaluation
 
-    monkeypatch.setattr(pipeline, "choose_compute_dtype", lambda requested=None: compute)
-    return pipeline._evaluation_bytes(plan.source, plan.config, plan.layers, plan.names, plan.settings.eval_tokens)
+    monkeypatch.setattr(evaluation, "choose_compute_dtype", lambda requested=None: compute)
+    return evaluation.evaluation_bytes(plan.source, plan.config, plan.layers, plan.names, plan.settings.eval_tokens)
 
 
 def test_report_forecast_counts_a_bf16_source_once_when_it_computes_in_bf16(smol_hf, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXINFER_CPU_WEIGHTS", "quantized")  # the weights as stored (dense: the test below)
     plan = plan_conversion(smol_hf, tmp_path / "o", ConvertSettings(bits=4, group_size=64))
     plan.source.close()
     source = (LINEAR + EMBED + NORMS) * 2  # loaded as stored: nothing to cast
@@ -200,6 +201,7 @@ def test_report_forecast_counts_a_bf16_source_once_when_it_computes_in_bf16(smol
 
 
 def test_report_forecast_keeps_a_gguf_source_packed(smol_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXINFER_CPU_WEIGHTS", "quantized")
     plan = plan_conversion(smol_path, tmp_path / "o", ConvertSettings(bits=4, eval_tokens=300))
     plan.source.close()
     # The source holds what it loads, not its file's bytes: the Q4_1 codes (16 bytes per 32 weights) and Q8_0's
@@ -209,6 +211,19 @@ def test_report_forecast_keeps_a_gguf_source_packed(smol_path, tmp_path, monkeyp
     scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
     # 300 tokens: the KV cache grows 256 positions at a time, to 512.
     assert evaluation_bytes(plan, mx.float32, monkeypatch) == source + output + kv_bytes(512, 4) + scores
+
+
+def test_report_forecast_on_a_cpu_counts_both_models_as_the_float32_they_load_as(smol_path, tmp_path, monkeypatch):
+    """On a CPU the report loads both models with float32 copies of their quantized layers where those fit
+    (faster there); the forecast counts them so, whatever the file holds."""
+    monkeypatch.delenv("MLXINFER_CPU_WEIGHTS", raising=False)
+    plan = plan_conversion(smol_path, tmp_path / "o", ConvertSettings(bits=8, eval_tokens=300))
+    plan.source.close()
+    dense = (LINEAR + EMBED + NORMS) * 4
+    # Loading the output holds its 8-bit layers (float32 scale and bias per 32) beside their float32 copies.
+    stored = (LINEAR + EMBED) * (1 + 2 * 4 / 32) + NORMS * 4
+    scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
+    assert evaluation_bytes(plan, mx.float32, monkeypatch) == 2 * dense + stored + kv_bytes(512, 4) + scores
 
 
 def test_the_quality_warning_is_logged_once_for_scripts(tmp_path, caplog):

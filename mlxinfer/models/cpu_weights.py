@@ -82,6 +82,9 @@ def dequantize(model: nn.Module, layers: dict[str, nn.Module]) -> None:
         swapped.append((name, twin))
     model.update_modules(tree_unflatten(swapped))
     mx.eval(model.parameters())
+    # The packed weights are free now; without this MLX keeps their buffers for reuse, and the process holds
+    # both copies (a GGUF's packed bytes on top of the float32 ones).
+    mx.clear_cache()
 
 
 def _unsuited(compute: mx.Dtype) -> str | None:

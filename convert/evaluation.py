@@ -1,0 +1,109 @@
+"""A conversion's quality report: what it will hold (forecast before anything runs), and the run itself.
+
+Both models are loaded with the CPU weights the forecast counted (report_cpu_weights): on a CPU, dense float32 for
+quantized layers wherever 4 bytes a parameter fit the share of memory models/cpu_weights.py gives dense weights
+(float32 scores the report's tokens faster there), else as stored; off the CPU, always as stored. MLXINFER_CPU_WEIGHTS
+set to dense or quantized is honoured. The load's own choice ("auto") times the layers, which no forecast can know.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlxinfer.quantize import LayerQuant, QualityReport
+from mlxinfer.quantize.quality import scoring_bytes
+from tqdm.auto import tqdm
+
+from mlxinfer.cache.kv import STEP as KV_STEP
+from mlxinfer.errors import MemoryBudgetError
+from mlxinfer.memory import machine_memory
+from mlxinfer.models.config import ModelConfig
+from mlxinfer.models.cpu_weights import DENSE_SHARE, cpu_weights_mode
+from mlxinfer.models.dtype import choose_compute_dtype, dtype_name
+from mlxinfer.models.sizing import refuse_beyond_machine
+
+from .calibration import source_path
+from .layer_bytes import kv_width, written_bytes
+from .sources import Source
+
+log = logging.getLogger(__name__)
+
+
+def report_cpu_weights(parameters: int) -> str:
+    """The CPU weights both models are loaded with for the report: "dense" or "quantized" (off the CPU: "auto",
+    which keeps the weights as stored there)."""
+    requested = cpu_weights_mode()
+    if mx.default_device().type != mx.DeviceType.cpu or requested != "auto":
+        return requested
+    fits = 4 * parameters <= DENSE_SHARE * machine_memory().usable_bytes()
+    return "dense" if fits and choose_compute_dtype(None) == mx.float32 else "quantized"
+
+
+def source_parameters(source: Source) -> int:
+    return sum(math.prod(t.shape) for t in source.tensors.values())
+
+
+def evaluation_bytes(
+    source: Source,
+    config: ModelConfig,
+    layers: dict[str, LayerQuant | None],
+    names: list[str],
+    tokens: int,
+    shapes: dict[str, tuple[int, ...]] | None = None,
+) -> int:
+    """What the quality report holds on top of the runtime: both models, their KV caches, one chunk's scores.
+
+    `shapes`: the output's tensors, when they are not the source's `names`."""
+    compute = choose_compute_dtype(None)
+    # Loading the source holds the tensors stored in another float type until their cast to
+    # the compute dtype is done (a bf16 source on a bf16 GPU is never cast); the output is
+    # loaded next, into the memory those free. Its unquantized tensors, scales and biases
+    # follow the compute dtype too; its packed weights stay as written, unless dense.
+    loaded, cast = source.load_bytes(compute)
+    shapes = shapes if shapes is not None else {n: source.tensors[n].shape for n in names}
+    output = sum(written_bytes(shape, layers.get(n.removesuffix(".weight")), compute) for n, shape in shapes.items())
+    if report_cpu_weights(source_parameters(source)) == "dense":
+        # float32 throughout; the output's layers are dequantized all at once, so its stored bytes are held
+        # beside their float32 copies until the swap (models/cpu_weights.py), then given back.
+        loaded = max(loaded, 4 * sum(math.prod(source.tensors[n].shape) for n in names))
+        output += max(output, 4 * sum(math.prod(shape) for shape in shapes.values()))
+    positions = -(-tokens // KV_STEP) * KV_STEP  # the KV cache grows in steps of KV_STEP positions
+    per_position = 2 * config.num_layers * kv_width(config)
+    kv = 2 * per_position * positions * compute.size  # two models, keys and values each
+    return loaded + max(cast, output) + kv + scoring_bytes(config.vocab_size, compute.size)
+
+
+def evaluation_fits(source: Source, needed: int) -> bool:
+    """Whether the quality report fits in memory (a warning if not)."""
+    compute = dtype_name(choose_compute_dtype(None))
+    what = f"the source and the output, loaded together in {compute} for the quality report,"
+    try:
+        refuse_beyond_machine(needed, what, source.description)
+    except MemoryBudgetError as e:
+        reason = str(e).split("; use a smaller")[0]  # one line; that advice is for loading, not for converting
+        log.warning("%s; converting without the quality report (--no-eval skips evaluation)", reason)
+        return False
+    return True
+
+
+def evaluate(source: Source, tokens: int, folder: Path, bpw: float, progress: bool) -> QualityReport:
+    """Score the output in `folder` against `source` on `tokens` tokens of the evaluation text."""
+    from mlxinfer.quantize import compare_models
+
+    from mlxinfer.api import load
+    from mlxinfer.data import prose_text
+
+    weights = report_cpu_weights(source_parameters(source))
+    with tqdm(total=2 * tokens, unit="tok", desc="quality report", disable=not progress) as bar:
+        bar.set_postfix_str("loading both models")
+        # The source first: the output then fits in the memory its loading needed beyond the model.
+        models: list[Any] = [load(source_path(source), cpu_weights=weights)]
+        models.append(load(folder, cpu_weights=weights))
+        ids = models[1].tokenizer.encode(prose_text(), add_special_tokens=False)[:tokens]
+        bar.reset(total=2 * len(ids))
+        bar.set_postfix_str("source and output, chunk by chunk", refresh=False)
+        return compare_models(*models, ids, bits_per_weight=bpw, progress=bar.update)
