@@ -25,8 +25,8 @@ def written_bytes(shape: tuple[int, ...], quant: LayerQuant | None, dtype: mx.Dt
     count = math.prod(shape)
     if quant is None:
         return count * dtype.size
-    if isinstance(quant, MXFP4Quant):
-        return count // 2 + count // 32  # packed codes and one byte of exponent per group
+    if quant.mode != "affine":  # a float format (MXFP4Quant's too): packed codes and a one-byte scale per group
+        return count * quant.bits // 8 + count // quant.group_size
     return count * quant.bits // 8 + 2 * (count // quant.group_size) * dtype.size  # packed, scales and biases
 
 

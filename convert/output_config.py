@@ -31,12 +31,12 @@ def output_config(
     out.pop("quantization_config", None)
     if settings.bits != 16:
         default = (settings.bits, settings.group_size)
-        block: dict[str, Any] = {"group_size": settings.group_size, "bits": settings.bits, "mode": "affine"}
+        block: dict[str, Any] = {"group_size": settings.group_size, "bits": settings.bits, "mode": settings.mode}
         for path, quant in sorted(layers.items()):
-            mode = getattr(quant, "mode", "affine")  # "mxfp4": GGUF MXFP4 experts kept (pipeline.MXFP4Quant)
+            mode = getattr(quant, "mode", "affine")  # "mxfp4": GGUF MXFP4 experts kept (layer_bytes.MXFP4Quant)
             if quant is None:
                 block[path] = False  # left in float (e.g. inputs not a multiple of the group size)
-            elif mode != "affine":  # mlx-lm's load() reads the mode off this entry
+            elif mode != settings.mode:  # mlx-lm's load() reads the mode off this entry
                 block[path] = {"group_size": quant.group_size, "bits": quant.bits, "mode": mode}
             elif (quant.bits, quant.group_size) != default:
                 block[path] = {"group_size": quant.group_size, "bits": quant.bits}

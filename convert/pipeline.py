@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType
 from mlx.utils import tree_flatten
 from mlxinfer.quantize import LayerQuant, QualityReport, make_recipe
 from mlxinfer.quantize.affine import bits_per_weight, quantize_rows
+from mlxinfer.quantize.recipes import uniform
 from tqdm.auto import tqdm
 
 from mlxinfer.disk import file_size_errors
@@ -31,6 +32,7 @@ from mlxinfer.memory import peak_rss_bytes
 from mlxinfer.models.config import ModelConfig, normalize_config
 from mlxinfer.models.decoder import build_model
 from mlxinfer.models.dtype import choose_compute_dtype, parse_dtype
+from mlxinfer.models.quantized import FLOAT_FORMATS
 from mlxinfer.models.sizing import check_checkpoint
 from mlxinfer.untrusted import first_line, shown_path
 
@@ -63,10 +65,12 @@ RUNTIME_BYTES = 200 * 2**20  # Python, MLX, the tokenizer and what the steps bef
 
 @dataclass
 class ConvertSettings:
-    """What the output should be. group_size None: 32 for GGUF block-quantized sources, else 64."""
+    """What the output should be. bits None: 4, or the float format's own; group_size None: the format's own, 32
+    for GGUF block-quantized sources, else 64."""
 
-    bits: int = 4
+    bits: int | None = None
     group_size: int | None = None
+    mode: str = "affine"  # or an MLX float format: mxfp4, nvfp4, mxfp8 (every quantized layer alike, to nearest)
     recipe: str | None = None
     bpw: float | None = None
     method: str | None = None  # "rtn" (round to nearest) or "gptq"; None: gptq for the sensitivity recipe
@@ -180,10 +184,15 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     in_layout = getattr(source, "in_runtime_layout", False)
     sanitize = model.mlx_sanitize if config.spec.mlx_sanitize and not in_layout else None
     shapes = _check_tensors(source, model, output_shapes(source, names, sanitize))
+    moe = any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight"))
+    _resolve_mode(settings, moe)
     block_quantized = any(t.dtype in BLOCK_GRIDS or t.dtype == "MXFP4" for t in source.tensors.values())
     if settings.group_size is None:
         settings.group_size = 32 if block_quantized else 64
-    recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
+    if settings.mode == "affine":
+        recipe = make_recipe(settings.recipe, settings.bits, settings.group_size, settings.bpw)
+    else:  # the format fixes bits and group (nvfp4's 16 is no affine group size)
+        recipe = uniform(settings.bits, settings.group_size)
     quant_predicate, cast_predicate = mlx_lm_predicates(config)
     modules = _quantizable_modules(model, shapes)
     layers = {path: (recipe(path, shapes[f"{path}.weight"]) if recipe else None) for path in modules}
@@ -193,9 +202,14 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     if sensitivity:
         layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers, progress)
     layers = apply_quant_predicate(layers, modules, shapes, quant_predicate)  # routers at 8 bits, as mlx-lm
-    moe = any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight"))
     layers = routers_at_8_bits(layers, shapes, moe)
-    layers = _keep_finer_blocks(source, layers)
+    if settings.mode == "affine":
+        layers = _keep_finer_blocks(source, layers)
+    else:  # a float format holds every quantized layer alike
+        layers = {
+            path: quant and LayerQuant(settings.bits, settings.group_size, settings.mode)
+            for path, quant in layers.items()
+        }
     layers = _keep_mxfp4(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
     output_bytes = sum(
@@ -255,6 +269,28 @@ def _check_calibration(config: ModelConfig, shapes: dict[str, tuple[int, ...]], 
             f"--method gptq{default} cannot round the experts of model_type {config.model_type!r} yet; "
             "add --method rtn (round-to-nearest)"
         )
+
+
+def _resolve_mode(settings: ConvertSettings, moe: bool) -> None:
+    """Settle bits (and, for a float format, the group size) from --mode; refuse what a float format cannot do."""
+    if settings.mode == "affine":
+        settings.bits = 4 if settings.bits is None else settings.bits
+        return
+    grids = {mode: grid for grid, mode in FLOAT_FORMATS.items()}
+    if settings.mode not in grids:
+        raise ConversionError(f"--mode {settings.mode!r} is not one of affine, {', '.join(grids)}")
+    bits, group = grids[settings.mode]
+    if settings.bits not in (None, bits) or settings.group_size not in (None, group):
+        raise ConversionError(
+            f"--mode {settings.mode} is {bits}-bit in groups of {group}; drop --bits and --group-size"
+        )
+    if settings.recipe not in (None, "uniform") or settings.bpw is not None or settings.method == "gptq":
+        raise ConversionError(
+            f"--mode {settings.mode} rounds every layer to nearest alike; drop --recipe, --bpw and --method gptq"
+        )
+    if moe:
+        raise ConversionError(f"--mode {settings.mode} is not supported for mixture-of-experts models yet; use affine")
+    settings.bits, settings.group_size = bits, group
 
 
 def _method(settings: ConvertSettings, sensitivity: bool) -> str:
@@ -420,8 +456,9 @@ def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounde
     if quant is None:
         cast = mx.issubdtype(value.dtype, mx.floating) and name not in plan.uncast
         return [(name, value.astype(plan.dtype) if cast else value)]
-    packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype)
-    return [(name, packed), (f"{path}.scales", scales), (f"{path}.biases", biases)]
+    packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype, quant.mode)
+    written = [(name, packed), (f"{path}.scales", scales)]
+    return written if biases is None else [*written, (f"{path}.biases", biases)]
 
 
 def _as_output(scales: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -429,8 +466,7 @@ def _as_output(scales: mx.array, dtype: mx.Dtype) -> mx.array:
 
 
 def _same_format(quant: LayerQuant, value: Quantized) -> bool:
-    mode = "mxfp4" if isinstance(quant, MXFP4Quant) else "affine"
-    return (quant.bits, quant.group_size, mode) == (value.bits, value.group_size, value.mode)
+    return (quant.bits, quant.group_size, quant.mode) == (value.bits, value.group_size, value.mode)
 
 
 def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: bool) -> QualityReport | None:

@@ -11,8 +11,11 @@ import mlx.core as mx
 ROW_BLOCK_ELEMENTS = 1 << 24  # 64 MiB of float32 per block
 
 
-def quantize_rows(weight: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
-    """(packed uint32 weight, scales, biases) of a weight, scales/biases in `dtype`.
+def quantize_rows(
+    weight: mx.array, bits: int, group_size: int, dtype: mx.Dtype, mode: str = "affine"
+) -> tuple[mx.array, mx.array, mx.array | None]:
+    """(packed uint32 weight, scales, biases) of a weight, scales/biases in `dtype`; in a float `mode` (mxfp4,
+    nvfp4, mxfp8) the scales are 8-bit floats, kept as MLX stores them (uint8), and there are no biases.
 
     Groups run along the last axis; a 3-D weight (experts, out, in), as mlx-lm's SwitchLinear holds it,
     is quantized per expert exactly as `mx.quantize` would quantize it whole."""
@@ -22,11 +25,16 @@ def quantize_rows(weight: mx.array, bits: int, group_size: int, dtype: mx.Dtype)
     parts = []
     for start in range(0, flat.shape[0], rows):
         block = flat[start : start + rows].astype(mx.float32)
-        packed, scales, biases = mx.quantize(block, group_size=group_size, bits=bits)
-        parts.append((packed, scales.astype(dtype), biases.astype(dtype)))
+        packed, scales, *biases = mx.quantize(block, group_size=group_size, bits=bits, mode=mode)
+        if mode == "affine":
+            parts.append((packed, scales.astype(dtype), biases[0].astype(dtype)))
+        else:
+            parts.append((packed, scales))
         mx.eval(parts[-1])
-    joined = parts[0] if len(parts) == 1 else tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(3))
-    return tuple(a.reshape(*lead, a.shape[-1]) for a in joined)  # type: ignore[return-value]
+    count = len(parts[0])
+    joined = parts[0] if len(parts) == 1 else tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(count))
+    shaped = tuple(a.reshape(*lead, a.shape[-1]) for a in joined)
+    return shaped if count == 3 else (*shaped, None)  # type: ignore[return-value]
 
 
 def dequantize_rows(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:

@@ -20,6 +20,7 @@ from .affine import bits_per_weight
 class LayerQuant:
     bits: int
     group_size: int
+    mode: str = "affine"  # or one of MLX's float formats: mxfp4, nvfp4, mxfp8 (models/quantized.FLOAT_FORMATS)
 
 
 # A recipe maps a module path and its weight shape to LayerQuant, or None to keep it in float.

@@ -97,3 +97,11 @@ def test_a_range_a_server_ignores_is_cut_to_the_bytes_asked_for(servers):
     with bounded() as rules, http_client() as client:
         got = client.get(server.url + "/f", headers={"Range": "bytes=8-15"}).content
     assert got == body[8:16] and rules.failure is None
+
+
+@pytest.mark.parametrize("value", ["not a url", "http://[::1", "ftp://example.com", "http://host:99999"])
+def test_an_hf_endpoint_that_is_not_an_http_url_is_one_line(monkeypatch, value):
+    """Checked before huggingface_hub is imported: its import fails on an endpoint it cannot parse."""
+    monkeypatch.setenv("HF_ENDPOINT", value)
+    with pytest.raises(HubError, match=r"^HF_ENDPOINT=.*: not an http\(s\) URL; fix it, or unset it"):
+        list_files(REPO, "main")

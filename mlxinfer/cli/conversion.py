@@ -16,9 +16,16 @@ from .common import errors_as_one_line
 @click.option(
     "--bits",
     type=click.Choice(["4", "8", "16"]),
-    default="4",
+    default=None,
+    help="Bits per quantized weight; 16 keeps the weights unquantized (in --dtype) [default: 4; a --mode's own].",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["affine", "mxfp4", "nvfp4", "mxfp8"]),
+    default="affine",
     show_default=True,
-    help="Bits per quantized weight; 16 keeps the weights unquantized (in --dtype).",
+    help="affine: a scale and bias per group; mxfp4 (4-bit, groups of 32), nvfp4 (4-bit, groups of 16) and mxfp8 "
+    "(8-bit, groups of 32) are MLX's float formats, rounded to nearest with one 8-bit scale per group.",
 )
 @click.option(
     "--group-size",
@@ -50,7 +57,9 @@ from .common import errors_as_one_line
 @click.option("--no-eval", is_flag=True, help="Skip the perplexity / KL quality report.")
 @click.option("--eval-tokens", type=click.IntRange(16), default=512, show_default=True)
 @errors_as_one_line
-def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: bool, force: bool, **options: Any) -> None:
+def convert(
+    src: str, out: Path, bits: str | None, group_size: str | None, no_eval: bool, force: bool, **options: Any
+) -> None:
     """Convert a Hugging Face folder, Hub id or GGUF file into an MLX model folder.
 
     \b
@@ -60,12 +69,14 @@ def convert(src: str, out: Path, bits: str, group_size: str | None, no_eval: boo
       mlxinfer convert model.Q4_1.gguf -o ~/models/m-4bit     # Q4_1 blocks reused as-is
       mlxinfer convert ~/hf/model -o out --recipe sensitivity --bpw 4.75
       mlxinfer convert ~/hf/model -o out --method gptq       # same size, closer to the source
+      mlxinfer convert ~/hf/model -o out --mode nvfp4        # 4-bit floats, an FP8 scale per 16
     """
     from mlxinfer.convert import ConvertSettings, plan_conversion, run_conversion
 
     settings = ConvertSettings(
-        bits=int(bits), group_size=int(group_size) if group_size else None, evaluate=not no_eval, **options
-    )
+        bits=int(bits) if bits else None, group_size=int(group_size) if group_size else None, evaluate=not no_eval,
+        **options,
+    )  # fmt: skip
     plan = plan_conversion(src, out, settings, force=force)
     click.echo(plan.summary(), err=True)
     result = run_conversion(plan)  # logs the quality warning, if any, on stderr

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import re
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,16 @@ class Listing:
 
 
 def endpoint() -> str:
-    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    """HF_ENDPOINT (else the Hub), checked first: huggingface_hub fails at import on one it cannot parse."""
+    value = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    try:
+        parts = urllib.parse.urlsplit(value)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a bad port or IPv6 address
+        usable = False
+    if not usable:
+        raise HubError(f"HF_ENDPOINT={plain(value)}: not an http(s) URL; fix it, or unset it for the Hugging Face Hub")
+    return value
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -206,6 +216,7 @@ def asking(
     """Run huggingface_hub's request(s) inside transport.bounded(limit); any failure becomes one HubError naming
     `what`: an HTTP status with advice, an answer huggingface_hub cannot read, or no usable answer (the network, a
     stall, malformed HTTP, a short body), which `stopped(reason)` words if given."""
+    endpoint()  # before huggingface_hub is imported
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     install()

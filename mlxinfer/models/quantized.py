@@ -5,9 +5,11 @@ a config block, so mixed files (a GGUF with a Q8_0 embedding and Q4_1 layers, or
 per-layer recipes) load without a table: a packed uint32 row of an (out, in)
 weight holds `in * bits / 32` words, and there is one scale per group. The mode
 is read off them too, as mlx-lm's `infer_quant_config` does: uint8 scales and no
-biases are mxfp4 (4 bits, groups of 32, a power-of-two scale each: gpt-oss's
-experts), float scales are affine. Experts (mlx-lm's SwitchLinear, (experts,
-out, in)) are quantized the same way per expert.
+biases are one of MLX's float formats, told apart by bits and group size (mxfp4:
+4 bits in groups of 32 with a power-of-two scale each, gpt-oss's experts; nvfp4:
+4 bits in groups of 16 with an FP8 E4M3 scale; mxfp8: 8 bits in groups of 32),
+float scales are affine. Experts (mlx-lm's SwitchLinear, (experts, out, in)) are
+quantized the same way per expert.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from ..errors import UnsupportedModelError, WeightMismatchError
 from ..untrusted import shown
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-MODES = ("affine", "mxfp4")
+MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+FLOAT_FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group size) -> mode
 
 
 def quantize_like(model: nn.Module, weights: dict[str, mx.array], mode: str = "affine") -> int:
@@ -52,8 +55,8 @@ def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict[s
         raise WeightMismatchError(f"{path}: has scales but its weight is not a packed uint32 {what}")
     if scales.ndim != ndim or not scales.shape[-1]:
         raise WeightMismatchError(f"{path}.scales: shape {tuple(scales.shape)} is not one scale per group")
-    if scales.dtype == mx.uint8:  # integer scales are exponents (E8M0): mxfp4
-        return _mxfp4(path, packed.shape[-1], scales.shape[-1], in_features, f"{path}.biases" in weights)
+    if scales.dtype == mx.uint8:  # 8-bit float scales (E8M0 or E4M3): a float format
+        return _float_format(path, packed.shape[-1], scales.shape[-1], in_features, f"{path}.biases" in weights)
     bits, rem = divmod(packed.shape[-1] * 32, in_features)
     if rem or bits not in SUPPORTED_BITS:
         raise WeightMismatchError(
@@ -65,13 +68,18 @@ def _infer(path: str, module: nn.Module, weights: dict[str, mx.array]) -> dict[s
     return {"bits": bits, "group_size": group, "mode": "affine"}
 
 
-def _mxfp4(path: str, words: int, groups: int, in_features: int, has_biases: bool) -> dict[str, int | str]:
-    """mxfp4 allows exactly 4 bits in groups of 32 and has no biases: a row of `in` inputs is in/8 words."""
+def _float_format(path: str, words: int, groups: int, in_features: int, has_biases: bool) -> dict[str, int | str]:
+    """mxfp4, nvfp4 or mxfp8 (FLOAT_FORMATS), told apart by the packed width and the scales; none has biases."""
     if has_biases:
-        raise WeightMismatchError(f"{path}: uint8 scales mean mxfp4, which has no biases, but {path}.biases is there")
-    if (words * 8, groups * 32) != (in_features, in_features):
+        raise WeightMismatchError(f"{path}: uint8 scales mean a float format (no biases), but {path}.biases is there")
+    bits, rem = divmod(words * 32, in_features) if in_features else (0, 1)
+    group = in_features // groups if groups and not in_features % groups else 0
+    mode = FLOAT_FORMATS.get((bits, group)) if not rem else None
+    if mode is None:
+        n = in_features
         raise WeightMismatchError(
-            f"{path}: mxfp4 (uint8 scales) rows of {in_features} inputs need {in_features // 8} packed words and "
-            f"{in_features // 32} scales, but the file has {words} and {groups}: damaged, or not this model's"
+            f"{path}: uint8 scales mean mxfp4, nvfp4 or mxfp8, whose rows of {n} inputs need {n // 8} packed words "
+            f"and {n // 32} scales (mxfp4), {n // 8} and {n // 16} (nvfp4) or {n // 4} and {n // 32} (mxfp8), but the "
+            f"file has {words} and {groups}: damaged, or not this model's"
         )
-    return {"bits": 4, "group_size": 32, "mode": "mxfp4"}
+    return {"bits": bits, "group_size": group, "mode": mode}
