@@ -38,7 +38,7 @@ from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import gptq_tensors, sensitivity_layers, source_path
 from .evaluation import evaluate, evaluation_bytes, evaluation_fits
-from .layer_bytes import MXFP4Quant, written_bytes
+from .layer_bytes import MXFP4Quant, stream_peak_bytes, written_bytes
 from .layout import Sanitize, converted_tensors, output_shapes
 from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates, routers_at_8_bits
 from .output_config import output_config
@@ -216,7 +216,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         written_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
     )
     params = sum(math.prod(shape) for shape in shapes.values())
-    peak = _stream_peak_bytes(source, names, shapes)
+    peak = stream_peak_bytes(source, shapes, layers, dtype, BLOCK_GRIDS)
     if sensitivity or settings.method == "gptq":
         # Calibration holds the whole model in its compute dtype (twice, with MLX's buffer cache),
         # numpy working copies of the largest tensor, and the output.
@@ -233,14 +233,6 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         source, out, settings, config, layers, names, dtype, output_bytes, peak, params,
         no_eval_peak_bytes=no_eval_peak, shapes=shapes, sanitize=sanitize, uncast=uncast,
     )  # fmt: skip
-
-
-def _stream_peak_bytes(source: Source, names: list[str], shapes: dict[str, tuple[int, ...]]) -> int:
-    """The tensor stream's peak: float32 copies of the largest tensor read or written (a layer's stacked
-    experts, a fused tensor that is split) and the bytes of it being written, the runtime itself. Shards
-    are written tensor by tensor (convert/writer.py): no pending shard is held."""
-    largest = max(math.prod(shape) for shape in [*shapes.values(), *(source.tensors[n].shape for n in names)])
-    return 4 * 4 * largest + RUNTIME_BYTES
 
 
 def _quantizable_modules(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, nn.Module]:

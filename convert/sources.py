@@ -61,6 +61,7 @@ class Source(Protocol):
     description: str
     config: dict[str, Any]
     tensors: dict[str, Tensor]
+    mapped_bytes: int  # file bytes mapped into the process and all touched by a conversion (a GGUF file's)
 
     def read(self, name: str) -> mx.array | Quantized: ...
 
@@ -73,6 +74,8 @@ class Source(Protocol):
 
 class FolderSource:
     """A local Hugging Face (or MLX) checkpoint folder."""
+
+    mapped_bytes = 0  # each tensor is read into its own buffer
 
     is_lazy = True  # read() hands out mapped arrays: their bytes are read only when evaluated
 
@@ -125,6 +128,7 @@ class GGUFSource:
     def __init__(self, path: Path):
         self.description = str(path)
         self._file = GGUFFile(path)
+        self.mapped_bytes = path.stat().st_size  # read through one map: every page ends up resident
         self.config = gguf_config(self._file)
         self._names = hf_names(self._file)  # refuses two tensors that map to one name
         self.tensors = {
