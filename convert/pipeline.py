@@ -103,7 +103,8 @@ class ConversionPlan:
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
-        what = f"{self.settings.bits}-bit {self.settings.method}" if self.settings.bits != 16 else "unquantized"
+        mode = "" if self.settings.mode == "affine" else f" {self.settings.mode}"
+        what = f"{self.settings.bits}-bit{mode} {self.settings.method}" if self.settings.bits != 16 else "unquantized"
         peak = f"expected peak memory {self.peak_bytes / 2**20:.0f} MiB"
         no_eval = self.peak_bytes if self.no_eval_peak_bytes is None else self.no_eval_peak_bytes
         if self.settings.evaluate and no_eval < self.peak_bytes:

@@ -198,3 +198,21 @@ def test_speculative_bench_quick_runs_every_configuration_on_both_engines(tmp_pa
     assert [r["positions"] for r in figures["step_costs"]["rows"]] == [1, 2, 3, 5, 9]
     table = next(tmp_path.glob("*-quick-speculative.md")).read_text()
     assert "| mlx-lm | draft model |" in table and "by positions fed" in table
+
+
+def test_the_held_out_texts_are_three_kinds_none_of_them_calibration():
+    """bench/heldout_bench.py's texts: code, technical prose and a chat in the model's template, all long enough
+    for its 512 tokens, and none taken from the calibration or quality-report text."""
+    import mlxinfer
+    from bench.heldout_bench import texts
+    from mlxinfer.data import prose_text
+
+    model = mlxinfer.load(TINY / "llama_classic")
+    kinds = texts(model)
+    assert list(kinds) == ["code", "technical prose", "chat"] and all(len(ids) >= 512 for ids in kinds.values())
+    im_start = next(i for i, text in model.tokenizer.special_ids.items() if text == "<|im_start|>")
+    assert kinds["chat"].count(im_start) == 16  # the system message, 14 turns and the reply it prompts
+    calibration = (Path(mlxinfer.__file__).parent / "data" / "calibration.txt").read_text()
+    for kind in ("code", "technical prose"):
+        sample = model.tokenizer.decode(kinds[kind][100:140])
+        assert sample not in calibration and sample not in prose_text(), kind

@@ -217,3 +217,16 @@ def test_the_load_line_says_what_was_rounded_once_more(tmp_path, caplog):
     with GGUFFile(path) as f:  # the forecast counts the grid the tensor is held on: 6 bits, a scale and bias per 32
         held = gguf_tensors(f, compute_size=4)["model.layers.0.mlp.gate_proj.weight"].loaded_bytes
     assert held == 512 * 256 * 6 // 8 + 2 * (512 * 256 // 32) * 4
+
+
+def test_an_iq4_nl_row_no_group_of_64_divides_falls_back_to_groups_of_32(tmp_path):
+    """IQ4_NL (blocks of 32) is what llama.cpp uses for rows no 256-value K block divides: a row of 96 values
+    takes groups of 32 (not 64), each value still within half a step."""
+    kind = gguf.GGMLQuantizationType.IQ4_NL
+    blocks = any_blocks(kind, 4, 96, seed=7)
+    with GGUFFile(write_one(tmp_path / "nl.gguf", kind, blocks, (4, 96))) as f:
+        t = f.read("blk.0.ffn_down.weight")
+    assert (t.bits, t.group_size, t.scales.shape) == (4, 32, (4, 3))
+    got = np.array(mx.dequantize(*(mx.array(a) for a in (t.weight, t.scales, t.biases)), group_size=32, bits=4))
+    expected = gguf.quants.dequantize(blocks.reshape(-1), kind).reshape(4, 96)
+    assert np.all(np.abs(got - expected) <= np.repeat(t.scales, 32, axis=1) / 2 * (1 + 1e-5) + 1e-6)

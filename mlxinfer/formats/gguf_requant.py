@@ -38,6 +38,8 @@ def requantize(
     from gguf.quants import dequantize
 
     bits, group = REQUANTIZED[ggml_type]
+    while cols % group:  # IQ4_NL's blocks are 32 values: llama.cpp picks it for rows K-quants cannot split
+        group //= 2
     kind = GGMLQuantizationType(ggml_type)
     by_row = raw.reshape(rows, -1)
 
