@@ -36,6 +36,8 @@ RECIPES = {
     "mixed-4-8": {"bits": 4, "group_size": 64, "recipe": "mixed-4-8"},
     "gptq-g64": {"bits": 4, "group_size": 64, "method": "gptq"},
     "sensitivity-4.75": {"group_size": 64, "recipe": "sensitivity", "bpw": 4.75},
+    "gptq-g64-mixed": {"bits": 4, "group_size": 64, "method": "gptq", "calibration": "mixed"},
+    "sensitivity-4.75-mixed": {"group_size": 64, "recipe": "sensitivity", "bpw": 4.75, "calibration": "mixed"},
     "nvfp4": {"mode": "nvfp4"},
     "mxfp4": {"mode": "mxfp4"},
     "mxfp8": {"mode": "mxfp8"},

@@ -36,7 +36,7 @@ from mlxinfer.models.quantized import FLOAT_FORMATS
 from mlxinfer.models.sizing import check_checkpoint
 from mlxinfer.untrusted import first_line, shown_path
 
-from .calibration import gptq_tensors, sensitivity_layers, source_path
+from .calibration import CALIBRATIONS, gptq_tensors, sensitivity_layers, source_path
 from .evaluation import evaluate, evaluation_bytes, evaluation_fits
 from .layer_bytes import MXFP4Quant, stream_peak_bytes, written_bytes
 from .layout import Sanitize, converted_tensors, output_shapes
@@ -74,6 +74,7 @@ class ConvertSettings:
     recipe: str | None = None
     bpw: float | None = None
     method: str | None = None  # "rtn" (round to nearest) or "gptq"; None: gptq for the sensitivity recipe
+    calibration: str = "prose"  # what GPTQ and the sensitivity recipe run the source on: "prose" or "mixed"
     dtype: str | None = None  # None: the source's 16-bit float type (bfloat16 for float32 sources)
     evaluate: bool = True
     eval_tokens: int = 512
@@ -199,9 +200,15 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     layers = {path: (recipe(path, shapes[f"{path}.weight"]) if recipe else None) for path in modules}
     sensitivity = settings.recipe == "sensitivity" or (settings.recipe is None and settings.bpw is not None)
     settings.method = _method(settings, sensitivity)
+    if settings.calibration not in CALIBRATIONS:
+        raise ConversionError(f"--calibration {settings.calibration!r} is not one of {', '.join(CALIBRATIONS)}")
+    if settings.calibration != "prose" and not (sensitivity or settings.method == "gptq"):
+        raise ConversionError(
+            "--calibration matters only to --method gptq and --recipe sensitivity; add one, or drop it"
+        )
     _check_calibration(config, shapes, sensitivity, settings.method)
     if sensitivity:
-        layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers, progress)
+        layers = sensitivity_layers(source, settings.bpw, settings.group_size, layers, progress, settings.calibration)
     layers = apply_quant_predicate(layers, modules, shapes, quant_predicate)  # routers at 8 bits, as mlx-lm
     layers = routers_at_8_bits(layers, shapes, moe)
     if settings.mode == "affine":
@@ -382,7 +389,7 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
         check_space(folder.path, plan.output_bytes)
         rounded = {}
         if plan.settings.method == "gptq":
-            rounded = gptq_tensors(plan.source, _gptq_layers(plan), plan.dtype, progress)
+            rounded = gptq_tensors(plan.source, _gptq_layers(plan), plan.dtype, progress, plan.settings.calibration)
         files, data_bytes = _write_tensors(plan, folder.path, progress, rounded)
         plan.source.write_tokenizer(folder.path)
         config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)

@@ -400,3 +400,33 @@ def test_shards_are_written_tensor_by_tensor_and_close_when_their_header_space_i
         assert all(mx.array_equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
         with safe_open(str(files[0]), "np") as f:  # the reference reader accepts the padded header
             assert set(f.keys()) <= set(tensors)
+
+
+def test_mixed_calibration_is_half_prose_half_the_models_own_samples_from_every_seed():
+    from mlxinfer.convert.calibration import SELF_PROMPTS, calibration_ids
+
+    from mlxinfer.data import calibration_text
+    from mlxinfer.models.loader import load_model
+
+    loaded = load_model(TINY / "qwen2")
+    prose = loaded.tokenizer.encode(calibration_text(), add_special_tokens=False)
+    mixed = calibration_ids(loaded, "mixed", 512)
+    assert len(mixed) == 512 and mixed[:256] == prose[:256] and mixed[256:] != prose[256:512]
+    assert mixed == calibration_ids(loaded, "mixed", 512)  # a fixed seed: the same samples every run
+    samples, per = mixed[256:], 256 // len(SELF_PROMPTS)
+    for index, seed in enumerate(SELF_PROMPTS):  # each text seed opens its own sample
+        if not isinstance(seed, str):
+            continue
+        start = index * per
+        head = loaded.tokenizer.encode(seed, add_special_tokens=False)[:4]
+        assert samples[start : start + len(head)] == head, seed
+    assert calibration_ids(loaded, "prose", 300) == prose[:300]
+
+
+def test_gptq_on_mixed_calibration_converts_and_a_needless_calibration_is_refused(tmp_path):
+    result = convert(TINY / "qwen2", tmp_path / "g", bits=4, group_size=32, method="gptq", calibration="mixed",
+                     evaluate=False, progress=False)  # fmt: skip
+    assert result.manifest["settings"]["calibration"] == "mixed"
+    assert mlxinfer.load(tmp_path / "g").generate("hello", max_tokens=3).stats.generated_tokens == 3
+    with pytest.raises(ConversionError, match="--calibration matters only to --method gptq and --recipe sensitivity"):
+        convert(TINY / "qwen2", tmp_path / "x", bits=4, calibration="mixed", progress=False)

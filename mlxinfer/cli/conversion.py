@@ -48,6 +48,14 @@ from .common import errors_as_one_line
     "[default: gptq with --recipe sensitivity, else rtn].",
 )
 @click.option(
+    "--calibration",
+    type=click.Choice(["prose", "mixed"]),
+    default="prose",
+    show_default=True,
+    help="What GPTQ and --recipe sensitivity run the source on: shipped English prose, or half of it beside the "
+    "model's own samples from chat, code, arithmetic and French/Spanish/German seeds.",
+)
+@click.option(
     "--dtype",
     type=click.Choice(["float16", "bfloat16", "float32"]),
     default=None,
