@@ -115,7 +115,7 @@ def _own_samples(loaded: LoadedModel, tokens: int) -> list[int]:
     temperature 0.8 with a fixed seed: reproducible, and not the one most likely path)."""
     from mlxinfer.api import Model
 
-    model = Model(loaded, prefix_cache_bytes=0, speculate="off")
+    model = Model(loaded, prefix_cache_bytes=0, speculate="off", persist_prefixes=False)  # no prefix store on disk
     per = -(-tokens // len(SELF_PROMPTS))
     ids: list[int] = []
     for prompt in SELF_PROMPTS:

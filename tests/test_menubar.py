@@ -190,15 +190,19 @@ def test_real_tray_icon_shows_under_xvfb(tmp_path, models_dir):
         processes.append(subprocess.Popen(tray + ["--transparent", "false", "--SetDockType", "true"], env=env))
         wait_for_tray(display)
         command = [sys.executable, "-m", "mlxinfer.cli", "menubar", str(models_dir / "llama_classic"), "--port", "0"]
-        helper = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        processes.append(helper)
-        deadline, shot = time.monotonic() + 60, None
-        while time.monotonic() < deadline:
-            shot = ImageGrab.grab(xdisplay=display)
+        # pystray's xorg backend loses its dock request in ~3% of starts (a python-xlib race, shared/TRAY.md; gtk
+        # is not in this venv): a helper whose icon has not docked in 20 s is started again, three times at most.
+        for _ in range(3):
+            helper = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            processes.append(helper)
+            deadline, shot = time.monotonic() + 20, None
+            while time.monotonic() < deadline and accent_pixels(shot := ImageGrab.grab(xdisplay=display)) <= 50:
+                assert helper.poll() is None, helper.stdout.read()
+                time.sleep(0.3)
             if accent_pixels(shot) > 50:
                 break
-            assert helper.poll() is None, helper.stdout.read()
-            time.sleep(0.3)
+            helper.terminate()
+            helper.wait(10)
         shot.save(tmp_path / "tray.png")
         assert accent_pixels(shot) > 50, "the icon never showed in the tray"
         helper.send_signal(signal.SIGTERM)
