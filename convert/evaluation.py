@@ -22,7 +22,7 @@ from mlxinfer.cache.kv import STEP as KV_STEP
 from mlxinfer.errors import MemoryBudgetError
 from mlxinfer.memory import machine_memory
 from mlxinfer.models.config import ModelConfig
-from mlxinfer.models.cpu_weights import DENSE_SHARE, cpu_weights_mode
+from mlxinfer.models.cpu_weights import cpu_weights_mode, dense_fits
 from mlxinfer.models.dtype import choose_compute_dtype, dtype_name
 from mlxinfer.models.sizing import refuse_beyond_machine
 
@@ -39,7 +39,7 @@ def report_cpu_weights(parameters: int) -> str:
     requested = cpu_weights_mode()
     if mx.default_device().type != mx.DeviceType.cpu or requested != "auto":
         return requested
-    fits = 4 * parameters <= DENSE_SHARE * machine_memory().usable_bytes()
+    fits = dense_fits(4 * parameters, machine_memory().usable_bytes())
     return "dense" if fits and choose_compute_dtype(None) == mx.float32 else "quantized"
 
 

@@ -68,7 +68,7 @@ def stream_peak_bytes(
         quant = layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
         grid = grids.get(stored.dtype) if stored is not None else None
         count = math.prod(shape)
-        if _copied(quant, stored.dtype if stored is not None else "", grid):
+        if copied(quant, stored.dtype if stored is not None else "", grid):
             work = 2 * read  # the codes as read, and their copy
         elif quant is None:
             work = read + written_bytes(shape, None, dtype)
@@ -82,7 +82,7 @@ def stream_peak_bytes(
     return STREAM_RUNTIME_BYTES + getattr(source, "mapped_bytes", 0) + held
 
 
-def _copied(quant: LayerQuant | None, stored: str, grid: tuple[int, int] | None) -> bool:
+def copied(quant: LayerQuant | None, stored: str, grid: tuple[int, int] | None) -> bool:
     """Whether the output tensor is the source's codes copied (on its GGUF grid, or MXFP4 kept as mxfp4)."""
     if quant is None:
         return False

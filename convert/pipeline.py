@@ -38,7 +38,7 @@ from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import CALIBRATIONS, gptq_tensors, sensitivity_layers, source_path
 from .evaluation import evaluate, evaluation_bytes, evaluation_fits
-from .layer_bytes import MXFP4Quant, stream_peak_bytes, written_bytes
+from .layer_bytes import MXFP4Quant, copied, stream_peak_bytes, written_bytes
 from .layout import Sanitize, converted_tensors, output_shapes
 from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates, routers_at_8_bits
 from .output_config import output_config
@@ -328,9 +328,8 @@ def _check_tensors(source: Source, model: nn.Module, given: dict[str, tuple[int,
 def _gptq_layers(plan: ConversionPlan) -> dict[str, LayerQuant | None]:
     # A GGUF block copied onto the same grid is already as rounded as it will be.
     def copies(path: str) -> bool:
-        grid = BLOCK_GRIDS.get(_source_dtype(plan.source, path))
-        quant = plan.layers[path]
-        return quant is not None and (quant.bits, quant.group_size) == grid
+        stored = _source_dtype(plan.source, path)
+        return copied(plan.layers[path], stored, BLOCK_GRIDS.get(stored))
 
     return {path: quant for path, quant in plan.layers.items() if not copies(path)}
 

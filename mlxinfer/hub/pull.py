@@ -43,7 +43,7 @@ from ..paths import cache_dir
 from ..untrusted import listed, shown_path
 from .cached_copies import hf_cache_file, open_regular
 from .local_files import open_own, own_file, own_folder, remove_own_folder
-from .repo import Listing, RemoteFile, asking, check_repo_id, fetch_config, fetch_header, http_get, list_files
+from .repo import Listing, RemoteFile, Silent, asking, check_repo_id, fetch_config, fetch_header, http_get, list_files
 
 # Side files a model folder needs (config, tokenizer, chat template); weights are *.safetensors only.
 SIDE_FILES = frozenset({
@@ -344,17 +344,11 @@ def _progress_into(bar: tqdm, have: int) -> type:
     """A tqdm stand-in for http_get that adds to the pull's one bar; a restarted file (a server that ignored
     Range: http_get starts it again from `initial` 0) adds what it had to the bar's total."""
 
-    class Into:
+    class Into(Silent):
         def __init__(self, *args: Any, initial: int = 0, **kwargs: Any):
             if initial < have:
                 bar.total += have - initial
                 bar.refresh()
-
-        def __enter__(self) -> Into:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            pass
 
         def update(self, count: int) -> None:
             bar.update(count)

@@ -96,10 +96,15 @@ def _unsuited(compute: mx.Dtype) -> str | None:
     return None
 
 
+def dense_fits(dense_bytes: int, usable_bytes: int) -> bool:
+    """Whether float32 weights of `dense_bytes` are within the share of usable memory dense weights may take."""
+    return dense_bytes <= DENSE_SHARE * usable_bytes
+
+
 def _not_worth_it(layers: dict[str, nn.Module], usable_bytes: int) -> str | None:
     """Why auto keeps the stored weights here: too big for the memory, or not faster on this machine."""
     dense = sum(_dense_elements(m) for m in layers.values()) * 4
-    if dense > DENSE_SHARE * usable_bytes:
+    if not dense_fits(dense, usable_bytes):
         return f"float32 weights ({dense / 2**30:.1f} GiB) would take over {DENSE_SHARE:.0%} of usable memory"
     linears = (m for m in layers.values() if not isinstance(m, nn.QuantizedEmbedding))
     largest = max(linears, key=_dense_elements, default=None)
