@@ -216,3 +216,21 @@ def test_the_held_out_texts_are_three_kinds_none_of_them_calibration():
     for kind in ("code", "technical prose"):
         sample = model.tokenizer.decode(kinds[kind][100:140])
         assert sample not in calibration and sample not in prose_text(), kind
+
+
+@pytest.mark.slow
+def test_peer_recipes_bench_runs_mlx_lms_learned_recipes_on_our_calibration(tmp_path):
+    # The real run scores SmolLM2-135M (bench/README.md); here the tiny fixture goes through the same code: our
+    # mixed calibration ids, each mlx-lm recipe in a child process, mlx-lm's save, our held-out scoring.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.peer_recipes_bench", "--source", str(TINY / "qwen2"), "--tokens", "64",
+         "--calibration-tokens", "512", "--dwq-steps", "2", "--dwq-batch-size", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "calibration: 512 mixed tokens, 2 x 256 used; DWQ 2 steps x 1 sequences" in done.stdout
+    rows = {line.split(" | ")[0]: line for line in done.stdout.splitlines() if line.startswith("| ")}
+    assert set(rows) == {"| recipe", "| awq", "| dwq (lr 1e-06, 2 steps)", "| dynamic_quant"}, done.stdout
+    for name in ("| awq", "| dynamic_quant"):
+        bits = float(rows[name].split(" | ")[1])
+        assert 4.0 < bits < 5.5, rows[name]  # 4-bit g64 (5-bit layers for dynamic_quant), on a tiny model
