@@ -1,7 +1,7 @@
 """The conversion steps that run the source model on calibration text.
 
-Both load the whole source model in the compute dtype, so they cost memory the
-streaming path does not; they run only for the sensitivity recipe and GPTQ.
+They load the whole source model in the compute dtype, so they cost memory the
+streaming path does not; they run only for the sensitivity recipe, GPTQ and DWQ.
 The text is the shipped calibration prose (`--calibration prose`), never the text
 the quality report is measured on; `--calibration mixed` puts half of it beside
 the source model's own samples from seed prompts of other kinds (chat, code,
@@ -11,7 +11,9 @@ behind it, of the kinds the prose lacks (bench/heldout_bench.py measures both).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -25,6 +27,9 @@ from .sources import Source
 
 SENSITIVITY_TOKENS = 256  # calibration tokens per KL measurement (one forward pass per layer group)
 GPTQ_BATCH = (4, 256)  # calibration sequences x tokens each for GPTQ's Hessians
+DWQ_TOKENS = 4096  # calibration tokens DWQ distils on (mixed: the prose's ~1,400 and the model's own samples)
+DWQ_BATCH = (2, 256)  # sequences x tokens per distillation step
+DWQ_EPOCHS = 2
 CALIBRATIONS = ("prose", "mixed")
 # Seeds of the source model's own samples (--calibration mixed): a few words each, of kinds the prose lacks.
 SELF_PROMPTS: tuple[str | list[dict[str, str]], ...] = (
@@ -95,31 +100,89 @@ def gptq_tensors(
     return rounded
 
 
+def dwq_tensors(
+    source: Source,
+    layers: dict[str, LayerQuant | None],
+    dtype: mx.Dtype,
+    progress: bool = True,
+    calibration: str = "prose",
+) -> dict[str, Triplet]:
+    """GPTQ's codes for the quantized `layers`, with scales and biases then distilled toward the float model's
+    next-token distributions (quantize/distill.py)."""
+    from mlxinfer.quantize.calibrate import gptq_model
+    from mlxinfer.quantize.distill import distill_model, teacher_targets
+
+    loaded = _load(source)
+    rows, length = DWQ_BATCH
+    ids = calibration_ids(loaded, calibration, DWQ_TOKENS)
+    sequences = mx.array(ids[: len(ids) // length * length]).reshape(-1, length)
+    batches = [sequences[i : i + rows] for i in range(0, sequences.shape[0], rows)]
+    targets = teacher_targets(loaded.model, batches)  # before GPTQ changes the weights in place
+    gptq_rows = sequences[:: max(1, len(sequences) // GPTQ_BATCH[0])][: GPTQ_BATCH[0]]  # across the prose and samples
+    steps = len(batches) * DWQ_EPOCHS
+    with tqdm(total=len(loaded.model.layers) + 1 + steps, unit="step", desc="DWQ", disable=not progress) as bar:
+        start = gptq_model(loaded.model, gptq_rows, layers, dtype, progress=bar.update)
+        distilled = distill_model(
+            loaded.model, batches, targets, layers, dtype, start, DWQ_EPOCHS, progress=lambda loss: bar.update()
+        )
+    del loaded
+    mx.clear_cache()
+    return distilled
+
+
+def dwq_peak_bytes(params: int, vocab: int, compute_size: int) -> int:
+    """What distillation holds at its peak beside the runtime: the model in its compute dtype, each weight's
+    code (a byte), and a batch's logits in float32 about three times over (forward, softmax, their gradient).
+    Each block's dequantized weights are recomputed in the backward pass, not held (quantize/distill.py)."""
+    rows, length = DWQ_BATCH
+    return params * (compute_size + 1) + 3 * rows * length * vocab * 4
+
+
 def _load(source: Source) -> LoadedModel:
     return load_model(source_path(source))
 
 
 def calibration_ids(loaded: LoadedModel, calibration: str, tokens: int) -> list[int]:
-    """`tokens` calibration token ids (fewer if the prose runs out): the prose, or (mixed) its first half and the
-    model's own samples from SELF_PROMPTS after it."""
+    """`tokens` calibration token ids: the prose (fewer if it runs out), or (mixed) up to half of them from the
+    prose and the model's own samples from SELF_PROMPTS after it."""
     assert loaded.tokenizer is not None
     prose = loaded.tokenizer.encode(calibration_text(), add_special_tokens=False)
     if calibration == "prose":
         return prose[:tokens]
-    half = tokens // 2
-    return prose[:half] + _own_samples(loaded, tokens - half)
+    kept = prose[: tokens // 2]  # at most half; the model's own samples fill the rest
+    return kept + _own_samples(loaded, tokens - len(kept))
 
 
 def _own_samples(loaded: LoadedModel, tokens: int) -> list[int]:
     """About `tokens` ids of the model's own text: each seed prompt and what the model writes after it (sampled at
-    temperature 0.8 with a fixed seed: reproducible, and not the one most likely path)."""
+    temperature 0.8 with a fixed seed: reproducible, and not the one most likely path), all seeds decoding in one
+    batch (the engine's loop, one sampler per row: the same text as one at a time, several times sooner)."""
     from mlxinfer.api import Model
+    from mlxinfer.engine import BatchLoop, Job, SamplingParams, SchedulerConfig
 
     model = Model(loaded, prefix_cache_bytes=0, speculate="off", persist_prefixes=False)  # no prefix store on disk
     per = -(-tokens // len(SELF_PROMPTS))
+    starts = [model.encode_prompt(prompt, chat=not isinstance(prompt, str)) for prompt in SELF_PROMPTS]
+    made: list[list[int]] = [[] for _ in starts]
+    loop = BatchLoop(model.runtime, SchedulerConfig(max_batch=len(starts)), log_failures=False)
+    for start, out in zip(starts, made):
+        sampling = SamplingParams(temperature=0.8, seed=SELF_SEED)
+        limit = max(1, per - len(start))
+        loop.add(Job(start, on_event=_recorder(out), max_tokens=limit, sampling=sampling, use_cache=False))
+    while loop.has_work():
+        loop.turn()
     ids: list[int] = []
-    for prompt in SELF_PROMPTS:
-        start = model.encode_prompt(prompt, chat=not isinstance(prompt, str))
-        made = model.generate(start, max_tokens=max(1, per - len(start)), temperature=0.8, seed=SELF_SEED)
-        ids += (start + list(made.token_ids))[:per]
+    for start, out in zip(starts, made):
+        ids += (start + out)[:per]
     return ids[:tokens]
+
+
+def _recorder(out: list[int]) -> Callable[[Any], None]:
+    """A job's event handler that keeps the tokens it decodes."""
+    from mlxinfer.engine import Delta
+
+    def record(event: Any) -> None:
+        if isinstance(event, Delta) and event.token is not None:
+            out.append(event.token)
+
+    return record

@@ -36,7 +36,7 @@ from mlxinfer.models.quantized import FLOAT_FORMATS
 from mlxinfer.models.sizing import check_checkpoint
 from mlxinfer.untrusted import first_line, shown_path
 
-from .calibration import CALIBRATIONS, gptq_tensors, sensitivity_layers, source_path
+from .calibration import CALIBRATIONS, dwq_peak_bytes, dwq_tensors, gptq_tensors, sensitivity_layers, source_path
 from .evaluation import evaluate, evaluation_bytes, evaluation_fits
 from .layer_bytes import MXFP4Quant, copied, stream_peak_bytes, written_bytes
 from .layout import Sanitize, converted_tensors, output_shapes
@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 # GGUF types the loader keeps on an MLX affine grid, by name -> (bits, group size): their own codes (Q4_0 to Q8_0,
 # Q4_K, Q5_K) or rounded once more (formats/gguf_requant.py).
 BLOCK_GRIDS = {GGMLQuantizationType(kind).name: grid for kind, grid in AFFINE.items()}
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "dwq")
+CALIBRATED = ("gptq", "dwq")  # methods that run the source model on calibration text
 RUNTIME_BYTES = 200 * 2**20  # Python, MLX, the tokenizer and what the steps before left allocated
 
 
@@ -73,7 +74,7 @@ class ConvertSettings:
     mode: str = "affine"  # or an MLX float format: mxfp4, nvfp4, mxfp8 (every quantized layer alike, to nearest)
     recipe: str | None = None
     bpw: float | None = None
-    method: str | None = None  # "rtn" (round to nearest) or "gptq"; None: gptq for the sensitivity recipe
+    method: str | None = None  # "rtn" (round to nearest), "gptq" or "dwq"; None: gptq for the sensitivity recipe
     calibration: str = "prose"  # what GPTQ and the sensitivity recipe run the source on: "prose" or "mixed"
     dtype: str | None = None  # None: the source's 16-bit float type (bfloat16 for float32 sources)
     evaluate: bool = True
@@ -202,9 +203,9 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     settings.method = _method(settings, sensitivity)
     if settings.calibration not in CALIBRATIONS:
         raise ConversionError(f"--calibration {settings.calibration!r} is not one of {', '.join(CALIBRATIONS)}")
-    if settings.calibration != "prose" and not (sensitivity or settings.method == "gptq"):
+    if settings.calibration != "prose" and not (sensitivity or settings.method in CALIBRATED):
         raise ConversionError(
-            "--calibration matters only to --method gptq and --recipe sensitivity; add one, or drop it"
+            "--calibration matters only to --method gptq or dwq and --recipe sensitivity; add one, or drop it"
         )
     _check_calibration(config, shapes, sensitivity, settings.method)
     if sensitivity:
@@ -225,11 +226,13 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     )
     params = sum(math.prod(shape) for shape in shapes.values())
     peak = stream_peak_bytes(source, shapes, layers, dtype, BLOCK_GRIDS)
-    if sensitivity or settings.method == "gptq":
+    if sensitivity or settings.method in CALIBRATED:
         # Calibration holds the whole model in its compute dtype (twice, with MLX's buffer cache),
         # numpy working copies of the largest tensor, and the output.
-        peak += 2 * params * choose_compute_dtype(None).size + 4 * 4 * max(map(math.prod, shapes.values()))
-        peak += output_bytes
+        compute_size = choose_compute_dtype(None).size
+        peak += 2 * params * compute_size + 4 * 4 * max(map(math.prod, shapes.values())) + output_bytes
+        if settings.method == "dwq":  # distillation's step can outgrow it: a large vocabulary's logits
+            peak = max(peak, RUNTIME_BYTES + output_bytes + dwq_peak_bytes(params, config.vocab_size, compute_size))
     evaluation = evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
     if settings.evaluate:
         settings.evaluate = evaluation_fits(source, evaluation)
@@ -256,17 +259,17 @@ def _quantizable_modules(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -
 def _check_calibration(config: ModelConfig, shapes: dict[str, tuple[int, ...]], sensitivity: bool, method: str) -> None:
     """Refuse what calibration cannot do: run recurrent layers (it runs each block on a batch without their
     state), and GPTQ-round experts (it rounds plain matrices; experts would silently stay round-to-nearest)."""
-    flag = "--recipe sensitivity" if sensitivity else "--method gptq" if method == "gptq" else None
+    flag = "--recipe sensitivity" if sensitivity else f"--method {method}" if method in CALIBRATED else None
     if flag and (config.spec.recurrent_kinds or not config.verified):
         why = "recurrent layers" if config.verified else "unverified: mlx-lm's model code runs it"
         raise ConversionError(
             f"{flag} is not supported for model_type {config.model_type!r} ({why}) yet; "
             "use round-to-nearest: --bits 4 or 8 without --recipe, --bpw or --method"
         )
-    if method == "gptq" and any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight")):
-        default = " (the default with --recipe sensitivity)" if sensitivity else ""
+    if method in CALIBRATED and any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight")):
+        default = " (the default with --recipe sensitivity)" if sensitivity and method == "gptq" else ""
         raise ConversionError(
-            f"--method gptq{default} cannot round the experts of model_type {config.model_type!r} yet; "
+            f"--method {method}{default} cannot round the experts of model_type {config.model_type!r} yet; "
             "add --method rtn (round-to-nearest)"
         )
 
@@ -284,9 +287,9 @@ def _resolve_mode(settings: ConvertSettings, moe: bool) -> None:
         raise ConversionError(
             f"--mode {settings.mode} is {bits}-bit in groups of {group}; drop --bits and --group-size"
         )
-    if settings.recipe not in (None, "uniform") or settings.bpw is not None or settings.method == "gptq":
+    if settings.recipe not in (None, "uniform") or settings.bpw is not None or settings.method in CALIBRATED:
         raise ConversionError(
-            f"--mode {settings.mode} rounds every layer to nearest alike; drop --recipe, --bpw and --method gptq"
+            f"--mode {settings.mode} rounds every layer to nearest alike; drop --recipe, --bpw and --method"
         )
     if moe:
         raise ConversionError(f"--mode {settings.mode} is not supported for mixture-of-experts models yet; use affine")
@@ -297,8 +300,8 @@ def _method(settings: ConvertSettings, sensitivity: bool) -> str:
     method = settings.method or ("gptq" if sensitivity else "rtn")
     if method not in METHODS:
         raise ConversionError(f"--method {method!r} is not one of {', '.join(METHODS)}")
-    if method == "gptq" and settings.bits == 16:
-        raise ConversionError("--method gptq rounds quantized weights; pick --bits 4 or 8, or drop --method")
+    if method in CALIBRATED and settings.bits == 16:
+        raise ConversionError(f"--method {method} rounds quantized weights; pick --bits 4 or 8, or drop --method")
     return method
 
 
@@ -387,8 +390,9 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
     try:
         check_space(folder.path, plan.output_bytes)
         rounded = {}
-        if plan.settings.method == "gptq":
-            rounded = gptq_tensors(plan.source, _gptq_layers(plan), plan.dtype, progress, plan.settings.calibration)
+        if plan.settings.method in CALIBRATED:
+            calibrated = gptq_tensors if plan.settings.method == "gptq" else dwq_tensors
+            rounded = calibrated(plan.source, _gptq_layers(plan), plan.dtype, progress, plan.settings.calibration)
         files, data_bytes = _write_tensors(plan, folder.path, progress, rounded)
         plan.source.write_tokenizer(folder.path)
         config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)

@@ -238,12 +238,29 @@ def test_gptq_is_closer_to_the_source_than_rounding_to_nearest(arch, tmp_path):
         assert mlx_lm_greedy(tmp_path / "gptq", ids, len(ours.token_ids), eos=-1) == ours.token_ids
 
 
+@pytest.mark.slow
+def test_dwq_distils_gptq_codes_closer_to_the_source_and_mlx_lm_runs_them(tmp_path):
+    common = dict(bits=4, group_size=32, eval_tokens=128, progress=False)
+    gptq = convert(TINY / "qwen2", tmp_path / "gptq", method="gptq", **common)
+    dwq = convert(TINY / "qwen2", tmp_path / "dwq", method="dwq", **common)
+    assert dwq.manifest["settings"]["method"] == "dwq" and dwq.bits_per_weight == gptq.bits_per_weight
+    assert dwq.quality.mean_kl < 0.9 * gptq.quality.mean_kl, (dwq.quality, gptq.quality)  # 0.72 here
+    ids = golden("qwen2")["input_ids"].tolist()
+    ours = mlxinfer.load(tmp_path / "dwq").generate(ids, max_tokens=6)
+    assert mlx_lm_greedy(tmp_path / "dwq", ids, len(ours.token_ids), eos=-1) == ours.token_ids
+    with pytest.raises(ConversionError, match="--method dwq rounds quantized weights"):
+        convert(TINY / "qwen2", tmp_path / "x", bits=16, method="dwq", progress=False)
+    with pytest.raises(ConversionError, match="--method dwq cannot round the experts of model_type 'qwen3_moe'"):
+        convert(TINY / "qwen3_moe", tmp_path / "x", bits=4, method="dwq", progress=False)
+    assert not (tmp_path / "x").exists()
+
+
 def test_bad_recipe_settings_are_refused(tmp_path):
     with pytest.raises(ConversionError, match="--bpw must be between"):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, group_size=64, recipe="sensitivity", progress=False)
     with pytest.raises(ConversionError, match="--method gptq rounds quantized weights"):
         convert(TINY / "qwen2", tmp_path / "x", bits=16, method="gptq", progress=False)
-    with pytest.raises(ConversionError, match="--method 'awq' is not one of rtn, gptq"):
+    with pytest.raises(ConversionError, match="--method 'awq' is not one of rtn, gptq, dwq"):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, method="awq", progress=False)
     with pytest.raises(ConversionError, match="--bpw needs --recipe sensitivity"):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, recipe="uniform", bpw=5.0, progress=False)
@@ -428,5 +445,5 @@ def test_gptq_on_mixed_calibration_converts_and_a_needless_calibration_is_refuse
                      evaluate=False, progress=False)  # fmt: skip
     assert result.manifest["settings"]["calibration"] == "mixed"
     assert mlxinfer.load(tmp_path / "g").generate("hello", max_tokens=3).stats.generated_tokens == 3
-    with pytest.raises(ConversionError, match="--calibration matters only to --method gptq and --recipe sensitivity"):
+    with pytest.raises(ConversionError, match="--calibration matters only to --method gptq or dwq and --recipe"):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, calibration="mixed", progress=False)

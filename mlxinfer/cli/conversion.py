@@ -42,17 +42,17 @@ from .common import errors_as_one_line
 @click.option("--bpw", type=float, default=None, help="Bits-per-weight budget for --recipe sensitivity.")
 @click.option(
     "--method",
-    type=click.Choice(["rtn", "gptq"]),
+    type=click.Choice(["rtn", "gptq", "dwq"]),
     default=None,
-    help="Rounding: rtn (nearest, streaming) or gptq (error-compensating, fitted on calibration text) "
-    "[default: gptq with --recipe sensitivity, else rtn].",
+    help="Rounding: rtn (nearest, streaming), gptq (error-compensating, fitted on calibration text) or dwq "
+    "(gptq, then scales distilled toward the source's outputs) [default: gptq with --recipe sensitivity, else rtn].",
 )
 @click.option(
     "--calibration",
     type=click.Choice(["prose", "mixed"]),
     default="prose",
     show_default=True,
-    help="What GPTQ and --recipe sensitivity run the source on: shipped English prose, or half of it beside the "
+    help="What GPTQ, DWQ and --recipe sensitivity run the source on: shipped English prose, or half of it beside the "
     "model's own samples from chat, code, arithmetic and French/Spanish/German seeds.",
 )
 @click.option(
