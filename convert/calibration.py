@@ -29,7 +29,7 @@ SENSITIVITY_TOKENS = 256  # calibration tokens per KL measurement (one forward p
 GPTQ_BATCH = (4, 256)  # calibration sequences x tokens each for GPTQ's Hessians
 DWQ_TOKENS = 4096  # calibration tokens DWQ distils on (mixed: the prose's ~1,400 and the model's own samples)
 DWQ_BATCH = (2, 256)  # sequences x tokens per distillation step
-DWQ_EPOCHS = 2
+DWQ_EPOCHS = 2  # passes over the batches: more fit the calibration tokens, not other text (bench/README.md)
 CALIBRATIONS = ("prose", "mixed")
 # Seeds of the source model's own samples (--calibration mixed): a few words each, of kinds the prose lacks.
 SELF_PROMPTS: tuple[str | list[dict[str, str]], ...] = (

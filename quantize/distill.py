@@ -31,7 +31,6 @@ Triplet = tuple[mx.array, mx.array, mx.array]  # packed weight, scales, biases
 Target = tuple[mx.array, mx.array]  # the teacher's top token ids per position, their log-probabilities
 TOP_K = 256  # teacher tokens kept per position
 LEARNING_RATE = 1e-3  # Adam, on each group's scale and bias in units of its starting scale
-EPOCHS = 4  # passes over the calibration batches
 
 
 class _Codes(nn.Module):
@@ -101,8 +100,8 @@ def distill_model(
     targets: list[Target],
     layers: dict[str, LayerQuant | None],
     dtype: mx.Dtype,
-    start: dict[str, Triplet] | None = None,
-    epochs: int = EPOCHS,
+    start: dict[str, Triplet] | None,
+    epochs: int,
     learning_rate: float = LEARNING_RATE,
     progress: Callable[[float], None] | None = None,
 ) -> dict[str, Triplet]:
