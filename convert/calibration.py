@@ -112,6 +112,8 @@ def dwq_tensors(
     from mlxinfer.quantize.calibrate import gptq_model
     from mlxinfer.quantize.distill import distill_model, teacher_targets
 
+    if not any(layers.values()):  # every layer kept as the source holds it (a GGUF's own codes): nothing to train
+        return {}
     loaded = _load(source)
     rows, length = DWQ_BATCH
     ids = calibration_ids(loaded, calibration, DWQ_TOKENS)

@@ -72,3 +72,10 @@ def _with_triplets(model, triplets):
 
 def _mean_loss(model, batches, targets) -> float:
     return float(np.mean([_loss(model, tokens, *target).item() for tokens, target in zip(batches, targets)]))
+
+
+def test_dwq_with_every_layer_kept_as_the_source_holds_it_trains_nothing_and_loads_nothing():
+    from mlxinfer.convert.calibration import dwq_tensors
+
+    # A Q4_K_M file converted to 4 bits keeps every quantized layer's own codes: no layer is left to distill.
+    assert dwq_tensors(source=None, layers={"model.layers.0.mlp.down_proj": None}, dtype=mx.float32) == {}

@@ -154,7 +154,8 @@ def test_mixed_k_quant_model_loads_each_tensor_at_its_own_bits(tmp_path):
     assert (gate.bits, gate.group_size, gate.weight.nbytes) == (6, 32, 512 * 256 * 6 // 8)
 
 
-def test_convert_to_4_bits_keeps_each_k_quant_grid_it_can(tmp_path):
+@pytest.mark.parametrize("method", ["rtn", pytest.param("dwq", marks=pytest.mark.slow)])  # dwq: never these codes
+def test_convert_to_4_bits_keeps_each_k_quant_grid_it_can(tmp_path, method):
     """`convert --bits 4` of a K-quant file (group size 32 by default for block-quantized sources): Q4_K codes are
     copied, not rounded again; Q6_K (6 bits, once rounded at load) and Q5_0 stay on their finer grids with their
     codes; scales and biases take the output's dtype like every layer's."""
@@ -162,7 +163,7 @@ def test_convert_to_4_bits_keeps_each_k_quant_grid_it_can(tmp_path):
     kinds = {f"{layers}mlp.down_proj.weight": Q4_K, f"{layers}mlp.gate_proj.weight": Q6_K}
     kinds[f"{layers}self_attn.v_proj.weight"] = Q5_0  # v: no rotary row order to undo
     path = _tiny(tmp_path, "c", kinds)
-    convert(path, tmp_path / "out", bits=4, evaluate=False, progress=False)
+    convert(path, tmp_path / "out", bits=4, method=method, evaluate=False, progress=False)
     written = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in mx.load(str(f)).items()}
     quantization = json.loads((tmp_path / "out" / "config.json").read_text())["quantization"]
     default = {"bits": quantization["bits"], "group_size": quantization["group_size"]}  # layers not listed
