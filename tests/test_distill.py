@@ -38,6 +38,25 @@ def test_a_held_layer_computes_what_mlx_quantized_linear_computes_on_its_triplet
     assert set(dict(nn.utils.tree_flatten(held.trainable_parameters()))) == {"scale_shift", "bias_shift"}
 
 
+def test_the_loss_is_the_kl_over_the_teachers_top_tokens_and_the_rest_as_one():
+    rng = np.random.default_rng(3)
+    teacher_logits, student_logits = rng.standard_normal((2, 2, 5, 40)) * 3
+    k = 8
+
+    def log_softmax(x):
+        return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+
+    p, q = np.exp(log_softmax(teacher_logits)), np.exp(log_softmax(student_logits))
+    top = np.argsort(-p, axis=-1)[..., :k]
+    p_top, q_top = np.take_along_axis(p, top, -1), np.take_along_axis(q, top, -1)
+    p_bins = np.concatenate([p_top, 1 - p_top.sum(-1, keepdims=True)], -1)  # the k tokens, then the rest
+    q_bins = np.concatenate([q_top, 1 - q_top.sum(-1, keepdims=True)], -1)
+    expected = np.mean(np.sum(p_bins * np.log(p_bins / q_bins), -1))
+    teacher = mx.array(np.log(p_top).astype(np.float32))
+    loss = _loss(lambda tokens: mx.array(student_logits.astype(np.float32)), None, mx.array(top), teacher)
+    np.testing.assert_allclose(loss.item(), expected, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_distilled_scales_bring_the_quantized_model_closer_to_the_float_one():
     loaded = load_model(TINY / "qwen2")
