@@ -75,7 +75,7 @@ class ConvertSettings:
     recipe: str | None = None
     bpw: float | None = None
     method: str | None = None  # "rtn" (round to nearest), "gptq" or "dwq"; None: gptq for the sensitivity recipe
-    calibration: str = "prose"  # what GPTQ and the sensitivity recipe run the source on: "prose" or "mixed"
+    calibration: str = "prose"  # what GPTQ, DWQ and the sensitivity recipe run the source on: "prose" or "mixed"
     dtype: str | None = None  # None: the source's 16-bit float type (bfloat16 for float32 sources)
     evaluate: bool = True
     eval_tokens: int = 512
