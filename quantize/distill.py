@@ -89,7 +89,8 @@ def teacher_targets(model: Any, batches: list[mx.array]) -> list[Target]:
     for tokens in batches:
         logprobs = nn.log_softmax(model(tokens).astype(mx.float32), axis=-1)
         k = min(TOP_K, logprobs.shape[-1])
-        indices = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+        # A copy: the slice alone would keep the whole vocabulary-wide argpartition alive (rows x length x vocab).
+        indices = mx.contiguous(mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k])
         targets.append((indices, mx.take_along_axis(logprobs, indices, axis=-1)))
         mx.eval(targets[-1])
     return targets
