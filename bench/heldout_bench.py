@@ -31,6 +31,7 @@ import mlxinfer
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SOURCE = Path.home() / ".cache" / "mlxinfer-tests" / "bench-models" / "SmolLM2-135M-Instruct-bf16"
 RECIPES = {
+    "default": {},  # what `mlxinfer convert SRC -o OUT` picks (convert/default_recipe.py)
     "rtn-g64": {"bits": 4, "group_size": 64},
     "rtn-g32": {"bits": 4, "group_size": 32},
     "mixed-4-8": {"bits": 4, "group_size": 64, "recipe": "mixed-4-8"},
@@ -43,6 +44,13 @@ RECIPES = {
         "group_size": 64,
         "recipe": "sensitivity",
         "bpw": 4.75,
+        "method": "dwq",
+        "calibration": "mixed",
+    },
+    "sensitivity-4.95-dwq-mixed": {
+        "group_size": 64,
+        "recipe": "sensitivity",
+        "bpw": 4.95,
         "method": "dwq",
         "calibration": "mixed",
     },

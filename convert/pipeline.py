@@ -37,6 +37,8 @@ from mlxinfer.models.sizing import check_checkpoint
 from mlxinfer.untrusted import first_line, shown_path
 
 from .calibration import CALIBRATIONS, dwq_peak_bytes, dwq_tensors, gptq_tensors, sensitivity_layers, source_path
+from .default_recipe import LEARNED_BPW
+from .default_recipe import choose as choose_default
 from .evaluation import evaluate, evaluation_bytes, evaluation_fits
 from .layer_bytes import MXFP4Quant, copied, stream_peak_bytes, written_bytes
 from .layout import Sanitize, converted_tensors, output_shapes
@@ -75,7 +77,9 @@ class ConvertSettings:
     recipe: str | None = None
     bpw: float | None = None
     method: str | None = None  # "rtn" (round to nearest), "gptq" or "dwq"; None: gptq for the sensitivity recipe
-    calibration: str = "prose"  # what GPTQ, DWQ and the sensitivity recipe run the source on: "prose" or "mixed"
+    # What GPTQ, DWQ and the sensitivity recipe run the source on: "prose" or "mixed"; None: mixed for the learned
+    # default (no recipe flag given), else prose.
+    calibration: str | None = None
     dtype: str | None = None  # None: the source's 16-bit float type (bfloat16 for float32 sources)
     evaluate: bool = True
     eval_tokens: int = 512
@@ -102,6 +106,7 @@ class ConversionPlan:
     shapes: dict[str, tuple[int, ...]] | None = None
     sanitize: Sanitize | None = None  # the source layout -> the runtime's (the loader's model.mlx_sanitize)
     uncast: frozenset[str] = frozenset()  # float tensors kept in their stored type (mlx-lm's cast_predicate)
+    default_note: str | None = None  # no recipe flag given: what the default chose, and why
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
@@ -111,6 +116,8 @@ class ConversionPlan:
         no_eval = self.peak_bytes if self.no_eval_peak_bytes is None else self.no_eval_peak_bytes
         if self.settings.evaluate and no_eval < self.peak_bytes:
             peak += f" ({no_eval / 2**20:.0f} MiB with --no-eval)"
+        if self.default_note:
+            what += f" ({self.default_note})"
         return (
             f"{self.source.description} -> {self.out}: {what}, {quantized} quantized layers; "
             f"expected output {self.output_bytes / 2**20:.0f} MiB, {peak}"
@@ -188,8 +195,12 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     sanitize = model.mlx_sanitize if config.spec.mlx_sanitize and not in_layout else None
     shapes = _check_tensors(source, model, output_shapes(source, names, sanitize))
     moe = any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight"))
-    _resolve_mode(settings, moe)
     block_quantized = any(t.dtype in BLOCK_GRIDS or t.dtype == "MXFP4" for t in source.tensors.values())
+    params = sum(math.prod(shape) for shape in shapes.values())
+    learned_peak = _calibrated_peak(config, shapes, params, int(params * LEARNED_BPW / 8), "dwq")
+    default = choose_default(settings, config, params, moe, block_quantized, learned_peak, source.description)
+    settings.calibration = settings.calibration or "prose"
+    _resolve_mode(settings, moe)
     if settings.group_size is None:
         settings.group_size = 32 if block_quantized else 64
     if settings.mode == "affine":
@@ -203,7 +214,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     settings.method = _method(settings, sensitivity)
     if settings.calibration not in CALIBRATIONS:
         raise ConversionError(f"--calibration {settings.calibration!r} is not one of {', '.join(CALIBRATIONS)}")
-    if settings.calibration != "prose" and not (sensitivity or settings.method in CALIBRATED):
+    if settings.calibration != "prose" and not (sensitivity or settings.method in CALIBRATED or default):
         raise ConversionError(
             "--calibration matters only to --method gptq or dwq and --recipe sensitivity; add one, or drop it"
         )
@@ -224,15 +235,9 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     output_bytes = sum(
         written_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
     )
-    params = sum(math.prod(shape) for shape in shapes.values())
     peak = stream_peak_bytes(source, shapes, layers, dtype, BLOCK_GRIDS)
     if sensitivity or settings.method in CALIBRATED:
-        # Calibration holds the whole model in its compute dtype (twice, with MLX's buffer cache),
-        # numpy working copies of the largest tensor, and the output.
-        compute_size = choose_compute_dtype(None).size
-        peak += 2 * params * compute_size + 4 * 4 * max(map(math.prod, shapes.values())) + output_bytes
-        if settings.method == "dwq":  # distillation's step can outgrow it: a large vocabulary's logits
-            peak = max(peak, RUNTIME_BYTES + output_bytes + dwq_peak_bytes(params, config.vocab_size, compute_size))
+        peak = max(peak, _calibrated_peak(config, shapes, params, output_bytes, settings.method))
     evaluation = evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
     if settings.evaluate:
         settings.evaluate = evaluation_fits(source, evaluation)
@@ -243,7 +248,19 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     return ConversionPlan(
         source, out, settings, config, layers, names, dtype, output_bytes, peak, params,
         no_eval_peak_bytes=no_eval_peak, shapes=shapes, sanitize=sanitize, uncast=uncast,
+        default_note=default and default.note,
     )  # fmt: skip
+
+
+def _calibrated_peak(config: ModelConfig, shapes: dict[str, tuple[int, ...]], params: int, output_bytes: int, method):
+    """What the steps that run the source model peak at: the whole model in its compute dtype (twice, with MLX's
+    buffer cache), numpy working copies of the largest tensor and the output; distillation's step can outgrow
+    that (a large vocabulary's logits)."""
+    compute_size = choose_compute_dtype(None).size
+    peak = RUNTIME_BYTES + 2 * params * compute_size + 4 * 4 * max(map(math.prod, shapes.values())) + output_bytes
+    if method == "dwq":
+        peak = max(peak, RUNTIME_BYTES + output_bytes + dwq_peak_bytes(params, config.vocab_size, compute_size))
+    return peak
 
 
 def _quantizable_modules(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, nn.Module]:

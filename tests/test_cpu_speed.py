@@ -100,7 +100,7 @@ def test_a_wrong_probe_result_puts_the_reference_back_with_one_line():
 
 def _four_bit(tmp_path_factory, family: str) -> Path:
     out = tmp_path_factory.mktemp("q") / f"{family}-4bit"
-    convert(TINY / family, out, bits=4, evaluate=False, progress=False)
+    convert(TINY / family, out, bits=4, method="rtn", evaluate=False, progress=False)
     return out
 
 

@@ -108,12 +108,13 @@ def test_convert_shows_progress_for_calibration_and_the_report(tmp_path):
 
 
 def test_plan_prints_both_forecasts_when_the_report_costs_more(tmp_path):
-    plan = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4))
+    plan = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4, method="rtn"))
     plan.source.close()
     assert plan.peak_bytes > plan.no_eval_peak_bytes
     expected = f"expected peak memory {plan.peak_bytes / 2**20:.0f} MiB ({plan.no_eval_peak_bytes / 2**20:.0f} MiB"
     assert f"{expected} with --no-eval)" in plan.summary()
-    no_eval = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4, evaluate=False))
+    settings = ConvertSettings(bits=4, method="rtn", evaluate=False)
+    no_eval = plan_conversion(TINY / "llama_classic", tmp_path / "o", settings)
     no_eval.source.close()
     assert no_eval.summary().endswith(f"expected peak memory {plan.no_eval_peak_bytes / 2**20:.0f} MiB")
 
@@ -162,7 +163,7 @@ def test_advice_names_a_rerun_that_changes_something(settings, expected):
 
 
 def test_a_plan_without_a_separate_no_eval_forecast_prints_one_peak(tmp_path):
-    plan = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4))
+    plan = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4, method="rtn"))
     plan.source.close()
     plan.no_eval_peak_bytes = None  # as a plan built by hand, without the field, has it
     assert plan.summary().endswith(f"expected peak memory {plan.peak_bytes / 2**20:.0f} MiB")
@@ -228,20 +229,22 @@ def test_report_forecast_on_a_cpu_counts_both_models_as_the_float32_they_load_as
 
 def test_the_quality_warning_is_logged_once_for_scripts(tmp_path, caplog):
     # The tiny random model's 4-bit copy is far from it (KL about 0.4 nats): the report warns.
-    result = convert(TINY / "llama_classic", tmp_path / "o", bits=4, eval_tokens=40, progress=False)
+    result = convert(TINY / "llama_classic", tmp_path / "o", bits=4, method="rtn", eval_tokens=40, progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert result.warning and warnings == [result.warning]
 
 
 def test_the_cli_shows_the_quality_warning_once(tmp_path):
     command = [sys.executable, "-m", "mlxinfer.cli", "convert", str(TINY / "llama_classic"), "-o", str(tmp_path / "o")]
-    done = subprocess.run([*command, "--eval-tokens", "40"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [*command, "--method", "rtn", "--eval-tokens", "40"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-1500:]
     assert (done.stdout + done.stderr).count("quality warning:") == 1, done.stderr
 
 
 def test_a_conversion_without_progress_writes_nothing_to_stderr(tmp_path, capfd):
-    convert(TINY / "llama_classic", tmp_path / "o", bits=4, eval_tokens=40, progress=False)
+    convert(TINY / "llama_classic", tmp_path / "o", bits=4, method="rtn", eval_tokens=40, progress=False)
     assert capfd.readouterr().err == ""
 
 

@@ -134,7 +134,12 @@ def show_model(ctx: click.Context, name: str, as_json: bool) -> None:
 
 @click.command()
 @click.argument("hub_id")
-@click.option("--bits", type=click.Choice(["4", "8"]), default=None, help="Convert to this many bits on the way.")
+@click.option(
+    "--bits",
+    type=click.Choice(["4", "8"]),
+    default=None,
+    help="Convert to this many bits on the way (4: convert's learned default).",
+)
 @click.option("--revision", default="main", show_default=True, help="Branch, tag or commit to download.")
 @click.option("--force", is_flag=True, help="Replace the model folder if it exists.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask before downloading.")

@@ -47,7 +47,7 @@ MANIFEST = output_folder.MANIFEST
 
 
 def run(*args: str | Path):
-    return CliRunner().invoke(main, ["convert", *map(str, args), "--no-eval"])
+    return CliRunner().invoke(main, ["convert", *map(str, args), "--no-eval", "--method", "rtn"])
 
 
 def assert_one_line(result, *words: str) -> str:
@@ -417,7 +417,7 @@ def _user_folder(out: Path) -> None:
 @pytest.mark.parametrize("when", ["after planning", "before the rename"])
 def test_a_foreign_out_appearing_mid_conversion_is_kept(tmp_path, src, monkeypatch, when, force):
     out = tmp_path / "out"
-    plan = plan_conversion(src, out, ConvertSettings(evaluate=False), force=force)
+    plan = plan_conversion(src, out, ConvertSettings(method="rtn", evaluate=False), force=force)
     if when == "after planning":
         _user_folder(out)
     else:
@@ -576,7 +576,7 @@ LIMITED = textwrap.dedent(
 def _limited(tmp_path: Path, src: Path, command: list[str], force: bool) -> None:
     out = tmp_path / "out"
     before = snapshot(tmp_path)
-    args = ["convert", str(src), "-o", str(out), "--no-eval", *(["--force"] if force else [])]
+    args = ["convert", str(src), "-o", str(out), "--no-eval", "--method", "rtn", *(["--force"] if force else [])]
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     done = subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=300)
     assert "Traceback" not in done.stderr and done.returncode == 1, (done.returncode, done.stderr[-2000:])
@@ -810,7 +810,7 @@ def test_an_evaluation_that_cannot_fit_is_skipped_at_plan_time(tmp_path, src, mo
 
 
 def test_a_failed_evaluation_keeps_the_finished_output(tmp_path, src, monkeypatch, caplog):
-    plan = plan_conversion(src, tmp_path / "out", ConvertSettings(), force=False)
+    plan = plan_conversion(src, tmp_path / "out", ConvertSettings(method="rtn"), force=False)
     assert plan.settings.evaluate  # it fits when planned; then memory runs short before evaluating
     monkeypatch.setattr("mlxinfer.models.sizing.machine_memory", lambda: TINY_MACHINE)
     result = run_conversion(plan, progress=False)
