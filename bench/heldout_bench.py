@@ -39,6 +39,8 @@ RECIPES = {
     "sensitivity-4.75": {"group_size": 64, "recipe": "sensitivity", "bpw": 4.75},
     "gptq-g64-mixed": {"bits": 4, "group_size": 64, "method": "gptq", "calibration": "mixed"},
     "sensitivity-4.75-mixed": {"group_size": 64, "recipe": "sensitivity", "bpw": 4.75, "calibration": "mixed"},
+    "awq-g64": {"bits": 4, "group_size": 64, "method": "awq"},
+    "awq-g64-mixed": {"bits": 4, "group_size": 64, "method": "awq", "calibration": "mixed"},
     "dwq-g64-mixed": {"bits": 4, "group_size": 64, "method": "dwq", "calibration": "mixed"},
     "sensitivity-4.75-dwq-mixed": {
         "group_size": 64,

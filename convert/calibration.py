@@ -1,7 +1,7 @@
 """The conversion steps that run the source model on calibration text.
 
 They load the whole source model in the compute dtype, so they cost memory the
-streaming path does not; they run only for the sensitivity recipe, GPTQ and DWQ.
+streaming path does not; they run only for the sensitivity recipe, GPTQ, AWQ and DWQ.
 The text is the shipped calibration prose (`--calibration prose`), never the text
 the quality report is measured on; `--calibration mixed` puts half of it beside
 the source model's own samples from seed prompts of other kinds (chat, code,
@@ -132,12 +132,38 @@ def dwq_tensors(
     return distilled
 
 
+def awq_tensors(
+    source: Source,
+    layers: dict[str, LayerQuant | None],
+    dtype: mx.Dtype,
+    progress: bool = True,
+    calibration: str = "prose",
+) -> dict[str, mx.array]:
+    """{tensor name: float value} of every tensor activation-aware scaling changed (quantize/awq.py): the layers
+    it scaled and the norms or layers it divided; the writer rounds them to nearest as any other."""
+    from mlxinfer.quantize.awq import awq_model
+
+    if not any(layers.values()):
+        return {}
+    loaded = _load(source)
+    batch, length = GPTQ_BATCH
+    ids = calibration_ids(loaded, calibration, batch * length)
+    batch = max(1, min(batch, len(ids) // length))
+    tokens = mx.array(ids[: batch * length]).reshape(batch, -1)
+    with tqdm(total=len(loaded.model.layers), unit="block", desc="AWQ", disable=not progress) as bar:
+        changed = awq_model(loaded.model, tokens, layers, progress=bar.update)
+    del loaded
+    mx.clear_cache()
+    return changed
+
+
 def dwq_peak_bytes(params: int, vocab: int, compute_size: int) -> int:
-    """What distillation holds at its peak beside the runtime: the model in its compute dtype, each weight's
-    code (a byte), and a batch's logits in float32 about three times over (forward, softmax, their gradient).
-    Each block's dequantized weights are recomputed in the backward pass, not held (quantize/distill.py)."""
+    """What a distillation step holds at its peak beside the runtime: the model in its compute dtype twice over (its
+    weights, and the blocks' dequantized weights, recomputed in the backward pass, which MLX's buffer cache keeps)
+    and a batch's logits in float32 six times over (teacher and student, softmax, their gradients). Measured:
+    bench/README.md, "Calibrated converter peaks"."""
     rows, length = DWQ_BATCH
-    return params * (compute_size + 1) + 3 * rows * length * vocab * 4
+    return 2 * params * compute_size + 6 * rows * length * vocab * 4
 
 
 def _load(source: Source) -> LoadedModel:

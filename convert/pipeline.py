@@ -36,7 +36,15 @@ from mlxinfer.models.quantized import FLOAT_FORMATS
 from mlxinfer.models.sizing import check_checkpoint
 from mlxinfer.untrusted import first_line, shown_path
 
-from .calibration import CALIBRATIONS, dwq_peak_bytes, dwq_tensors, gptq_tensors, sensitivity_layers, source_path
+from .calibration import (
+    CALIBRATIONS,
+    awq_tensors,
+    dwq_peak_bytes,
+    dwq_tensors,
+    gptq_tensors,
+    sensitivity_layers,
+    source_path,
+)
 from .default_recipe import LEARNED_BPW
 from .default_recipe import choose as choose_default
 from .evaluation import evaluate, evaluation_bytes, evaluation_fits
@@ -61,8 +69,8 @@ log = logging.getLogger(__name__)
 # GGUF types the loader keeps on an MLX affine grid, by name -> (bits, group size): their own codes (Q4_0 to Q8_0,
 # Q4_K, Q5_K) or rounded once more (formats/gguf_requant.py).
 BLOCK_GRIDS = {GGMLQuantizationType(kind).name: grid for kind, grid in AFFINE.items()}
-METHODS = ("rtn", "gptq", "dwq")
-CALIBRATED = ("gptq", "dwq")  # methods that run the source model on calibration text
+METHODS = ("rtn", "gptq", "awq", "dwq")
+CALIBRATED = ("gptq", "awq", "dwq")  # methods that run the source model on calibration text
 RUNTIME_BYTES = 200 * 2**20  # Python, MLX, the tokenizer and what the steps before left allocated
 
 
@@ -76,8 +84,8 @@ class ConvertSettings:
     mode: str = "affine"  # or an MLX float format: mxfp4, nvfp4, mxfp8 (every quantized layer alike, to nearest)
     recipe: str | None = None
     bpw: float | None = None
-    method: str | None = None  # "rtn" (round to nearest), "gptq" or "dwq"; None: gptq for the sensitivity recipe
-    # What GPTQ, DWQ and the sensitivity recipe run the source on: "prose" or "mixed"; None: mixed for the learned
+    method: str | None = None  # "rtn" (round to nearest), "gptq", "awq" or "dwq"; None: gptq for sensitivity
+    # What GPTQ, AWQ, DWQ and the sensitivity recipe run the source on: "prose" or "mixed"; None: mixed for the learned
     # default (no recipe flag given), else prose.
     calibration: str | None = None
     dtype: str | None = None  # None: the source's 16-bit float type (bfloat16 for float32 sources)
@@ -197,7 +205,9 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     moe = any(len(shape) == 3 for name, shape in shapes.items() if name.endswith(".weight"))
     block_quantized = any(t.dtype in BLOCK_GRIDS or t.dtype == "MXFP4" for t in source.tensors.values())
     params = sum(math.prod(shape) for shape in shapes.values())
-    learned_peak = _calibrated_peak(config, shapes, params, int(params * LEARNED_BPW / 8), "dwq")
+    matrices = [name.removesuffix(".weight") for name in shapes if name.endswith(".weight")]
+    learned_bytes = int(params * LEARNED_BPW / 8)
+    learned_peak = _calibrated_peak(source, shapes, params, learned_bytes, "dwq", True, matrices, config)
     default = choose_default(settings, config, params, moe, block_quantized, learned_peak, source.description)
     settings.calibration = settings.calibration or "prose"
     _resolve_mode(settings, moe)
@@ -216,7 +226,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         raise ConversionError(f"--calibration {settings.calibration!r} is not one of {', '.join(CALIBRATIONS)}")
     if settings.calibration != "prose" and not (sensitivity or settings.method in CALIBRATED or default):
         raise ConversionError(
-            "--calibration matters only to --method gptq or dwq and --recipe sensitivity; add one, or drop it"
+            "--calibration matters only to --method gptq, awq or dwq and --recipe sensitivity; add one, or drop it"
         )
     _check_calibration(config, shapes, sensitivity, settings.method)
     if sensitivity:
@@ -237,7 +247,9 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     )
     peak = stream_peak_bytes(source, shapes, layers, dtype, BLOCK_GRIDS)
     if sensitivity or settings.method in CALIBRATED:
-        peak = max(peak, _calibrated_peak(config, shapes, params, output_bytes, settings.method))
+        rounded = [path for path, quant in _calibrated_layers(source, layers).items() if quant]
+        peak = max(peak, _calibrated_peak(source, shapes, params, output_bytes, settings.method, sensitivity, rounded,
+                                          config))  # fmt: skip
     evaluation = evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
     if settings.evaluate:
         settings.evaluate = evaluation_fits(source, evaluation)
@@ -252,14 +264,24 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     )  # fmt: skip
 
 
-def _calibrated_peak(config: ModelConfig, shapes: dict[str, tuple[int, ...]], params: int, output_bytes: int, method):
-    """What the steps that run the source model peak at: the whole model in its compute dtype (twice, with MLX's
-    buffer cache), numpy working copies of the largest tensor and the output; distillation's step can outgrow
-    that (a large vocabulary's logits)."""
+def _calibrated_peak(source, shapes: dict, params: int, output_bytes: int, method, sensitivity, rounded, config):
+    """What the steps that run the source model peak at: the whole model in its compute dtype (twice for DWQ: its
+    training step's), a GGUF file's mapped pages, and the larger of two transients: the output beside working
+    copies of the largest tensor a step rounds (GPTQ's float32 weight, codes, rounded values and errors in numpy:
+    16 bytes a value; the sensitivity measurement's rounded copies: 12; AWQ works a layer group at a time), or,
+    loading a GGUF's quantized blocks as dense CPU weights, two float copies of its largest tensor. Distillation's
+    step can outgrow all that (a large vocabulary's logits). Measured in bench/README.md, "Calibrated converter
+    peaks"."""
     compute_size = choose_compute_dtype(None).size
-    peak = RUNTIME_BYTES + 2 * params * compute_size + 4 * 4 * max(map(math.prod, shapes.values())) + output_bytes
+    fixed = RUNTIME_BYTES + getattr(source, "mapped_bytes", 0)
+    model = (2 if method == "dwq" else 1) * params * compute_size
+    largest = max((math.prod(shapes[f"{path}.weight"]) for path in rounded), default=0)
+    working = max(16 if method in ("gptq", "dwq") else 0, 12 if sensitivity else 0) * largest + output_bytes
+    blocks = any(t.dtype in BLOCK_GRIDS for t in source.tensors.values())
+    loading = 2 * compute_size * max(map(math.prod, shapes.values())) if blocks else 0
+    peak = fixed + model + max(working, loading)
     if method == "dwq":
-        peak = max(peak, RUNTIME_BYTES + output_bytes + dwq_peak_bytes(params, config.vocab_size, compute_size))
+        peak = max(peak, fixed + dwq_peak_bytes(params, config.vocab_size, compute_size))
     return peak
 
 
@@ -345,13 +367,15 @@ def _check_tensors(source: Source, model: nn.Module, given: dict[str, tuple[int,
     return given
 
 
-def _gptq_layers(plan: ConversionPlan) -> dict[str, LayerQuant | None]:
-    # A GGUF block copied onto the same grid is already as rounded as it will be.
-    def copies(path: str) -> bool:
-        stored = _source_dtype(plan.source, path)
-        return copied(plan.layers[path], stored, BLOCK_GRIDS.get(stored))
+def _calibrated_layers(source: Source, layers: dict[str, LayerQuant | None]) -> dict[str, LayerQuant | None]:
+    """`layers` less those a calibrated method leaves alone: a GGUF block copied onto the same grid is already as
+    rounded as it will be."""
 
-    return {path: quant for path, quant in plan.layers.items() if not copies(path)}
+    def copies(path: str) -> bool:
+        stored = _source_dtype(source, path)
+        return copied(layers[path], stored, BLOCK_GRIDS.get(stored))
+
+    return {path: quant for path, quant in layers.items() if not copies(path)}
 
 
 def _keep_finer_blocks(source: Source, layers: dict[str, LayerQuant | None]) -> dict[str, LayerQuant | None]:
@@ -408,8 +432,9 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
         check_space(folder.path, plan.output_bytes)
         rounded = {}
         if plan.settings.method in CALIBRATED:
-            calibrated = gptq_tensors if plan.settings.method == "gptq" else dwq_tensors
-            rounded = calibrated(plan.source, _gptq_layers(plan), plan.dtype, progress, plan.settings.calibration)
+            calibrated = {"gptq": gptq_tensors, "awq": awq_tensors, "dwq": dwq_tensors}[plan.settings.method]
+            layers = _calibrated_layers(plan.source, plan.layers)
+            rounded = calibrated(plan.source, layers, plan.dtype, progress, plan.settings.calibration)
         files, data_bytes = _write_tensors(plan, folder.path, progress, rounded)
         plan.source.write_tokenizer(folder.path)
         config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
@@ -459,7 +484,11 @@ def _written_names(plan: ConversionPlan, shapes: dict[str, tuple[int, ...]]) -> 
 
 
 def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounded: dict):
-    """The tensors written for output tensor `name`: itself, or its packed weight, scales and biases."""
+    """The tensors written for output tensor `name`: itself, or its packed weight, scales and biases. `rounded`
+    holds what a calibrated method made: a layer's (packed, scales, biases) under its path, or a tensor's new
+    float value (AWQ's scaled weights and norms) under its name."""
+    if name in rounded:
+        value = rounded.pop(name)
     path = name.removesuffix(".weight")
     quant = plan.layers.get(path) if name.endswith(".weight") else None
     if quant is not None and path in rounded:

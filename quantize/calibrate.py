@@ -26,17 +26,19 @@ Triplet = tuple[mx.array, mx.array, mx.array]  # packed weight, scales, biases
 
 
 class _Recorder(nn.Module):
-    """Stands in for a linear layer: adds its input's x xᵀ to `hessians[key]`, then calls it."""
+    """Stands in for a linear layer: adds its input's x xᵀ and Σ|x| to `stats[key]`, then calls it."""
 
-    def __init__(self, inner: nn.Module, key: str, hessians: dict[str, mx.array]):
+    def __init__(self, inner: nn.Module, key: str, stats: dict[str, tuple[mx.array, mx.array]]):
         super().__init__()
-        self.inner, self.key, self.hessians = inner, key, hessians
+        self.inner, self.key, self.stats = inner, key, stats
 
     def __call__(self, x: mx.array) -> mx.array:
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-        previous = self.hessians.get(self.key)
-        gram = flat.T @ flat
-        self.hessians[self.key] = gram if previous is None else previous + gram
+        gram, magnitude = flat.T @ flat, mx.abs(flat).sum(axis=0)
+        if self.key in self.stats:
+            previous = self.stats[self.key]
+            gram, magnitude = gram + previous[0], magnitude + previous[1]
+        self.stats[self.key] = (gram, magnitude)
         return self.inner(x)
 
 
@@ -59,8 +61,7 @@ def gptq_model(
     for index, (block, kind) in enumerate(zip(model.layers, model.layout.layer_types)):
         mask = model.mask(tokens.shape[1], 0, kind)
         prefix = f"model.layers.{index}."
-        hessians = _record(block, h, mask)
-        for name, hessian in hessians.items():
+        for name, (hessian, _) in record_inputs(block, h, mask).items():
             quant = layers.get(prefix + name)
             if quant is not None:
                 results[prefix + name] = _round(block, name, hessian, quant, dtype)
@@ -77,22 +78,23 @@ def gptq_model(
     return results
 
 
-def _record(block: nn.Module, h: mx.array, mask: mx.array | None) -> dict[str, mx.array]:
-    """Input Hessians of every linear layer in `block` over one forward pass."""
-    hessians: dict[str, mx.array] = {}
+def record_inputs(block: nn.Module, h: mx.array, mask: mx.array | None) -> dict[str, tuple[mx.array, mx.array]]:
+    """{name: (x xᵀ, Σ|x|)} of every linear layer's inputs in `block` over one forward pass (the first: GPTQ's
+    input Hessian)."""
+    stats: dict[str, tuple[mx.array, mx.array]] = {}
     linears = [(name, m) for name, m in block.named_modules() if isinstance(m, nn.Linear)]
     for name, module in linears:
-        _set_child(block, name, _Recorder(module, name, hessians))
+        set_child(block, name, _Recorder(module, name, stats))
     try:
-        mx.eval(block(h, mask, None), hessians)
+        mx.eval(block(h, mask, None), stats)
     finally:
         for name, module in linears:
-            _set_child(block, name, module)
-    return hessians
+            set_child(block, name, module)
+    return stats
 
 
 def _round(owner: nn.Module, name: str, hessian: mx.array, quant: LayerQuant, dtype: mx.Dtype) -> Triplet:
-    module = _child(owner, name)
+    module = child(owner, name)
     weight = np.array(module.weight.astype(mx.float32))
     packed, scales, biases = gptq_quantize(weight, np.array(hessian), quant.bits, quant.group_size, dtype)
     rounded = dequantize_rows(packed, scales, biases, quant.bits, quant.group_size)
@@ -101,12 +103,13 @@ def _round(owner: nn.Module, name: str, hessian: mx.array, quant: LayerQuant, dt
     return packed, scales, biases
 
 
-def _child(owner: nn.Module, dotted: str) -> nn.Module:
-    for part in dotted.split("."):
+def child(owner: Any, dotted: str) -> Any:
+    """The submodule at a dotted path ("" is `owner`); a number indexes a list of blocks."""
+    for part in dotted.split(".") if dotted else ():
         owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
     return owner
 
 
-def _set_child(owner: nn.Module, dotted: str, value: nn.Module) -> None:
+def set_child(owner: nn.Module, dotted: str, value: nn.Module) -> None:
     parent, _, leaf = dotted.rpartition(".")
-    setattr(_child(owner, parent) if parent else owner, leaf, value)
+    setattr(child(owner, parent) if parent else owner, leaf, value)

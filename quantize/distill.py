@@ -25,6 +25,7 @@ import mlx.optimizers as optim
 import numpy as np
 
 from .affine import quantize_rows
+from .calibrate import child
 from .gptq import pack
 from .recipes import LayerQuant
 
@@ -174,17 +175,11 @@ def _swap_in(
         if quant is None:
             continue
         parent, _, leaf = path.rpartition(".")
-        owner = _child(model, parent)
+        owner = child(model, parent)
         held[path] = _Codes(getattr(owner, leaf), quant, start.get(path), dtype)
         setattr(owner, leaf, held[path])
         mx.eval(held[path].parameters())
     return held
-
-
-def _child(owner: Any, dotted: str) -> Any:
-    for part in dotted.split(".") if dotted else ():
-        owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
-    return owner
 
 
 def _unpack(packed: mx.array, bits: int, columns: int) -> mx.array:

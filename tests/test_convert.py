@@ -296,8 +296,8 @@ def test_bad_recipe_settings_are_refused(tmp_path):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, group_size=64, recipe="sensitivity", progress=False)
     with pytest.raises(ConversionError, match="--method gptq rounds quantized weights"):
         convert(TINY / "qwen2", tmp_path / "x", bits=16, method="gptq", progress=False)
-    with pytest.raises(ConversionError, match="--method 'awq' is not one of rtn, gptq, dwq"):
-        convert(TINY / "qwen2", tmp_path / "x", bits=4, method="awq", progress=False)
+    with pytest.raises(ConversionError, match="--method 'hqq' is not one of rtn, gptq, awq, dwq"):
+        convert(TINY / "qwen2", tmp_path / "x", bits=4, method="hqq", progress=False)
     with pytest.raises(ConversionError, match="--bpw needs --recipe sensitivity"):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, recipe="uniform", bpw=5.0, progress=False)
     assert not (tmp_path / "x").exists()
@@ -481,5 +481,5 @@ def test_gptq_on_mixed_calibration_converts_and_a_needless_calibration_is_refuse
                      evaluate=False, progress=False)  # fmt: skip
     assert result.manifest["settings"]["calibration"] == "mixed"
     assert mlxinfer.load(tmp_path / "g").generate("hello", max_tokens=3).stats.generated_tokens == 3
-    with pytest.raises(ConversionError, match="--calibration matters only to --method gptq or dwq and --recipe"):
+    with pytest.raises(ConversionError, match="--calibration matters only to --method gptq, awq or dwq and --recipe"):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, method="rtn", calibration="mixed", progress=False)

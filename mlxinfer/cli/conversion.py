@@ -45,19 +45,19 @@ from .common import errors_as_one_line
 @click.option("--bpw", type=float, default=None, help="Bits-per-weight budget for --recipe sensitivity.")
 @click.option(
     "--method",
-    type=click.Choice(["rtn", "gptq", "dwq"]),
+    type=click.Choice(["rtn", "gptq", "awq", "dwq"]),
     default=None,
-    help="Rounding: rtn (nearest, streaming), gptq (error-compensating, fitted on calibration text) or dwq "
-    "(gptq, then scales distilled toward the source's outputs) [default: dwq for the learned default (see --bits), "
-    "gptq with --recipe sensitivity, else rtn].",
+    help="Rounding: rtn (nearest, streaming), gptq (error-compensating, fitted on calibration text), awq (inputs "
+    "scaled by their activations, then nearest) or dwq (gptq, then scales distilled toward the source's outputs) "
+    "[default: dwq for the learned default (see --bits), gptq with --recipe sensitivity, else rtn].",
 )
 @click.option(
     "--calibration",
     type=click.Choice(["prose", "mixed"]),
     default=None,
-    help="What GPTQ, DWQ and --recipe sensitivity run the source on: shipped English prose, or half of it beside the "
-    "model's own samples from chat, code, arithmetic and French/Spanish/German seeds [default: mixed for the learned "
-    "default, else prose].",
+    help="What GPTQ, AWQ, DWQ and --recipe sensitivity run the source on: shipped English prose, or half of it "
+    "beside the model's own samples from chat, code, arithmetic and French/Spanish/German seeds [default: mixed for "
+    "the learned default, else prose].",
 )
 @click.option(
     "--dtype",
