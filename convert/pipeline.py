@@ -264,7 +264,16 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     )  # fmt: skip
 
 
-def _calibrated_peak(source, shapes: dict, params: int, output_bytes: int, method, sensitivity, rounded, config):
+def _calibrated_peak(
+    source: Source,
+    shapes: dict[str, tuple[int, ...]],
+    params: int,
+    output_bytes: int,
+    method: str,
+    sensitivity: bool,
+    rounded: list[str],
+    config: ModelConfig,
+) -> int:
     """What the steps that run the source model peak at: the whole model in its compute dtype (twice for DWQ: its
     training step's), a GGUF file's mapped pages, and the larger of two transients: the output beside working
     copies of the largest tensor a step rounds (GPTQ's float32 weight, codes, rounded values and errors in numpy:
@@ -465,6 +474,8 @@ def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: 
                 del value  # evaluated, its bytes (or, lazy, the tensors it was made of) are not needed again
                 bar.update(math.prod(shapes[name]))
                 bar.set_postfix_str(name, refresh=False)
+        if rounded:  # a calibrated tensor no output tensor took: the output would not be what was fitted
+            raise ConversionError(f"{shown_path(plan.out)}: calibrated tensors never written: {', '.join(rounded)}")
         return writer.finish(), writer.total_bytes
     except BaseException:
         writer.abandon()
