@@ -90,6 +90,24 @@ def test_https_never_goes_down_to_http():
             client.get("http://127.0.0.1:9/x")
 
 
+def test_rules_left_behind_by_a_generator_closed_elsewhere_are_not_in_force():
+    import contextvars
+
+    import httpx2
+
+    def suspended() -> Iterator[None]:
+        with bounded() as rules:
+            rules.scheme = "https"  # as after a first request to an https endpoint
+            yield
+
+    inside = suspended()
+    next(inside)  # this context now holds the generator's rules, as a generator left suspended leaves them
+    contextvars.Context().run(inside.close)  # closed where the garbage collector might close it: the reset
+    # cannot run here, yet a request made here is no longer held to those rules (port 9: nothing listens)
+    with http_client() as client, pytest.raises(httpx2.ConnectError):
+        client.get("http://127.0.0.1:9/x")
+
+
 def test_a_range_a_server_ignores_is_cut_to_the_bytes_asked_for(servers):
     body = bytes(range(256)) * 4
     server = Recorder(lambda path: (200, {}, body))  # ignores Range: the whole file, status 200

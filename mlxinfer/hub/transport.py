@@ -56,6 +56,7 @@ class Rules:
     limit: int | None  # bytes a body may hold; None: no limit (a download, checked against its listed size)
     scheme: str | None = None  # the first request's scheme: after https, never http
     failure: Unanswered | None = None  # why a body ended early, when it did
+    open: bool = True  # False once its bounded() block has ended, wherever that was
 
 
 _rules: ContextVar[Rules | None] = ContextVar("mlxinfer_hub_rules", default=None)
@@ -69,7 +70,17 @@ def bounded(limit: int | None = None) -> Iterator[Rules]:
     try:
         yield rules
     finally:
-        _rules.reset(token)
+        rules.open = False
+        try:
+            _rules.reset(token)
+        except ValueError:  # ended in another context (a generator suspended in here, closed by the garbage
+            pass  # collector): the value left behind in the first context is closed, and _active() ignores it
+
+
+def _active() -> Rules | None:
+    """The rules in force for a request made here: those of the innermost bounded() block still open."""
+    rules = _rules.get()
+    return rules if rules is not None and rules.open else None
 
 
 class Pace:
@@ -162,7 +173,7 @@ class _Transport(httpx2.HTTPTransport):
         pool._network_backend = _PacedBackend(pool._network_backend)
 
     def handle_request(self, request: httpx2.Request) -> httpx2.Response:
-        rules = _rules.get()
+        rules = _active()
         if rules is None:
             return super().handle_request(request)
         scheme = request.url.scheme
@@ -230,7 +241,7 @@ class _PacedBackend(httpcore2.NetworkBackend):
         self._inner = inner
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, **kwargs: Any) -> httpcore2.NetworkStream:
-        if _rules.get() is not None:
+        if _active() is not None:
             timeout = CONNECT_TIMEOUT_S if timeout is None else min(timeout, CONNECT_TIMEOUT_S)
         return _PacedStream(self._inner.connect_tcp(host, port, timeout, **kwargs))
 
@@ -249,12 +260,12 @@ class _PacedStream(httpcore2.NetworkStream):
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if self._pace is None or self._answering:  # the first bytes of a new request
-            self._pace = Pace(stall_s()) if _rules.get() is not None else None
+            self._pace = Pace(stall_s()) if _active() is not None else None
             self._answering = False
         self._inner.write(buffer, timeout)
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        pace = self._pace if _rules.get() is not None else None
+        pace = self._pace if _active() is not None else None
         self._answering = True
         if pace is None:
             return self._inner.read(max_bytes, timeout)
