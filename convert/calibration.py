@@ -157,13 +157,13 @@ def awq_tensors(
     return changed
 
 
-def dwq_peak_bytes(params: int, vocab: int, compute_size: int) -> int:
-    """What a distillation step holds at its peak beside the runtime: the model in its compute dtype twice over (its
-    weights, and the blocks' dequantized weights, recomputed in the backward pass, which MLX's buffer cache keeps)
-    and a batch's logits in float32 six times over (teacher and student, softmax, their gradients). Measured:
-    bench/README.md, "Calibrated converter peaks"."""
+def dwq_peak_bytes(params: int, vocab: int, compute_size: int, copies: int = 2) -> int:
+    """What a distillation step holds at its peak beside the runtime: the model in its compute dtype `copies` times
+    (its weights, and where loading freed buffers, MLX's cache reusing them for the blocks' dequantized weights,
+    recomputed in the backward pass) and a batch's logits in float32 twice (the student's and their gradient; the
+    teacher's are kept as its top-256 only). Measured: bench/README.md, "Calibrated converter peaks"."""
     rows, length = DWQ_BATCH
-    return 2 * params * compute_size + 6 * rows * length * vocab * 4
+    return copies * params * compute_size + 2 * rows * length * vocab * 4
 
 
 def _load(source: Source) -> LoadedModel:

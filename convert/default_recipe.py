@@ -34,7 +34,7 @@ class DefaultChoice:
 
 def choose(
     settings: Any, config: ModelConfig, params: int, moe: bool, block_quantized: bool, learned_peak: int, source: str
-):
+) -> DefaultChoice | None:
     """None when a flag picks the recipe (`settings` as given); else settle `settings` on the learned recipe unless
     this source or machine rules it out (`learned_peak`: what running it peaks at), or on round-to-nearest."""
     asked = (settings.recipe, settings.bpw, settings.method, settings.group_size) == (None,) * 4

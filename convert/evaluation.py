@@ -66,15 +66,18 @@ def evaluation_bytes(
     loaded, cast = source.load_bytes(compute)
     shapes = shapes if shapes is not None else {n: source.tensors[n].shape for n in names}
     output = sum(written_bytes(shape, layers.get(n.removesuffix(".weight")), compute) for n, shape in shapes.items())
+    dequantizing = 0
     if report_cpu_weights(source_parameters(source)) == "dense":
         # float32 throughout; the output's layers are dequantized all at once, so its stored bytes are held
-        # beside their float32 copies until the swap (models/cpu_weights.py), then given back.
+        # beside their float32 copies until the swap (models/cpu_weights.py), then given back; MLX's dequantize
+        # of the largest tensor holds a float32 temporary as large (measured: Gemma 3 270M's embedding).
         loaded = max(loaded, 4 * sum(math.prod(source.tensors[n].shape) for n in names))
         output += max(output, 4 * sum(math.prod(shape) for shape in shapes.values()))
+        dequantizing = 4 * max(math.prod(shape) for shape in shapes.values())
     positions = -(-tokens // KV_STEP) * KV_STEP  # the KV cache grows in steps of KV_STEP positions
     per_position = 2 * config.num_layers * kv_width(config)
     kv = 2 * per_position * positions * compute.size  # two models, keys and values each
-    return loaded + max(cast, output) + kv + scoring_bytes(config.vocab_size, compute.size)
+    return loaded + max(cast, output) + dequantizing + kv + scoring_bytes(config.vocab_size, compute.size)
 
 
 def evaluation_fits(source: Source, needed: int) -> bool:

@@ -44,6 +44,7 @@ def kv_width(config: ModelConfig) -> int:
 # 68-108 MiB (SmolLM2-135M from bf16 and from GGUF, Gemma 3 270M from GGUF; bench/README.md, "Converter peaks"):
 # 90 MiB keeps every measured forecast between -5% and +15% of its peak.
 STREAM_RUNTIME_BYTES = 90 * 2**20
+MAPPED_FLOATS = ("F16", "BF16", "F32")  # GGUF float tensors: read as views of the file's map
 
 
 def stream_peak_bytes(
@@ -62,9 +63,12 @@ def stream_peak_bytes(
     quantize/affine.py) and the written tensor."""
     largest_read = max((t.nbytes for t in source.tensors.values()), default=0)
     held = 0
+    mapped = getattr(source, "mapped_bytes", 0)
     for name, shape in shapes.items():
         stored = source.tensors.get(name)
         read = stored.nbytes if stored is not None else largest_read
+        if mapped and stored is not None and stored.dtype in MAPPED_FLOATS:
+            read = 0  # the mapped pages themselves, counted with the file (a GGUF's F16 tensor is not copied)
         quant = layers.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
         grid = grids.get(stored.dtype) if stored is not None else None
         count = math.prod(shape)
@@ -79,7 +83,7 @@ def stream_peak_bytes(
                 + written_bytes(shape, quant, dtype)
             )
         held = max(held, work)
-    return STREAM_RUNTIME_BYTES + getattr(source, "mapped_bytes", 0) + held
+    return STREAM_RUNTIME_BYTES + mapped + held
 
 
 def copied(quant: LayerQuant | None, stored: str, grid: tuple[int, int] | None) -> bool:

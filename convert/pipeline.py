@@ -274,23 +274,25 @@ def _calibrated_peak(
     rounded: list[str],
     config: ModelConfig,
 ) -> int:
-    """What the steps that run the source model peak at: the whole model in its compute dtype (twice for DWQ: its
-    training step's), a GGUF file's mapped pages, and the larger of two transients: the output beside working
+    """What the steps that run the source model peak at: the whole model in its compute dtype (for DWQ, most often
+    twice) and the larger of two transients: the output beside working
     copies of the largest tensor a step rounds (GPTQ's float32 weight, codes, rounded values and errors in numpy:
     16 bytes a value; the sensitivity measurement's rounded copies: 12; AWQ works a layer group at a time), or,
     loading a GGUF's quantized blocks as dense CPU weights, two float copies of its largest tensor. Distillation's
     step can outgrow all that (a large vocabulary's logits). Measured in bench/README.md, "Calibrated converter
     peaks"."""
-    compute_size = choose_compute_dtype(None).size
-    fixed = RUNTIME_BYTES + getattr(source, "mapped_bytes", 0)
-    model = (2 if method == "dwq" else 1) * params * compute_size
+    compute = choose_compute_dtype(None)
+    fixed = RUNTIME_BYTES  # a GGUF's mapped pages: read by the loader, not resident past it (measured)
+    blocks = any(t.dtype in BLOCK_GRIDS for t in source.tensors.values())
+    # DWQ's step holds the model twice where loading made new weights (a cast, dequantized blocks): MLX's buffer
+    # cache keeps what the load freed for the blocks' recomputed weights (a float32 source on this CPU: once).
+    copies = 2 if method == "dwq" and (blocks or source.load_bytes(compute)[1]) else 1
     largest = max((math.prod(shapes[f"{path}.weight"]) for path in rounded), default=0)
     working = max(16 if method in ("gptq", "dwq") else 0, 12 if sensitivity else 0) * largest + output_bytes
-    blocks = any(t.dtype in BLOCK_GRIDS for t in source.tensors.values())
-    loading = 2 * compute_size * max(map(math.prod, shapes.values())) if blocks else 0
-    peak = fixed + model + max(working, loading)
+    loading = 2 * compute.size * max(map(math.prod, shapes.values())) if blocks else 0
+    peak = fixed + copies * params * compute.size + max(working, loading)
     if method == "dwq":
-        peak = max(peak, fixed + dwq_peak_bytes(params, config.vocab_size, compute_size))
+        peak = max(peak, fixed + dwq_peak_bytes(params, config.vocab_size, compute.size, copies))
     return peak
 
 
