@@ -234,3 +234,32 @@ def test_peer_recipes_bench_runs_mlx_lms_learned_recipes_on_our_calibration(tmp_
     for name in ("| awq", "| dynamic_quant"):
         bits = float(rows[name].split(" | ")[1])
         assert 4.0 < bits < 5.5, rows[name]  # 4-bit g64 (5-bit layers for dynamic_quant), on a tiny model
+
+
+@pytest.mark.slow
+def test_forecast_bench_copies_a_gguf_and_measures_each_conversion(tmp_path):
+    # The real run measures SmolLM2-135M (bench/README.md, "Converter peaks"); here the tiny llama as Q8_0 GGUF.
+    import gguf
+    import mlx.core as mx
+    import numpy as np
+
+    import mlxinfer
+    from bench.forecast_bench import write_gguf_copy
+    from tests.test_gguf import write_tiny_gguf
+
+    q8 = write_tiny_gguf(tmp_path / "tiny.gguf", k_quant="model.layers.0.mlp.down_proj.weight",
+                         k_type=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    f16 = write_gguf_copy(q8, tmp_path / "f16.gguf", "F16")
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(f16)).tensors}
+    assert kinds["blk.0.ffn_down.weight"] == "F16" and kinds["blk.0.attn_norm.weight"] == "F32"
+    ids = mx.array([[1, 5, 9, 13]])
+    original, copy = (mlxinfer.load(path)._loaded.model(ids) for path in (q8, f16))
+    np.testing.assert_allclose(np.array(copy), np.array(original), rtol=2e-2, atol=2e-2)  # F16's rounding
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.forecast_bench", "--gguf", str(q8), "--no-copies", "--cases", "8bit"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| tiny.gguf")]
+    assert len(rows) == 1 and rows[0][1:3] == ["8bit", "`--bits 8 --no-eval`"], done.stdout
+    assert int(rows[0][3]) > 0 and int(rows[0][4]) > 0  # the plan line's forecast and the result line's peak
