@@ -88,22 +88,28 @@ def main() -> None:
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
     args = parser.parse_args()
     wanted = set(filter(None, args.cases.split(",")))
-    work = Path(tempfile.mkdtemp(prefix="forecast-bench-"))
-    runs = [(args.source, name, flags) for name, flags in FLOAT_CASES.items()] if args.source else []
-    for gguf_file in args.gguf:
-        copies = [] if args.no_copies else [write_gguf_copy(gguf_file, work / f"{k}.gguf", k) for k in GGUF_COPIES]
-        runs += [(path, name, flags) for path in (gguf_file, *copies) for name, flags in GGUF_CASES.items()]
-    print(f"{platform.node()} ({platform.machine()}); {time.strftime('%Y-%m-%d')}")
-    print("\n| source | case | flags | forecast MiB | measured MiB | forecast / measured | within | s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for source, name, flags in runs:
-        if wanted and name not in wanted:
-            continue
-        forecast, measured, seconds = measure(source, flags, work / "out")
-        within = "yes" if 0.95 * measured <= forecast <= 1.15 * measured else "NO"
-        ratio = f"{forecast / measured - 1:+.1%}"
-        print(f"| {source.name} | {name} | `{' '.join(flags)}` | {forecast} | {measured} | {ratio} | {within} | "
-              f"{seconds:.0f} |", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="forecast-bench-") as folder:
+        work = Path(folder)
+        runs = [(args.source, name, flags) for name, flags in FLOAT_CASES.items()] if args.source else []
+        for gguf_file in args.gguf:
+            copies = [] if args.no_copies else [
+                write_gguf_copy(gguf_file, work / f"{gguf_file.stem}-{kind}.gguf", kind) for kind in GGUF_COPIES
+            ]  # fmt: skip
+            runs += [(path, name, flags) for path in (gguf_file, *copies) for name, flags in GGUF_CASES.items()]
+        print(f"{platform.node()} ({platform.machine()}); {time.strftime('%Y-%m-%d')}")
+        print("\n| source | case | flags | forecast MiB | measured MiB | forecast / measured | within | s |")
+        print("|---|---|---|---|---|---|---|---|")
+        for source, name, flags in runs:
+            if not wanted or name in wanted:
+                _row(source, name, flags, work / "out")
+
+
+def _row(source: Path, name: str, flags: list[str], out: Path) -> None:
+    forecast, measured, seconds = measure(source, flags, out)
+    within = "yes" if 0.95 * measured <= forecast <= 1.15 * measured else "NO"
+    ratio = f"{forecast / measured - 1:+.1%}"
+    print(f"| {source.name} | {name} | `{' '.join(flags)}` | {forecast} | {measured} | {ratio} | {within} | "
+          f"{seconds:.0f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What `mlxinfer convert SRC -o OUT` converts with when no recipe flag is given (`--bits 4` alone included).
 
 Round-to-nearest 4-bit group 64 answers the README's question wrongly on SmolLM2-135M-Instruct ("L'Alogueur de
-France", +37.7% perplexity on held-out code, prose and chat). The learned recipe below keeps 1.06x plain 4-bit's
+France", +50.3% perplexity on held-out code, prose and chat). The learned recipe below keeps 1.06x plain 4-bit's
 size (4.75 against 4.5 bits per weight) and measures +10.3% on the same held-out text, answering "Paris"
 (bench/README.md). It runs the whole source model, so it costs time and memory that streaming does not: where
 the source cannot be calibrated, or the machine cannot hold it, the conversion rounds to nearest instead and the
