@@ -120,6 +120,8 @@ def dwq_tensors(
     sequences = mx.array(ids[: len(ids) // length * length]).reshape(-1, length)
     batches = [sequences[i : i + rows] for i in range(0, sequences.shape[0], rows)]
     targets = teacher_targets(loaded.model, batches)  # before GPTQ changes the weights in place
+    mx.clear_cache()  # the teacher's logits buffers (569 MiB for SmolLM2 on mixed calibration): GPTQ's numpy copies
+    # would come on top of them in the process's memory
     gptq_rows = sequences[:: max(1, len(sequences) // GPTQ_BATCH[0])][: GPTQ_BATCH[0]]  # across the prose and samples
     steps = len(batches) * DWQ_EPOCHS
     with tqdm(total=len(loaded.model.layers) + 1 + steps, unit="step", desc="DWQ", disable=not progress) as bar:
@@ -190,7 +192,7 @@ def _own_samples(loaded: LoadedModel, tokens: int) -> list[int]:
 
     model = Model(loaded, prefix_cache_bytes=0, speculate="off", persist_prefixes=False)  # no prefix store on disk
     per = -(-tokens // len(SELF_PROMPTS))
-    starts = [model.encode_prompt(prompt, chat=not isinstance(prompt, str)) for prompt in SELF_PROMPTS]
+    starts = [_seed_ids(model, prompt) for prompt in SELF_PROMPTS]
     made: list[list[int]] = [[] for _ in starts]
     loop = BatchLoop(model.runtime, SchedulerConfig(max_batch=len(starts)), log_failures=False)
     for start, out in zip(starts, made):
@@ -205,6 +207,16 @@ def _own_samples(loaded: LoadedModel, tokens: int) -> list[int]:
     del loop, model
     mx.clear_cache()  # the decode's freed buffers (480 MiB for SmolLM2), before the next step allocates its own
     return ids[:tokens]
+
+
+def _seed_ids(model: Any, prompt: str | list[dict[str, str]]) -> list[int]:
+    """A seed's ids: a chat seed through the model's template, or, for a model without one (a base model), its
+    message text as plain text."""
+    if isinstance(prompt, str):
+        return model.encode_prompt(prompt, chat=False)
+    if model.tokenizer.chat_template:
+        return model.encode_prompt(prompt, chat=True)
+    return model.encode_prompt("\n".join(message["content"] for message in prompt), chat=False)
 
 
 def _recorder(out: list[int]) -> Callable[[Any], None]:

@@ -207,7 +207,8 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     params = sum(math.prod(shape) for shape in shapes.values())
     matrices = [name.removesuffix(".weight") for name in shapes if name.endswith(".weight")]
     learned_bytes = int(params * LEARNED_BPW / 8)
-    learned_peak = _calibrated_peak(source, shapes, params, learned_bytes, "dwq", True, matrices, config)
+    learned = ConvertSettings(method="dwq", calibration="mixed")
+    learned_peak = _calibrated_peak(source, shapes, params, learned_bytes, learned, True, matrices, config)
     default = choose_default(settings, config, params, moe, block_quantized, learned_peak, source.description)
     settings.calibration = settings.calibration or "prose"
     _resolve_mode(settings, moe)
@@ -248,8 +249,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     peak = stream_peak_bytes(source, shapes, layers, dtype, BLOCK_GRIDS)
     if sensitivity or settings.method in CALIBRATED:
         rounded = [path for path, quant in _calibrated_layers(source, layers).items() if quant]
-        peak = max(peak, _calibrated_peak(source, shapes, params, output_bytes, settings.method, sensitivity, rounded,
-                                          config))  # fmt: skip
+        peak = max(peak, _calibrated_peak(source, shapes, params, output_bytes, settings, sensitivity, rounded, config))
     evaluation = evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
     if settings.evaluate:
         settings.evaluate = evaluation_fits(source, evaluation)
@@ -269,7 +269,7 @@ def _calibrated_peak(
     shapes: dict[str, tuple[int, ...]],
     params: int,
     output_bytes: int,
-    method: str,
+    settings: ConvertSettings,
     sensitivity: bool,
     rounded: list[str],
     config: ModelConfig,
@@ -284,9 +284,10 @@ def _calibrated_peak(
     compute = choose_compute_dtype(None)
     fixed = RUNTIME_BYTES  # a GGUF's mapped pages: read by the loader, not resident past it (measured)
     blocks = any(t.dtype in BLOCK_GRIDS for t in source.tensors.values())
-    # DWQ's step holds the model twice where loading made new weights (a cast, dequantized blocks): MLX's buffer
-    # cache keeps what the load freed for the blocks' recomputed weights (a float32 source on this CPU: once).
-    copies = 2 if method == "dwq" and (blocks or source.load_bytes(compute)[1]) else 1
+    # DWQ held the model twice over in two measured cases: from a GGUF's blocks made dense, and on mixed
+    # calibration (8 batches against the prose's 3); once from prose-calibrated checkpoints of any dtype.
+    method = settings.method
+    copies = 2 if method == "dwq" and (blocks or settings.calibration == "mixed") else 1
     largest = max((math.prod(shapes[f"{path}.weight"]) for path in rounded), default=0)
     working = max(16 if method in ("gptq", "dwq") else 0, 12 if sensitivity else 0) * largest + output_bytes
     loading = 2 * compute.size * max(map(math.prod, shapes.values())) if blocks else 0

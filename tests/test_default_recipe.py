@@ -87,6 +87,7 @@ def test_an_unverified_family_rounds_to_nearest():
     assert not choice.learned and "model_type 'starcoder2' is unverified" in choice.note
 
 
+@pytest.mark.slow  # a whole conversion with the learned recipe, on the tiny model: ~3 s
 def test_the_default_converts_end_to_end_and_the_plan_line_says_so(tmp_path):
     result = CliRunner().invoke(main, ["convert", str(TINY / "qwen2"), "-o", str(tmp_path / "o"), "--no-eval"])
     assert result.exit_code == 0, result.output
@@ -105,3 +106,25 @@ def test_a_fallback_is_said_on_the_plan_line(tmp_path):
     assert (
         "4-bit rtn (round-to-nearest, not the learned default: model_type 'qwen3_next' has recurrent" in result.stderr
     )
+
+
+@pytest.mark.slow  # a whole conversion with the learned recipe, on the tiny model: ~3 s
+def test_a_base_model_without_a_chat_template_takes_the_default_with_its_chat_seeds_as_text(tmp_path):
+    import shutil
+
+    from mlxinfer.convert.calibration import SELF_PROMPTS, calibration_ids
+
+    from mlxinfer.models.loader import load_model
+
+    base = tmp_path / "base"
+    shutil.copytree(TINY / "qwen2", base)
+    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    loaded = load_model(base)
+    samples, per = calibration_ids(loaded, "mixed", 512)[256:], 256 // len(SELF_PROMPTS)
+    seed = SELF_PROMPTS[0][0]["content"]  # a chat seed, read as plain text: the sample opens with its words
+    assert samples[:4] == loaded.tokenizer.encode(seed, add_special_tokens=False)[:4] and per > 4
+    result = CliRunner().invoke(main, ["convert", str(base), "-o", str(tmp_path / "o"), "--no-eval"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "o" / "mlxinfer-manifest.json").read_text())["settings"]["method"] == "dwq"
