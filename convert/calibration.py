@@ -161,9 +161,9 @@ def awq_tensors(
 
 def dwq_peak_bytes(params: int, vocab: int, compute_size: int, copies: int = 2) -> int:
     """What a distillation step holds at its peak beside the runtime: the model in its compute dtype `copies` times
-    (its weights, and where loading freed buffers, MLX's cache reusing them for the blocks' dequantized weights,
-    recomputed in the backward pass) and a batch's logits in float32 twice (the student's and their gradient; the
-    teacher's are kept as its top-256 only). Measured: bench/README.md, "Calibrated converter peaks"."""
+    (twice as measured on mixed calibration and from a GGUF's blocks made dense) and a batch's logits in float32
+    twice (the student's and their gradient; the teacher's are kept as its top-256 only). Measured: bench/README.md,
+    "Calibrated converter peaks"."""
     rows, length = DWQ_BATCH
     return copies * params * compute_size + 2 * rows * length * vocab * 4
 
