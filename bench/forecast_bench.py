@@ -51,33 +51,45 @@ def measure(source: Path, flags: list[str], out: Path) -> tuple[int, int, float]
 
 
 def write_gguf_copy(source: Path, target: Path, kind_name: str) -> Path:
-    """`source` with every matrix re-encoded as F16 or Q8_0 (gguf.quants), metadata and other tensors as they are."""
+    """`source` with every matrix re-encoded as F16 or Q8_0 (gguf.quants), read through our one GGUF reader
+    (formats/gguf_file.py); metadata and other tensors as they are, each value written with the type its Python
+    value takes (strings, 32-bit integers and floats, booleans and arrays of them, as llama.cpp writes these keys)."""
     import gguf
     import numpy as np
 
+    from mlxinfer.formats.gguf_file import GGUFFile
+
     kind = gguf.GGMLQuantizationType[kind_name]
-    reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(target), reader.fields[gguf.Keys.General.ARCHITECTURE].contents())
-    for field in reader.fields.values():
-        if field.name != gguf.Keys.General.ARCHITECTURE and not field.name.startswith("GGUF."):
-            kind_of = field.types[0]
-            sub_type = field.types[-1] if kind_of == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind_of, sub_type=sub_type)
-    for tensor in reader.tensors:
-        shape = tuple(reversed([int(n) for n in tensor.shape]))
-        if len(shape) < 2 or tensor.tensor_type == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
-            continue
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
-        if kind == gguf.GGMLQuantizationType.F16:
-            writer.add_tensor(tensor.name, values.astype(np.float16))
-        else:
-            writer.add_tensor(tensor.name, gguf.quants.quantize(values, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with GGUFFile(source) as reader:
+        writer = gguf.GGUFWriter(str(target), reader.metadata["general.architecture"])
+        for key, value in reader.metadata.items():
+            if key not in ("general.architecture", "general.alignment"):  # the writer writes these itself
+                _add_value(writer, key, value.tolist() if isinstance(value, np.ndarray) else value)
+        for name, info in reader.tensors.items():
+            stored = gguf.GGMLQuantizationType(info.ggml_type)
+            if len(info.shape) < 2 or stored == gguf.GGMLQuantizationType.F32:  # norms and biases: as stored
+                writer.add_tensor(name, np.array(reader.read(name)))
+                continue
+            values = gguf.quants.dequantize(reader.raw(name), stored).reshape(info.shape).astype(np.float32)
+            if kind == gguf.GGMLQuantizationType.F16:
+                writer.add_tensor(name, values.astype(np.float16))
+            else:
+                writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return target
+
+
+def _add_value(writer, key: str, value) -> None:
+    import gguf
+
+    if isinstance(value, (list, tuple)):
+        sub_type = gguf.GGUFValueType.get_type(value[0]) if value else gguf.GGUFValueType.INT32
+        writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub_type=sub_type)
+    else:
+        writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
 
 
 def main() -> None:
