@@ -89,10 +89,7 @@ def gptq_tensors(
     from mlxinfer.quantize.calibrate import gptq_model
 
     loaded = _load(source)
-    batch, length = GPTQ_BATCH
-    ids = calibration_ids(loaded, calibration, batch * length)
-    batch = max(1, min(batch, len(ids) // length))
-    tokens = mx.array(ids[: batch * length]).reshape(batch, -1)
+    tokens = _batch_tokens(loaded, calibration)
     with tqdm(total=len(loaded.model.layers) + 1, unit="block", desc="GPTQ", disable=not progress) as bar:
         rounded = gptq_model(loaded.model, tokens, layers, dtype, progress=bar.update)
     del loaded
@@ -148,10 +145,7 @@ def awq_tensors(
     if not any(layers.values()):
         return {}
     loaded = _load(source)
-    batch, length = GPTQ_BATCH
-    ids = calibration_ids(loaded, calibration, batch * length)
-    batch = max(1, min(batch, len(ids) // length))
-    tokens = mx.array(ids[: batch * length]).reshape(batch, -1)
+    tokens = _batch_tokens(loaded, calibration)
     with tqdm(total=len(loaded.model.layers), unit="block", desc="AWQ", disable=not progress) as bar:
         changed = awq_model(loaded.model, tokens, layers, progress=bar.update)
     del loaded
@@ -166,6 +160,15 @@ def dwq_peak_bytes(params: int, vocab: int, compute_size: int, copies: int = 2) 
     "Calibrated converter peaks"."""
     rows, length = DWQ_BATCH
     return copies * params * compute_size + 2 * rows * length * vocab * 4
+
+
+def _batch_tokens(loaded: LoadedModel, calibration: str) -> mx.array:
+    """GPTQ_BATCH's (sequences, tokens) of calibration ids, fewer sequences when the text runs out: what GPTQ and
+    AWQ record their layers' inputs on."""
+    batch, length = GPTQ_BATCH
+    ids = calibration_ids(loaded, calibration, batch * length)
+    batch = max(1, min(batch, len(ids) // length))
+    return mx.array(ids[: batch * length]).reshape(batch, -1)
 
 
 def _load(source: Source) -> LoadedModel:
