@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlxinfer.convert import convert
@@ -197,6 +198,66 @@ def test_auto_decides_by_timing_both_on_the_largest_layer(tiny_4bit, monkeypatch
         loaded = load_model(tiny_4bit, cpu_weights="quantized")
         choice = choose_cpu_weights(loaded.model, mx.float32, usable_bytes=2**40, mode="auto")
         assert choice.kept == kept, choice
+
+
+def _toy(tied: bool) -> nn.Module:
+    """A quantized model as models/decoder.py names one: model.embed_tokens, a layer, and lm_head unless tied."""
+    toy = nn.Module()
+    toy.model = nn.Module()
+    toy.model.embed_tokens, toy.model.layers = nn.Embedding(512, 64), [nn.Linear(64, 64)]
+    if not tied:
+        toy.lm_head = nn.Linear(64, 512)
+    nn.quantize(toy, group_size=32, bits=4)
+    return toy
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_dense_multiplies_from_float32_and_never_copies_a_lookup(tied):
+    toy = _toy(tied)
+    assert choose_cpu_weights(toy, mx.float32, usable_bytes=2**40, mode="dense").kept == "dense"
+    assert type(toy.model.layers[0]) is nn.Linear
+    # The tied embedding is the head, so it multiplies; an untied one is only looked up and stays packed.
+    assert type(toy.model.embed_tokens) is (nn.Embedding if tied else nn.QuantizedEmbedding)
+    assert tied or type(toy.lm_head) is nn.Linear
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_auto_times_the_head_apart_from_the_layers(tied, monkeypatch):
+    from mlxinfer.models import cpu_weights
+
+    toy = _toy(tied)
+    head = toy.model.embed_tokens if tied else toy.lm_head
+    timed = []
+
+    def time_both(layer, rows):  # the layers run faster from float32, the head does not
+        timed.append((layer is head, rows))
+        return (1.0, 2.0) if layer is head else (1.0, 0.5)
+
+    monkeypatch.setattr(cpu_weights, "_time_both", time_both)
+    choice = choose_cpu_weights(toy, mx.float32, usable_bytes=2**40, mode="auto")
+    assert (
+        choice.kept == "dense"
+        and "head: float32 measured no faster here (2000.00 ms vs 1000.00 ms, 1 row)" in choice.reason
+    )
+    assert type(toy.model.layers[0]) is nn.Linear
+    assert (
+        type(head) in (nn.QuantizedEmbedding, nn.QuantizedLinear)
+        and (toy.lm_head if not tied else toy.model.embed_tokens) is head
+    )
+    assert timed == [(False, cpu_weights.PREFILL_ROWS), (False, 1), (True, 1)]  # the head only for decode's row
+
+
+def test_timing_a_layer_holds_a_bounded_slice_of_it(monkeypatch):
+    from mlxinfer.models import cpu_weights
+
+    monkeypatch.setattr(cpu_weights, "TIMED_BYTES", 4 << 20)
+    wide = nn.QuantizedLinear(1024, 32768, bias=False, group_size=32, bits=4)  # 128 MiB as float32
+    mx.eval(wide.parameters())
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    cpu_weights._time_both(wide, 1)
+    assert mx.get_peak_memory() - before < 4 * (4 << 20)  # the slice and its temporaries, not the 128 MiB
 
 
 def test_the_mode_comes_from_the_environment_and_is_checked(monkeypatch):

@@ -31,6 +31,7 @@ from ..errors import ConfigError
 MODES = ("auto", "dense", "quantized")
 DENSE_SHARE = 0.25  # float32 weights may take at most this share of the planner's usable memory
 PREFILL_ROWS = 32  # a prefill chunk's worth of rows: enough for GEMM to pay, cheap to time at load
+TIMED_BYTES = 64 << 20  # the float32 slice of a layer that is timed (_time_both)
 
 
 @dataclass(frozen=True)
@@ -52,17 +53,65 @@ def cpu_weights_mode(requested: str | None = None) -> str:
 
 
 def choose_cpu_weights(model: nn.Module, compute: mx.Dtype, usable_bytes: int, mode: str = "auto") -> WeightChoice:
-    """Dequantize `model`'s quantized linear and embedding layers in place where that pays; says what it did."""
+    """Dequantize `model`'s quantized layers that multiply, in place, where that pays; says what it did.
+
+    Embeddings only looked up (not the tied head) stay as stored whatever the mode: a lookup reads a few rows,
+    so float32 copies of them would only hold memory (Gemma 3's 262k-row table: 640 MiB)."""
     layers = _quantized(model)
     if not layers:
         return WeightChoice("as stored", "no quantized layers")
     if mode == "quantized":
         return WeightChoice("quantized", "MLXINFER_CPU_WEIGHTS=quantized")
-    why_not = _unsuited(compute) or (_not_worth_it(layers, usable_bytes) if mode == "auto" else None)
+    why_not = _unsuited(compute)
     if why_not:
         return WeightChoice("quantized", why_not)
-    dequantize(model, layers)
-    return WeightChoice("dense", "MLXINFER_CPU_WEIGHTS=dense" if mode == "dense" else "float32 measured faster here")
+    body, head = _roles(model, layers)
+    if mode == "dense":
+        chosen, reason = body | head, "MLXINFER_CPU_WEIGHTS=dense"
+    else:
+        chosen, reason = _worth_it(body, head, usable_bytes)
+    if not chosen:
+        return WeightChoice("quantized", reason)
+    dequantize(model, chosen)
+    return WeightChoice("dense", reason)
+
+
+def _roles(model: nn.Module, layers: dict[str, nn.Module]) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+    """The quantized layers that multiply: the body's linears, and the head (models/decoder.py's `head`: lm_head,
+    or the tied embedding), which multiplies one row per sequence at each step (prefill skips the rest)."""
+    head_name = "lm_head" if "lm_head" in model else "model.embed_tokens"
+    head = {name: m for name, m in layers.items() if name == head_name}
+    body = {name: m for name, m in layers.items() if name != head_name and not isinstance(m, nn.QuantizedEmbedding)}
+    return body, head
+
+
+def _worth_it(body: dict[str, nn.Module], head: dict[str, nn.Module], usable_bytes: int) -> tuple[dict, str]:
+    """What auto dequantizes here, and why: the body if float32 fits and times faster for a prefill chunk and
+    for one decoded row on its largest layer; the head if it fits beside that and times faster for one row."""
+    chosen, kept = {}, []
+    for part, rows, label in ((body, (PREFILL_ROWS, 1), "layers"), (head, (1,), "head")):
+        why_not = _why_not(part, rows, _dense_bytes(chosen), usable_bytes) if part else None
+        if why_not:
+            kept.append(f"{label}: {why_not}")
+        else:
+            chosen |= part
+    if not chosen:
+        return chosen, "; ".join(kept)
+    return chosen, "float32 measured faster here" + (f" (kept quantized: {'; '.join(kept)})" if kept else "")
+
+
+def _why_not(part: dict[str, nn.Module], rows: tuple[int, ...], held: int, usable_bytes: int) -> str | None:
+    """Why `part` stays quantized beside `held` bytes already made float32: too big, or not faster here."""
+    dense = _dense_bytes(part)
+    if not dense_fits(held + dense, usable_bytes):
+        return f"float32 weights ({(held + dense) / 2**30:.1f} GiB) would take over {DENSE_SHARE:.0%} of usable memory"
+    largest = max(part.values(), key=_dense_elements)
+    for n in rows:
+        quantized, dense_s = _time_both(largest, n)
+        if dense_s >= quantized:
+            times = f"{dense_s * 1e3:.2f} ms vs {quantized * 1e3:.2f} ms, {n} row{'s' if n > 1 else ''}"
+            return f"float32 measured no faster here ({times})"
+    return None
 
 
 def dequantize(model: nn.Module, layers: dict[str, nn.Module]) -> None:
@@ -101,27 +150,18 @@ def dense_fits(dense_bytes: int, usable_bytes: int) -> bool:
     return dense_bytes <= DENSE_SHARE * usable_bytes
 
 
-def _not_worth_it(layers: dict[str, nn.Module], usable_bytes: int) -> str | None:
-    """Why auto keeps the stored weights here: too big for the memory, or not faster on this machine."""
-    dense = sum(_dense_elements(m) for m in layers.values()) * 4
-    if not dense_fits(dense, usable_bytes):
-        return f"float32 weights ({dense / 2**30:.1f} GiB) would take over {DENSE_SHARE:.0%} of usable memory"
-    linears = (m for m in layers.values() if not isinstance(m, nn.QuantizedEmbedding))
-    largest = max(linears, key=_dense_elements, default=None)
-    if largest is None:
-        return "only embeddings are quantized"
-    for rows in (PREFILL_ROWS, 1):
-        quantized, dense_s = _time_both(largest, rows)
-        if dense_s >= quantized:
-            return f"float32 measured no faster here ({dense_s * 1e3:.2f} ms vs {quantized * 1e3:.2f} ms, {rows} rows)"
-    return None
-
-
 def _time_both(layer: nn.Module, rows: int) -> tuple[float, float]:
-    """Best-of-3 seconds for `rows` through `layer` as stored and from float32 weights (after a warm-up)."""
-    weight = _dense_weight(layer)
-    x = mx.random.normal((rows, weight.shape[1]), key=mx.random.key(0))
-    mx.eval(weight, x)
+    """Best-of-3 seconds for `rows` through `layer`'s first outputs (at most TIMED_BYTES of them as float32) as
+    stored and from float32 weights (after a warm-up). A slice that large is past any cache, so both times are
+    memory's, as the whole layer's are, and timing a 262k-row head never holds its whole float32 copy."""
+    in_dims = _dense_elements(layer) // layer.weight.shape[0]
+    kept = slice(0, max(1, TIMED_BYTES // (4 * in_dims)))
+    packed, scales = layer.weight[kept], layer.scales[kept]
+    biases = layer["biases"][kept] if "biases" in layer else None
+    mode = getattr(layer, "mode", "affine")
+    weight = mx.dequantize(packed, scales, biases, layer.group_size, layer.bits, mode=mode).astype(mx.float32)
+    x = mx.random.normal((rows, in_dims), key=mx.random.key(0))
+    mx.eval(packed, scales, biases, weight, x)
 
     def best(run) -> float:
         mx.eval(run())  # warm-up: thread pools, first-touch pages
@@ -133,8 +173,8 @@ def _time_both(layer: nn.Module, rows: int) -> tuple[float, float]:
         return min(times)
 
     # The product alone: a tensor-parallel layer's sum across ranks must not run on one rank by itself.
-    args = (layer.scales, layer.get("biases"), True, layer.group_size, layer.bits)
-    quantized = lambda: mx.quantized_matmul(x, layer.weight, *args, mode=getattr(layer, "mode", "affine"))  # noqa: E731
+    args = (scales, biases, True, layer.group_size, layer.bits)
+    quantized = lambda: mx.quantized_matmul(x, packed, *args, mode=mode)  # noqa: E731
     return best(quantized), best(lambda: x @ weight.T)
 
 
@@ -158,6 +198,10 @@ def _quantized(model: nn.Module) -> dict[str, nn.Module]:
 def _dense_weight(module: nn.Module) -> mx.array:
     args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
     return mx.dequantize(*args, mode=getattr(module, "mode", "affine")).astype(mx.float32)
+
+
+def _dense_bytes(layers: dict[str, nn.Module]) -> int:
+    return sum(_dense_elements(m) for m in layers.values()) * 4
 
 
 def _dense_elements(module: nn.Module) -> int:

@@ -107,7 +107,15 @@ def load_model(
         blas.activate()  # once per process; not at import, as the swap reaches every MLX user in it
     kept = choose_cpu_weights(model, compute, machine_memory().usable_bytes(), cpu_weights_mode(cpu_weights))
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # after the choice: what is held
-    log.info("loaded %s: %d quantized layers (%s), %.1f MB, %s", path, quantized, kept.kept, nbytes / 1e6, compute)
+    log.info(
+        "loaded %s: %d quantized layers (%s: %s), %.1f MB, %s",
+        path,
+        quantized,
+        kept.kept,
+        kept.reason,
+        nbytes / 1e6,
+        compute,
+    )
     if not config.verified:
         log.warning("%s: model_type %s is %s", path, config.model_type, UNVERIFIED)
     return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start, kept)
