@@ -284,12 +284,46 @@ def test_k_quant_tensors_load_as_their_dequantized_values(tmp_path, kind):
     layer = mlxinfer.load(path, dtype="float32")._loaded.model.model.layers[0].mlp.down_proj
     grid = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "Q5_0": 5, "Q5_1": 5}[kind]
     assert (layer.bits, layer.group_size) == (grid, 32)  # every type stays quantized
-    got = np.array(mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=32, bits=layer.bits))
+    # Legacy blocks' float16 scales are held as stored (half the bytes); K-quant products d*sc need float32.
+    assert (
+        layer.scales.dtype
+        == layer.biases.dtype
+        == (mx.float16 if kind.endswith("_0") or kind.endswith("_1") else mx.float32)
+    )
+    scales, biases = (a.astype(mx.float32) for a in (layer.scales, layer.biases))  # widened, as quantized_matmul does
+    got = np.array(mx.dequantize(layer.weight, scales, biases, group_size=32, bits=layer.bits))
     if kind != "Q6_K":  # repacked: the file's own codes
         assert np.allclose(got, expected, rtol=1e-3, atol=1e-6)
     else:  # 16-value sub-blocks: rounded once onto 6-bit groups of 32, each value within half a step
         half_step = np.repeat(np.array(layer.scales), 32, axis=1) / 2
         assert np.all(np.abs(got - expected) <= half_step * (1 + 1e-5) + 1e-7)
+
+
+def test_float16_scales_are_held_as_stored_and_compute_what_float32_weights_do(tmp_path):
+    """Under float32 compute, Q8_0's float16 scales stay float16 (the model holds ~1.06x its file, not 1.18x);
+    every product and every looked-up row still equals the float32 dequantized weights'."""
+    from mlxinfer.formats.gguf_file import GGUFFile
+    from mlxinfer.models.gguf import gguf_tensors
+    from tests.test_gguf import write_tiny_gguf
+
+    names = ["model.embed_tokens.weight"] + [
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.down_proj")
+    ]
+    path = write_tiny_gguf(tmp_path / "q8.gguf", k_quants=dict.fromkeys(names, gguf.GGMLQuantizationType.Q8_0))
+    held = mlxinfer.load(path, dtype="float32", cpu_weights="quantized")._loaded
+    dense = mlxinfer.load(path, dtype="float32", cpu_weights="dense")._loaded
+    embed = held.model.model.embed_tokens
+    assert embed.scales.dtype == embed.biases.dtype == mx.float16
+    ids = mx.array([[3, 17, 256, 101, 5]])
+    rows = embed(ids)
+    assert rows.dtype == mx.float32
+    assert mx.array_equal(rows, dense.model.model.embed_tokens(ids))  # widened before dequantizing, not rounded
+    np.testing.assert_allclose(np.array(held.model(ids)), np.array(dense.model(ids)), rtol=1e-4, atol=1e-5)
+    with GGUFFile(path) as f:  # the planner counts what is held
+        forecast = sum(t.loaded_bytes for t in gguf_tensors(f, compute_size=4).values())
+    assert forecast == held.weights_bytes
 
 
 def test_rope_freqs_that_no_llama3_setting_gives_is_refused(tmp_path):

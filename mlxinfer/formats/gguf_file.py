@@ -48,6 +48,8 @@ _BLOCKS.update({kind: (256, block_bytes) for kind, (block_bytes, _) in K_BLOCKS.
 AFFINE = {Q4_0: (4, 32), Q4_1: (4, 32), Q5_0: (5, 32), Q5_1: (5, 32), Q8_0: (8, 32)}
 AFFINE |= {kind: (bits, 32) for kind, (_, bits) in K_BLOCKS.items()} | REQUANTIZED
 REPACKED = (*AFFINE, MXFP4)  # kept quantized (read() returns a QuantizedTensor)
+# Bytes of each scale and bias read() returns: float16 as the legacy types store them, float32 otherwise.
+SCALE_BYTES = {kind: 2 if kind in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) else 4 for kind in AFFINE}
 _U64 = struct.Struct("<Q")
 
 

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
-from ..formats.gguf_file import AFFINE, MXFP4, REPACKED, GGUFFile, QuantizedTensor, TensorInfo
+from ..formats.gguf_file import AFFINE, MXFP4, REPACKED, SCALE_BYTES, GGUFFile, QuantizedTensor, TensorInfo
 from ..formats.gguf_requant import REQUANTIZED
 from ..untrusted import is_int, plain, shown
 from .gguf_arch import BARE, TOP_NAMES, GGUFArch, Meta, architecture, common_config, conventions_of, layer_name
@@ -82,7 +82,8 @@ def _note_requantized(gguf: GGUFFile) -> None:
 
 def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
     """Each tensor's logical shape and its bytes once loaded: a repacked type's packed codes plus a scale and a
-    bias per group in the compute dtype (MXFP4: codes and exponent bytes, as stored), others as floats."""
+    bias per group, as stored or in the compute dtype if narrower (MXFP4: codes and exponent bytes, as stored),
+    others as floats."""
 
     def stored(info: TensorInfo) -> StoredTensor:
         elements = math.prod(info.shape)
@@ -91,7 +92,8 @@ def gguf_tensors(gguf: GGUFFile, compute_size: int) -> dict[str, StoredTensor]:
         if info.ggml_type == MXFP4:
             return StoredTensor(info.shape, info.nbytes)
         bits, group = AFFINE[info.ggml_type]
-        return StoredTensor(info.shape, elements * bits // 8 + 2 * (elements // group) * compute_size)
+        scale_bytes = SCALE_BYTES[info.ggml_type]  # held as stored when narrower (loader.kept_as_stored)
+        return StoredTensor(info.shape, elements * bits // 8 + 2 * (elements // group) * min(scale_bytes, compute_size))
 
     return {hf: stored(gguf.tensors[name]) for hf, name in hf_names(gguf).items()}
 

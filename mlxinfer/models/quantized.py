@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
 from ..errors import UnsupportedModelError, WeightMismatchError
 from ..untrusted import shown
@@ -25,8 +26,36 @@ MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
 FLOAT_FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits, group size) -> mode
 
 
-def quantize_like(model: nn.Module, weights: dict[str, mx.array], mode: str = "affine") -> int:
-    """Quantize every layer that has `<path>.scales` in `weights`; returns how many.
+class QuantizedLookup(nn.QuantizedEmbedding):
+    """nn.QuantizedEmbedding whose looked-up rows come out in `dtype`, the compute dtype, dequantized at that width.
+
+    Under float32 compute the loader holds 16-bit scales and biases as stored (loader._cast); MLX's lookup would
+    dequantize in their 16 bits and round every value, so the gathered rows' scales are widened first. The tied
+    head (`as_linear`) needs nothing: quantized_matmul widens them itself, exactly."""
+
+    def __init__(self, *args, dtype: mx.Dtype = mx.float32, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dtype = dtype
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scales, biases = self["scales"][x], self.get("biases")
+        floats = mx.issubdtype(scales.dtype, mx.floating)  # not the uint8 exponents of mxfp4, nvfp4 and mxfp8
+        return mx.dequantize(
+            self["weight"][x],
+            scales=scales.astype(self.dtype) if floats else scales,
+            biases=biases[x].astype(self.dtype) if biases is not None else None,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+            dtype=self.dtype,
+        )
+
+
+def quantize_like(
+    model: nn.Module, weights: dict[str, mx.array], mode: str = "affine", dtype: mx.Dtype = mx.float32
+) -> int:
+    """Quantize every layer that has `<path>.scales` in `weights`; returns how many. Embeddings become
+    QuantizedLookup, whose rows come out in `dtype` (the compute dtype).
 
     `mode`: the config's default; each layer's own mode is read off its tensors (affine and mxfp4 mix)."""
     if mode not in MODES:
@@ -42,6 +71,13 @@ def quantize_like(model: nn.Module, weights: dict[str, mx.array], mode: str = "a
         return dict(params[path])  # nn.quantize may consume the dict
 
     nn.quantize(model, class_predicate=predicate)
+    lookups = [
+        (path, QuantizedLookup(m.num_embeddings, m.dims, m.group_size, m.bits, mode=m.mode, dtype=dtype))
+        for path, m in model.named_modules()
+        if type(m) is nn.QuantizedEmbedding
+    ]
+    if lookups:  # lazy placeholders, replaced by the file's tensors before anything is evaluated
+        model.update_modules(tree_unflatten(lookups))
     return len(params)
 
 
