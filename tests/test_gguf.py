@@ -201,9 +201,10 @@ def spm_metadata(arch: str) -> dict:
     """A small SentencePiece vocabulary as llama.cpp stores it: <unk>/<s>/</s>, 256 <0xNN> byte pieces, pieces."""
     pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "▁h", "▁he", "▁hello", "wo", "▁w",
               "▁wor", "ld", "▁world", "▁▁", "é", "  "]  # fmt: skip
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, "<start_of_turn>"]
-    scores = [0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(len(pieces))), 0.0]
-    types = [2, 3, 3, *([6] * 256), *([1] * len(pieces)), 3]
+    user = ["   ", "<mask>"]  # user-defined: Gemma's files mark runs of spaces so, beside tokens like <mask>
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces, *user, "<start_of_turn>"]
+    scores = [0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(len(pieces) + len(user))), 0.0]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(pieces)), *([4] * len(user)), 3]
     return {"general.architecture": arch, "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": 1,
             "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}  # fmt: skip
@@ -223,6 +224,8 @@ def test_sentencepiece_gguf_vocabulary_tokenizes_like_transformers(arch):
     reference, _ = convert_gguf_tokenizer(arch, ref_dict)
     ours = backend_from_gguf(md)
     texts = ["hello world", " hello  world", "hello\nwörld ✓", "<start_of_turn>hello", "hé llo", "wor ld  "]
+    texts += ["a   b    c      d", "x<mask>y"]  # runs of spaces, a user-defined token
+    assert max(ours.get_vocab().values()) < len(md["tokenizer.ggml.tokens"])  # no id past the embedding
     for text in texts:
         expected = reference.encode(text, add_special_tokens=False).ids
         got = ours.encode(text, add_special_tokens=False).ids

@@ -121,10 +121,13 @@ def backend_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Backend:
         )
     _, _, types = _vocabulary(metadata, where)
     tokens = _strings(metadata, "tokenizer.ggml.tokens", where)
-    specials = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == CONTROL]
-    backend.add_special_tokens(specials)
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
-    backend.add_tokens(user)
+    # Control and user-defined tokens match whole in the text, as llama.cpp matches them. Only those the vocabulary
+    # spells as the file does: an added token it lacks would get an id past the model's embedding (Gemma's runs of
+    # spaces, respelled as ▁ pieces, are tokenized by the merges instead, as transformers does).
+    vocab = backend.get_vocab()
+    kept = [(t, k) for t, k in zip(tokens, types) if t in vocab]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kept if k == CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kept if k == USER_DEFINED])
     bos = _bos_id(metadata, tokens, where)
     if _add_bos(metadata, where) and bos is not None:
         # Raw prompts get the BOS token the model was trained with, as llama.cpp adds it.
