@@ -82,6 +82,65 @@ def write_gguf_copy(source: Path, target: Path, kind_name: str) -> Path:
     return target
 
 
+# A llama whose every row is a whole number of 256-value blocks (Gemma 3 270M's 640 and SmolLM2's 576 are not,
+# so their files hold no K or IQ type in most matrices): the stand-in for the K and IQ files we have none of.
+SYNTHETIC = {"embedding_length": 1024, "feed_forward_length": 2816, "block_count": 6, "attention.head_count": 16,
+             "attention.head_count_kv": 4, "rope.dimension_count": 64}  # fmt: skip
+# Byte offsets of each block's float16 scale fields (ggml's block layouts); IQ1_M spreads its scale over bits.
+F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS |= dict.fromkeys(("IQ1_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"), (0,))
+WEIGHT_STD = 0.02
+
+
+def write_synthetic_gguf(tokenizer_source: Path, target: Path, kind_name: str, sizes: dict = SYNTHETIC) -> Path:
+    """A llama of `sizes` (SYNTHETIC's keys) with `tokenizer_source`'s tokenizer and chat template, whose matrices are
+    random `kind_name` blocks (every byte below 0x78, the float16 scale fields set so values have a standard
+    deviation of WEIGHT_STD) and whose norms are float32 ones; the embedding is tied, as SmolLM2's."""
+    import gguf
+    import numpy as np
+
+    from mlxinfer.formats.gguf_file import GGUFFile
+
+    kind, rng = gguf.GGMLQuantizationType[kind_name], np.random.default_rng(0)
+    per, size = gguf.GGML_QUANT_SIZES[kind]
+    with GGUFFile(tokenizer_source) as reader:
+        tokenizer = {k: v for k, v in reader.metadata.items() if k.startswith("tokenizer.")}
+    hidden, ffn = sizes["embedding_length"], sizes["feed_forward_length"]
+    kv = hidden // sizes["attention.head_count"] * sizes["attention.head_count_kv"]
+    vocab = len(tokenizer["tokenizer.ggml.tokens"])
+
+    def blocks(rows: int, cols: int, scale: float) -> np.ndarray:
+        raw = rng.integers(0, 0x78, size=(rows, cols // per, size), dtype=np.uint8)
+        for offset in F16_FIELDS[kind_name]:
+            raw[..., offset : offset + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+        return raw.reshape(rows, -1)
+
+    probe = gguf.quants.dequantize(blocks(8, 1024, 1e-3), kind)
+    scale = 1e-3 * WEIGHT_STD / float(probe.std())
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for key, value in tokenizer.items():
+        _add_value(writer, key, value.tolist() if isinstance(value, np.ndarray) else value)
+    for key, value in {**sizes, "context_length": 4096, "vocab_size": vocab}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.rope.freq_base", 100000.0)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tensor("token_embd.weight", blocks(vocab, hidden, scale), raw_dtype=kind)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),
+              "ffn_down": (hidden, ffn)}  # fmt: skip
+    for layer in range(sizes["block_count"]):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(hidden, np.float32))
+        for name, (rows, cols) in shapes.items():
+            writer.add_tensor(f"blk.{layer}.{name}.weight", blocks(rows, cols, scale), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
 def _add_value(writer, key: str, value) -> None:
     import gguf
 
@@ -98,6 +157,11 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, action="append", default=[], help="a GGUF file (repeatable)")
     parser.add_argument("--no-copies", action="store_true", help="measure the GGUF files as given only")
     parser.add_argument("--cases", default="", help="comma-separated case names to run (default: all)")
+    parser.add_argument(
+        "--synthetic",
+        default="",
+        help="comma-separated K or IQ types (F16_FIELDS): a synthetic llama of each, with the first --gguf's tokenizer",
+    )
     args = parser.parse_args()
     wanted = set(filter(None, args.cases.split(",")))
     with tempfile.TemporaryDirectory(prefix="forecast-bench-") as folder:
@@ -108,6 +172,9 @@ def main() -> None:
                 write_gguf_copy(gguf_file, work / f"{gguf_file.stem}-{kind}.gguf", kind) for kind in GGUF_COPIES
             ]  # fmt: skip
             runs += [(path, name, flags) for path in (gguf_file, *copies) for name, flags in GGUF_CASES.items()]
+        for kind in filter(None, args.synthetic.split(",")):
+            path = write_synthetic_gguf(args.gguf[0], work / f"synthetic-llama-{kind}.gguf", kind)
+            runs += [(path, name, flags) for name, flags in GGUF_CASES.items()]
         print(f"{platform.node()} ({platform.machine()}); {time.strftime('%Y-%m-%d')}")
         print("\n| source | case | flags | forecast MiB | measured MiB | forecast / measured | within | s |")
         print("|---|---|---|---|---|---|---|---|")

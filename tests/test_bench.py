@@ -263,3 +263,43 @@ def test_forecast_bench_copies_a_gguf_and_measures_each_conversion(tmp_path):
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| tiny.gguf")]
     assert len(rows) == 1 and rows[0][1:3] == ["8bit", "`--bits 8 --no-eval`"], done.stdout
     assert int(rows[0][3]) > 0 and int(rows[0][4]) > 0  # the plan line's forecast and the result line's peak
+
+
+def test_a_synthetic_k_quant_llama_holds_its_type_and_runs(tmp_path):
+    # forecast_bench's stand-in for K and IQ files: every matrix of the type, values of the intended spread.
+    import gguf
+    import numpy as np
+
+    import mlxinfer
+    from bench.forecast_bench import SYNTHETIC, WEIGHT_STD, write_synthetic_gguf
+    from tests.test_gguf import write_tiny_gguf
+
+    sizes = {**SYNTHETIC, "embedding_length": 256, "feed_forward_length": 512, "block_count": 1}
+    sizes |= {"attention.head_count": 4, "attention.head_count_kv": 2}
+    path = write_synthetic_gguf(write_tiny_gguf(tmp_path / "t.gguf"), tmp_path / "s.gguf", "Q3_K", sizes)
+    tensors = gguf.GGUFReader(str(path)).tensors
+    matrices = [t for t in tensors if len(t.shape) == 2]
+    assert len(matrices) == 8 and {t.tensor_type.name for t in matrices} == {"Q3_K"}
+    values = gguf.quants.dequantize(matrices[0].data, gguf.GGMLQuantizationType.Q3_K)
+    assert 0.5 * WEIGHT_STD < values.std() < 2 * WEIGHT_STD
+    assert np.isfinite(mlxinfer.load(path).logits([1, 2, 3])).all()
+
+
+@pytest.mark.slow
+def test_kquant_bench_compares_each_weights_mode_with_the_gguf_packages_values(tmp_path):
+    import gguf
+
+    from tests.test_gguf import write_tiny_gguf
+
+    names = ["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.up_proj.weight"]
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", k_quants=dict.fromkeys(names, gguf.GGMLQuantizationType.Q8_0))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.kquant_bench", "--gguf", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r[1].split(" (")[0]: r for r in (line.split(" | ") for line in done.stdout.splitlines()) if len(r) > 8}
+    assert set(rows) >= {"quantized", "auto", "reference"}, done.stdout
+    assert rows["quantized"][4].endswith("MiB") and float(rows["quantized"][3].rstrip("x")) > 0
+    # Q8_0 is held as its own codes: the logits equal the gguf package's dequantized model's.
+    assert float(rows["quantized"][6]) < 1e-4 and rows["quantized"][8].startswith("100%"), rows["quantized"]
