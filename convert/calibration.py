@@ -21,6 +21,7 @@ from mlxinfer.quantize import LayerQuant
 from tqdm.auto import tqdm
 
 from mlxinfer.data import calibration_text
+from mlxinfer.models.cpu_weights import dequantize, quantized_layers
 from mlxinfer.models.loader import LoadedModel, load_model
 
 from .sources import Source
@@ -172,7 +173,13 @@ def _batch_tokens(loaded: LoadedModel, calibration: str) -> mx.array:
 
 
 def _load(source: Source) -> LoadedModel:
-    return load_model(source_path(source))
+    """The source model with every layer float, in the compute dtype, on any device: calibrated methods read and
+    replace float weights, so a GGUF's blocks are made dense (the CPU's own choice might keep some packed)."""
+    loaded = load_model(source_path(source), cpu_weights="quantized")
+    layers = quantized_layers(loaded.model)
+    if layers:
+        dequantize(loaded.model, layers, loaded.compute_dtype)
+    return loaded
 
 
 def calibration_ids(loaded: LoadedModel, calibration: str, tokens: int) -> list[int]:

@@ -98,3 +98,28 @@ def test_dwq_with_every_layer_kept_as_the_source_holds_it_trains_nothing_and_loa
 
     # A Q4_K_M file converted to 4 bits keeps every quantized layer's own codes: no layer is left to distill.
     assert dwq_tensors(source=None, layers={"model.layers.0.mlp.down_proj": None}, dtype=mx.float32) == {}
+
+
+def test_calibration_loads_a_gguf_with_every_layer_float_whatever_the_weights_mode(tmp_path, monkeypatch):
+    # GPTQ, AWQ, DWQ and the sensitivity search read and replace float weights. Loading for them once left what the
+    # CPU chose (on a GPU, or with MLXINFER_CPU_WEIGHTS=quantized: every block packed; lately a tied head kept
+    # packed), and GPTQ failed on a packed head.
+    import gguf
+    from mlxinfer.convert.calibration import _load
+    from mlxinfer.convert.sources import open_source
+    from mlxinfer.quantize.calibrate import child
+
+    from mlxinfer.models.cpu_weights import quantized_layers
+    from tests.test_gguf import write_tiny_gguf
+
+    monkeypatch.setenv("MLXINFER_CPU_WEIGHTS", "quantized")
+    names = ["model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"]
+    path = write_tiny_gguf(tmp_path / "q8.gguf", k_quants=dict.fromkeys(names, gguf.GGMLQuantizationType.Q8_0))
+    loaded = _load(open_source(path))
+    assert quantized_layers(loaded.model) == {}
+    held = load_model(path, cpu_weights="quantized").model.model
+    for path_in_model in ("embed_tokens", "layers.0.mlp.down_proj"):
+        dense, packed = (child(model, path_in_model) for model in (loaded.model.model, held))
+        scales, biases = (a.astype(mx.float32) for a in (packed.scales, packed.biases))
+        want = mx.dequantize(packed.weight, scales, biases, group_size=32, bits=8).astype(loaded.compute_dtype)
+        assert dense.weight.dtype == loaded.compute_dtype and mx.array_equal(dense.weight, want), path_in_model

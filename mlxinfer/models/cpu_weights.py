@@ -6,8 +6,11 @@ load trades memory (8x the 4-bit bytes) for that speed, so it is done only where
 - the float32 weights take at most DENSE_SHARE of the memory the planner sees, and
 - on this machine, for this model's largest layer, float32 is faster both for a prefill chunk and for one
   decoded row (measured at load: it depends on the BLAS, the cores and the shapes, not on a table).
-Otherwise, and on a GPU (where decode is bandwidth-bound and quantized kernels are fast), the weights stay as
-stored. MLXINFER_CPU_WEIGHTS=dense|quantized overrides the choice; the loaded model reports what was kept.
+The head (lm_head, or a tied embedding) is decided apart: it multiplies one row per sequence a step (prefill
+skips the rest), and a large vocabulary's head reads faster packed (Gemma 3's 262k rows: float32 1.3x slower
+here). An embedding that is only looked up is never copied. Otherwise, and on a GPU (where decode is
+bandwidth-bound and quantized kernels are fast), the weights stay as stored. MLXINFER_CPU_WEIGHTS=dense|quantized
+overrides the choice; the loaded model reports what was kept, and why.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def choose_cpu_weights(model: nn.Module, compute: mx.Dtype, usable_bytes: int, m
 
     Embeddings only looked up (not the tied head) stay as stored whatever the mode: a lookup reads a few rows,
     so float32 copies of them would only hold memory (Gemma 3's 262k-row table: 640 MiB)."""
-    layers = _quantized(model)
+    layers = quantized_layers(model)
     if not layers:
         return WeightChoice("as stored", "no quantized layers")
     if mode == "quantized":
@@ -127,19 +130,19 @@ def _why_not(part: dict[str, nn.Module], rows: tuple[int, ...], held: int, usabl
     return None
 
 
-def dequantize(model: nn.Module, layers: dict[str, nn.Module]) -> None:
-    """Swap each quantized layer for its float32 twin (the same values, on the quantization grid)."""
+def dequantize(model: nn.Module, layers: dict[str, nn.Module], dtype: mx.Dtype = mx.float32) -> None:
+    """Swap each quantized layer for its float twin in `dtype` (the same values, on the quantization grid)."""
     swapped = []
     for name, module in layers.items():
-        weight = _dense_weight(module)
+        weight = _dense_weight(module).astype(dtype)
         if isinstance(module, nn.QuantizedEmbedding):
             twin = nn.Embedding(*weight.shape)
         elif isinstance(module, _SHARDED):  # tensor parallel: the same share of the rows or columns, as floats
-            twin = _sharded_twin(module, weight)
+            twin = _sharded_twin(module, weight, dtype)
         else:
             twin = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
             if "bias" in module:
-                twin.bias = module.bias.astype(mx.float32)
+                twin.bias = module.bias.astype(dtype)
         twin.weight = weight
         swapped.append((name, twin))
     model.update_modules(tree_unflatten(swapped))
@@ -193,7 +196,7 @@ def _time_both(layer: nn.Module, rows: int) -> tuple[float, float]:
     return best(quantized), best(lambda: x @ weight.T)
 
 
-def _sharded_twin(module: nn.Module, weight: mx.array) -> nn.Module:
+def _sharded_twin(module: nn.Module, weight: mx.array, dtype: mx.Dtype) -> nn.Module:
     size, bias = module.group.size(), "bias" in module
     out_dims, in_dims = weight.shape
     if isinstance(module, QuantizedAllToShardedLinear):
@@ -201,11 +204,12 @@ def _sharded_twin(module: nn.Module, weight: mx.array) -> nn.Module:
     else:
         twin = ShardedToAllLinear(in_dims * size, out_dims, bias, group=module.group)
     if bias:
-        twin.bias = module.bias.astype(mx.float32)
+        twin.bias = module.bias.astype(dtype)
     return twin
 
 
-def _quantized(model: nn.Module) -> dict[str, nn.Module]:
+def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """`model`'s quantized linear layers and embeddings, by path; experts (gather kernels) are left out."""
     kinds = (nn.QuantizedLinear, *_SHARDED)  # experts (gather kernels) stay as stored
     return {n: m for n, m in model.named_modules() if type(m) in kinds or isinstance(m, nn.QuantizedEmbedding)}
 

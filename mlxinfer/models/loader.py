@@ -200,7 +200,7 @@ def _sanitize(weights: dict[str, mx.array], config: ModelConfig) -> dict[str, mx
 
 
 def _cast(name: str, value: mx.array, dtype: mx.Dtype) -> mx.array:
-    # Packed quantized weights are integers and stay as they are; float tensors follow the compute dtype, but for
+    # Packed quantized weights are integers and stay as they are; float tensors follow the compute dtype, except
     # quantization scales and biases stored narrower than it (kept_as_stored).
     if not mx.issubdtype(value.dtype, mx.floating) or kept_as_stored(name, value.dtype.size, dtype.size):
         return value
