@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlxinfer.quantize import LayerQuant
-from mlxinfer.quantize.affine import ROW_BLOCK_ELEMENTS
+from mlxinfer.quantize.affine import DEQUANTIZE_BLOCK_ELEMENTS, ROW_BLOCK_ELEMENTS
 
 from mlxinfer.models.config import ModelConfig
 
@@ -59,8 +59,7 @@ def stream_peak_bytes(
 
     Per tensor: its source bytes as read (a tensor made from several, fused or split, counts the largest source
     tensor), plus what is made of them: a copy of codes already on the output's grid (`grids`: a GGUF type's),
-    or float32 values (a whole tensor dequantized from a GGUF grid; a float tensor a row block at a time,
-    quantize/affine.py) and the written tensor."""
+    or float32 values (a block of rows at a time, quantize/affine.py) and the written tensor."""
     largest_read = max((t.nbytes for t in source.tensors.values()), default=0)
     held = 0
     mapped = getattr(source, "mapped_bytes", 0)
@@ -96,10 +95,12 @@ def copied(quant: LayerQuant | None, stored: str, grid: tuple[int, int] | None) 
 
 
 def _float_bytes(count: int, grid: tuple[int, int] | None, stored: str) -> int:
-    """The float32 values quantizing a tensor of `count` values holds: all of them when it is dequantized from a
-    GGUF grid; else a row block's (quantize/affine.py), cast from 16 bits, or, from float32 (no cast), about half a
-    block of MLX's own temporaries (measured on SmolLM2-135M's embedding: bench/README.md, "Converter peaks")."""
+    """The float32 values quantizing a tensor of `count` values holds. From a GGUF grid, a block of
+    DEQUANTIZE_BLOCK_ELEMENTS at a time and MLX's dequantize temporaries beside it: up to 7x its values, at 6 bits
+    (quantize/affine.py). From floats, a row block's (quantize/affine.py), cast from 16 bits, or, from float32
+    (no cast), about half a block of MLX's own temporaries (measured on SmolLM2-135M's embedding: bench/README.md,
+    "Converter peaks")."""
     if grid is not None:
-        return 4 * count
+        return 8 * 4 * min(count, DEQUANTIZE_BLOCK_ELEMENTS)
     block = min(4 * count, 4 * ROW_BLOCK_ELEMENTS)
     return block // 2 if stored == "F32" else block

@@ -515,11 +515,15 @@ def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounde
             # float32 d*sc rounds there); mxfp4's uint8 exponents stay.
             kept = [(name, value.weight), (f"{path}.scales", _as_output(value.scales, plan.dtype))]
             return kept if value.biases is None else [*kept, (f"{path}.biases", value.biases.astype(plan.dtype))]
-        value = value.dequantized()
+        if quant is None:
+            value = value.rows(0, math.prod(value.shape[:-1])).reshape(value.shape)
     if quant is None:
         cast = mx.issubdtype(value.dtype, mx.floating) and name not in plan.uncast
         return [(name, value.astype(plan.dtype) if cast else value)]
-    packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype, quant.mode)
+    if isinstance(value, Quantized):  # rounded afresh
+        packed, scales, biases = value.rounded(quant.bits, quant.group_size, plan.dtype, quant.mode)
+    else:
+        packed, scales, biases = quantize_rows(value, quant.bits, quant.group_size, plan.dtype, quant.mode)
     written = [(name, packed), (f"{path}.scales", scales)]
     return written if biases is None else [*written, (f"{path}.biases", biases)]
 

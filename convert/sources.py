@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType
-from mlxinfer.quantize.affine import dequantize_rows
+from mlxinfer.quantize.affine import DEQUANTIZE_BLOCK_ELEMENTS, dequantize_rows, quantize_blocks
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.formats.gguf_file import REPACKED, GGUFFile, QuantizedTensor
@@ -49,12 +49,23 @@ class Quantized:
     group_size: int
     mode: str = "affine"
 
-    def dequantized(self) -> mx.array:
-        """The float32 values it stands for (affine scales and biases widened first, as dequantize_rows)."""
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The logical shape: the packed weight's, its last axis unpacked."""
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
+
+    def rows(self, start: int, stop: int) -> mx.array:
+        """The float32 values of rows [start, stop) of it flattened to 2-D (affine scales and biases widened first,
+        as dequantize_rows): a tensor rounded afresh is never dequantized whole (`rounded`)."""
+        weight, scales = (a.reshape(-1, a.shape[-1])[start:stop] for a in (self.weight, self.scales))
         if self.biases is None:  # mxfp4: uint8 exponents
-            return mx.dequantize(self.weight, self.scales, None, self.group_size, self.bits, mode=self.mode,
-                                 dtype=mx.float32)  # fmt: skip
-        return dequantize_rows(self.weight, self.scales, self.biases, self.bits, self.group_size)
+            return mx.dequantize(weight, scales, None, self.group_size, self.bits, mode=self.mode, dtype=mx.float32)
+        biases = self.biases.reshape(-1, self.biases.shape[-1])[start:stop]
+        return dequantize_rows(weight, scales, biases, self.bits, self.group_size)
+
+    def rounded(self, bits: int, group_size: int, dtype: mx.Dtype, mode: str = "affine") -> tuple:
+        """quantize_rows of the values it stands for, a block of rows dequantized at a time."""
+        return quantize_blocks(self.shape, self.rows, bits, group_size, dtype, mode, DEQUANTIZE_BLOCK_ELEMENTS)
 
 
 class Source(Protocol):

@@ -483,3 +483,22 @@ def test_gptq_on_mixed_calibration_converts_and_a_needless_calibration_is_refuse
     assert mlxinfer.load(tmp_path / "g").generate("hello", max_tokens=3).stats.generated_tokens == 3
     with pytest.raises(ConversionError, match="--calibration matters only to --method gptq, awq or dwq and --recipe"):
         convert(TINY / "qwen2", tmp_path / "x", bits=4, method="rtn", calibration="mixed", progress=False)
+
+
+@pytest.mark.parametrize("bits", [6, 2])  # MLX's CPU dequantize holds 7x its result at 6 bits, 2x at 2
+def test_a_quantized_source_rounded_afresh_equals_the_whole_tensor_rounded_a_block_at_a_time(bits):
+    from mlxinfer.convert.sources import Quantized
+    from mlxinfer.quantize.affine import dequantize_rows, quantize_rows
+
+    packed, scales, biases = mx.quantize(mx.random.normal((8192, 2048), key=mx.random.key(bits)), 64, bits)
+    source = Quantized(packed, scales.astype(mx.float16), biases.astype(mx.float16), bits, 64)  # a GGUF's grid
+    mx.eval(source.weight, source.scales, source.biases)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    got = source.rounded(4, 32, mx.bfloat16)
+    mx.eval(got)
+    floats = 8192 * 2048 * 4  # 64 MiB: what the whole tensor's float32 values would be, before any temporary
+    assert mx.get_peak_memory() - before < 2 * floats  # whole: 3x (2 bits) to 8x (6 bits)
+    want = quantize_rows(dequantize_rows(packed, source.scales, source.biases, bits, 64), 4, 32, mx.bfloat16)
+    assert all(mx.array_equal(a, b) for a, b in zip(got, want, strict=True))
