@@ -54,30 +54,46 @@ def evaluation_bytes(
     names: list[str],
     tokens: int,
     shapes: dict[str, tuple[int, ...]] | None = None,
+    output_dtype: mx.Dtype | None = None,
 ) -> int:
     """What the quality report holds on top of the runtime: both models, their KV caches, one chunk's scores.
 
-    `shapes`: the output's tensors, when they are not the source's `names`."""
+    `shapes`: the output's tensors, when they are not the source's `names`; `output_dtype`: the one its scales
+    and biases are written in (held so where narrower than the compute dtype: loader.kept_as_stored)."""
     compute = choose_compute_dtype(None)
     # Loading the source holds the tensors stored in another float type until their cast to
     # the compute dtype is done (a bf16 source on a bf16 GPU is never cast); the output is
-    # loaded next, into the memory those free. Its unquantized tensors, scales and biases
-    # follow the compute dtype too; its packed weights stay as written, unless dense.
+    # loaded next, into the memory those free. Its unquantized tensors follow the compute dtype
+    # too, and its scales and biases where that is narrower than their own (loader.kept_as_stored);
+    # its packed weights stay as written, unless dense.
     loaded, cast = source.load_bytes(compute)
     shapes = shapes if shapes is not None else {n: source.tensors[n].shape for n in names}
-    output = sum(written_bytes(shape, layers.get(n.removesuffix(".weight")), compute) for n, shape in shapes.items())
+    scales = output_dtype if output_dtype is not None and output_dtype.size < compute.size else compute
+    output = 0
+    for name, shape in shapes.items():
+        quant = layers.get(name.removesuffix(".weight"))
+        output += written_bytes(shape, quant, compute if quant is None else scales)
     dequantizing = 0
     if report_cpu_weights(source_parameters(source)) == "dense":
         # float32 throughout; the output's layers are dequantized all at once, so its stored bytes are held
         # beside their float32 copies until the swap (models/cpu_weights.py), then given back; MLX's dequantize
         # of the largest tensor holds a float32 temporary as large (measured: Gemma 3 270M's embedding).
+        dense = [math.prod(shape) for n, shape in shapes.items() if _made_dense(n, shape, layers, config)]
         loaded = max(loaded, 4 * sum(math.prod(source.tensors[n].shape) for n in names))
-        output += max(output, 4 * sum(math.prod(shape) for shape in shapes.values()))
-        dequantizing = 4 * max(math.prod(shape) for shape in shapes.values())
+        output += max(output, 4 * sum(dense))
+        dequantizing = 4 * max(dense, default=0)
     positions = -(-tokens // KV_STEP) * KV_STEP  # the KV cache grows in steps of KV_STEP positions
     per_position = 2 * config.num_layers * kv_width(config)
     kv = 2 * per_position * positions * compute.size  # two models, keys and values each
     return loaded + max(cast, output) + dequantizing + kv + scoring_bytes(config.vocab_size, compute.size)
+
+
+def _made_dense(name: str, shape: tuple[int, ...], layers: dict[str, LayerQuant | None], config: ModelConfig) -> bool:
+    """Whether loading dense makes this output tensor float32 (models/cpu_weights.py): a quantized matrix, but
+    not a stack of experts (gather kernels stay packed) nor an input embedding that is only looked up."""
+    path = name.removesuffix(".weight")
+    lookup = path.endswith("embed_tokens") and not config.tie_word_embeddings
+    return layers.get(path) is not None and len(shape) == 2 and not lookup
 
 
 def evaluation_fits(source: Source, needed: int) -> bool:

@@ -250,7 +250,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
     if sensitivity or settings.method in CALIBRATED:
         rounded = [path for path, quant in _calibrated_layers(source, layers).items() if quant]
         peak = max(peak, _calibrated_peak(source, shapes, params, output_bytes, settings, sensitivity, rounded, config))
-    evaluation = evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes)
+    evaluation = evaluation_bytes(source, config, layers, names, settings.eval_tokens, shapes, dtype)
     if settings.evaluate:
         settings.evaluate = evaluation_fits(source, evaluation)
     no_eval_peak = peak

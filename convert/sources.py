@@ -175,14 +175,16 @@ def _itemsize(dtype: str) -> int:
 
 
 def _cast_bytes(tensors: dict[str, Tensor], compute: mx.Dtype) -> int:
-    """Bytes of the float tensors stored in a type other than `compute`: loading holds them until
-    the cast is done. GGUF's other block types (Q6_K, Q2_K, ...) arrive dequantized to float32."""
-    held = 0
+    """Bytes of float tensors stored in a type other than `compute` that loading holds at once until their cast
+    is done: the two largest. The casts run as the model is evaluated and each stored tensor is freed once cast
+    (measured: a 157M-parameter bf16 MoE's 300 MiB of bf16 held 114 MiB at most, its two largest 96 MiB). GGUF's
+    other block types (Q6_K, Q2_K, ...) arrive quantized, as the loader keeps them."""
+    held = []
     for t in tensors.values():
         stored = FLOAT_DTYPES.get(t.dtype, None if t.dtype in PACKED_TYPES else mx.float32)
         if stored is not None and stored != compute:
-            held += math.prod(t.shape) * stored.size
-    return held
+            held.append(math.prod(t.shape) * stored.size)
+    return sum(sorted(held)[-2:])
 
 
 def open_source(src: str | Path) -> Source:

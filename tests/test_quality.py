@@ -183,7 +183,8 @@ def evaluation_bytes(plan, compute, monkeypatch) -> int:
     from mlxinfer.convert import evaluation
 
     monkeypatch.setattr(evaluation, "choose_compute_dtype", lambda requested=None: compute)
-    return evaluation.evaluation_bytes(plan.source, plan.config, plan.layers, plan.names, plan.settings.eval_tokens)
+    args = (plan.source, plan.config, plan.layers, plan.names, plan.settings.eval_tokens, plan.shapes, plan.dtype)
+    return evaluation.evaluation_bytes(*args)
 
 
 def test_report_forecast_counts_a_bf16_source_once_when_it_computes_in_bf16(smol_hf, tmp_path, monkeypatch):
@@ -195,10 +196,13 @@ def test_report_forecast_counts_a_bf16_source_once_when_it_computes_in_bf16(smol
     scores = 32 * V * (2 * (2 + 4 + 4) + 6 * 8)  # bf16 and float32 logits in MLX, numpy's float32 and float64 ones
     expected = source + output + kv_bytes(512, 2) + scores
     assert evaluation_bytes(plan, mx.bfloat16, monkeypatch) == expected
-    # In float32 the bf16 tensors are held while they are cast, and the output loads into that memory.
-    cast = (LINEAR + EMBED + NORMS) * 2
+    # In float32 the two largest bf16 tensors are held while they are cast (each is freed once cast), and the
+    # output loads into that memory; its bf16 scales and biases stay bf16, its norms are float32.
+    cast = (EMBED + MLP * H) * 2
+    output = (LINEAR + EMBED) * (4 / 8 + 2 * 2 / 64) + NORMS * 4
     scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
-    assert evaluation_bytes(plan, mx.float32, monkeypatch) == 2 * source + cast + kv_bytes(512, 4) + scores
+    assert output > cast  # so the output is what counts
+    assert evaluation_bytes(plan, mx.float32, monkeypatch) == 2 * source + output + kv_bytes(512, 4) + scores
 
 
 def test_report_forecast_keeps_a_gguf_source_packed(smol_path, tmp_path, monkeypatch):
@@ -206,9 +210,9 @@ def test_report_forecast_keeps_a_gguf_source_packed(smol_path, tmp_path, monkeyp
     plan = plan_conversion(smol_path, tmp_path / "o", ConvertSettings(bits=4, eval_tokens=300))
     plan.source.close()
     # The source holds what it loads, not its file's bytes: the Q4_1 codes (16 bytes per 32 weights) and Q8_0's
-    # (32), each group with a scale and a bias in the CPU's float32; norms float32. The output keeps the same
-    # grid, so both weigh the same.
-    source = output = LINEAR * (4 / 8 + 2 * 4 / 32) + EMBED * (1 + 2 * 4 / 32) + NORMS * 4
+    # (32), each group with a scale and a bias in float16 as the file stores them (narrower than the CPU's
+    # float32); norms float32. The output keeps the same grid and 16-bit scales, so both weigh the same.
+    source = output = LINEAR * (4 / 8 + 2 * 2 / 32) + EMBED * (1 + 2 * 2 / 32) + NORMS * 4
     scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
     # 300 tokens: the KV cache grows 256 positions at a time, to 512.
     assert evaluation_bytes(plan, mx.float32, monkeypatch) == source + output + kv_bytes(512, 4) + scores
@@ -221,11 +225,12 @@ def test_report_forecast_on_a_cpu_counts_both_models_as_the_float32_they_load_as
     plan = plan_conversion(smol_path, tmp_path / "o", ConvertSettings(bits=8, eval_tokens=300))
     plan.source.close()
     dense = (LINEAR + EMBED + NORMS) * 4
-    # Loading the output holds its 8-bit layers (float32 scale and bias per 32) beside their float32 copies.
-    stored = (LINEAR + EMBED) * (1 + 2 * 4 / 32) + NORMS * 4
+    # Loading the output holds its 8-bit layers (a 16-bit scale and bias per 32, as written) beside float32
+    # copies of its quantized matrices (the tied embedding among them: it is the head).
+    stored = (LINEAR + EMBED) * (1 + 2 * 2 / 32) + NORMS * 4
     scores = 32 * V * (2 * (4 + 4 + 4) + 6 * 8)
     dequantizing = EMBED * 4  # MLX's dequantize of the largest tensor holds a float32 temporary as large
-    expected = 2 * dense + stored + dequantizing + kv_bytes(512, 4) + scores
+    expected = dense + stored + (LINEAR + EMBED) * 4 + dequantizing + kv_bytes(512, 4) + scores
     assert evaluation_bytes(plan, mx.float32, monkeypatch) == expected
 
 
