@@ -9,9 +9,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlxinfer.quantize import LayerQuant
-from mlxinfer.quantize.affine import DEQUANTIZE_BLOCK_ELEMENTS, ROW_BLOCK_ELEMENTS
+from mlxinfer.quantize.affine import ROW_BLOCK_ELEMENTS
 
 from mlxinfer.models.config import ModelConfig
+from mlxinfer.models.quantized import DEQUANTIZE_BLOCK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,10 @@ def copied(quant: LayerQuant | None, stored: str, grid: tuple[int, int] | None) 
 def _float_bytes(count: int, grid: tuple[int, int] | None, stored: str) -> int:
     """The float32 values quantizing a tensor of `count` values holds. From a GGUF grid, a block of
     DEQUANTIZE_BLOCK_ELEMENTS at a time and MLX's dequantize temporaries beside it: up to 7x its values, at 6 bits
-    (quantize/affine.py). From floats, a row block's (quantize/affine.py), cast from 16 bits, or, from float32
+    (models/quantized.py). From floats, a row block's (quantize/affine.py), cast from 16 bits, or, from float32
     (no cast), about half a block of MLX's own temporaries (measured on SmolLM2-135M's embedding: bench/README.md,
     "Converter peaks")."""
     if grid is not None:
-        return 8 * 4 * min(count, DEQUANTIZE_BLOCK_ELEMENTS)
+        return 7 * 4 * min(count, DEQUANTIZE_BLOCK_ELEMENTS)
     block = min(4 * count, 4 * ROW_BLOCK_ELEMENTS)
     return block // 2 if stored == "F32" else block

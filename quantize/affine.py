@@ -12,9 +12,6 @@ from collections.abc import Callable
 import mlx.core as mx
 
 ROW_BLOCK_ELEMENTS = 1 << 24  # 64 MiB of float32 per block
-# Values dequantized at a time where a quantized source is rounded again: MLX's CPU dequantize holds 2x its result
-# at 2, 4 and 8 bits, 4x at 3, 6x at 5 and 7x at 6 (measured), so a whole 6-bit embedding would take 7x its floats.
-DEQUANTIZE_BLOCK_ELEMENTS = 1 << 21
 
 
 def quantize_rows(

@@ -30,6 +30,7 @@ from mlx.nn.layers.distributed import (
 from mlx.utils import tree_unflatten
 
 from ..errors import ConfigError
+from .quantized import dequantize_blocks
 
 MODES = ("auto", "dense", "quantized")
 DENSE_SHARE = 0.25  # float32 weights may take at most this share of the planner's usable memory
@@ -144,6 +145,7 @@ def dequantize(model: nn.Module, layers: dict[str, nn.Module], dtype: mx.Dtype =
             if "bias" in module:
                 twin.bias = module.bias.astype(dtype)
         twin.weight = weight
+        mx.eval(twin.parameters())  # one layer's temporaries at a time
         swapped.append((name, twin))
     model.update_modules(tree_unflatten(swapped))
     mx.eval(model.parameters())
@@ -177,7 +179,7 @@ def _time_both(layer: nn.Module, rows: int) -> tuple[float, float]:
     if mx.issubdtype(scales.dtype, mx.floating):  # as a layer kept quantized beside float32 ones is held (_widen)
         scales, biases = scales.astype(mx.float32), biases.astype(mx.float32) if biases is not None else None
     mode = getattr(layer, "mode", "affine")
-    weight = _dequantized(packed, scales, biases, layer.group_size, layer.bits, mode)
+    weight = dequantize_blocks(packed, scales, biases, layer.group_size, layer.bits, mode)
     x = mx.random.normal((rows, in_dims), key=mx.random.key(0))
     mx.eval(packed, scales, biases, weight, x)
 
@@ -216,16 +218,7 @@ def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 def _dense_weight(module: nn.Module) -> mx.array:
     args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
-    return _dequantized(*args, getattr(module, "mode", "affine"))
-
-
-def _dequantized(packed, scales, biases, group_size: int, bits: int, mode: str) -> mx.array:
-    """float32 values of a quantized weight; 16-bit float scales and biases (held as stored under float32 compute)
-    are widened first, or MLX would dequantize in 16 bits and round every value."""
-    if mx.issubdtype(scales.dtype, mx.floating):
-        scales = scales.astype(mx.float32)
-        biases = biases.astype(mx.float32) if biases is not None else None
-    return mx.dequantize(packed, scales, biases, group_size, bits, mode=mode).astype(mx.float32)
+    return dequantize_blocks(*args, getattr(module, "mode", "affine"))
 
 
 def _dense_bytes(layers: dict[str, nn.Module]) -> int:
