@@ -15,14 +15,14 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType
-from mlxinfer.quantize.affine import dequantize_rows, quantize_blocks
+from mlxinfer.quantize.affine import quantize_blocks
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.formats.gguf_file import REPACKED, GGUFFile, QuantizedTensor
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
 from mlxinfer.models.gguf import from_llama_cpp, gguf_config, gguf_tensors, hf_names
 from mlxinfer.models.multimodal import text_checkpoint, text_config
-from mlxinfer.models.quantized import DEQUANTIZE_BLOCK_ELEMENTS
+from mlxinfer.models.quantized import DEQUANTIZE_BLOCK_ELEMENTS, dequantize_blocks
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 from mlxinfer.untrusted import listed
 
@@ -56,13 +56,13 @@ class Quantized:
         return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
 
     def rows(self, start: int, stop: int) -> mx.array:
-        """The float32 values of rows [start, stop) of it flattened to 2-D (affine scales and biases widened first,
-        as dequantize_rows): a tensor rounded afresh is never dequantized whole (`rounded`)."""
-        weight, scales = (a.reshape(-1, a.shape[-1])[start:stop] for a in (self.weight, self.scales))
-        if self.biases is None:  # mxfp4: uint8 exponents
-            return mx.dequantize(weight, scales, None, self.group_size, self.bits, mode=self.mode, dtype=mx.float32)
-        biases = self.biases.reshape(-1, self.biases.shape[-1])[start:stop]
-        return dequantize_rows(weight, scales, biases, self.bits, self.group_size)
+        """The float32 values of rows [start, stop) of it flattened to 2-D: a tensor rounded afresh is never
+        dequantized whole (`rounded`)."""
+        weight, scales, biases = (
+            None if a is None else a.reshape(-1, a.shape[-1])[start:stop]
+            for a in (self.weight, self.scales, self.biases)
+        )
+        return dequantize_blocks(weight, scales, biases, self.group_size, self.bits, self.mode)
 
     def rounded(self, bits: int, group_size: int, dtype: mx.Dtype, mode: str = "affine") -> tuple:
         """quantize_rows of the values it stands for, a block of rows dequantized at a time."""
