@@ -157,7 +157,7 @@ def awq_tensors(
 def dwq_peak_bytes(params: int, vocab: int, compute_size: int, copies: int = 2) -> int:
     """What a distillation step holds at its peak beside the runtime: the model in its compute dtype `copies` times
     (twice as measured on mixed calibration and from a GGUF's blocks made dense) and a batch's logits in float32
-    twice (the student's and their gradient; the teacher's are kept as its top-256 only). Measured: bench/README.md,
+    twice (the student's and their gradient; the teacher's are kept as its top TOP_K only). Measured: bench/README.md,
     "Calibrated converter peaks"."""
     rows, length = DWQ_BATCH
     return copies * params * compute_size + 2 * rows * length * vocab * 4
