@@ -60,7 +60,7 @@ def choose_cpu_weights(model: nn.Module, compute: mx.Dtype, usable_bytes: int, m
     """Dequantize `model`'s quantized layers that multiply, in place, where that pays; says what it did.
 
     Embeddings only looked up (not the tied head) stay as stored whatever the mode: a lookup reads a few rows,
-    so float32 copies of them would only hold memory (Gemma 3's 262k-row table: 640 MiB)."""
+    so float32 copies of them would only hold memory (Llama 3 8B's untied 128k x 4096 table: 2 GiB)."""
     layers = quantized_layers(model)
     if not layers:
         return WeightChoice("as stored", "no quantized layers")

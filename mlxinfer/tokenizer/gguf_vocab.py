@@ -124,8 +124,9 @@ def backend_from_gguf(metadata: dict[str, Any], where: str = "GGUF") -> Backend:
     # Control and user-defined tokens match whole in the text, as llama.cpp matches them. Only those the vocabulary
     # spells as the file does: an added token it lacks would get an id past the model's embedding (Gemma's runs of
     # spaces, respelled as ▁ pieces, are tokenized by the merges instead, as transformers does).
-    vocab = backend.get_vocab()
-    kept = [(t, k) for t, k in zip(tokens, types) if t in vocab]
+    kept = [
+        (t, k) for t, k in zip(tokens, types) if k in (CONTROL, USER_DEFINED) and backend.token_to_id(t) is not None
+    ]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kept if k == CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kept if k == USER_DEFINED])
     bos = _bos_id(metadata, tokens, where)
