@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from mlxinfer.models.quantized import dequantize_blocks
+
 ROW_BLOCK_ELEMENTS = 1 << 24  # 64 MiB of float32 per block
 
 
@@ -55,8 +57,9 @@ def quantize_blocks(
 
 
 def dequantize_rows(packed: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int) -> mx.array:
-    """The float32 values a quantized triplet stands for."""
-    return mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+    """The float32 values a quantized triplet stands for (models/quantized.dequantize_blocks: scales widened first,
+    a block of rows at a time)."""
+    return dequantize_blocks(packed, scales, biases, group_size, bits)
 
 
 def bits_per_weight(bits: int, group_size: int, scale_bytes: int = 2) -> float:

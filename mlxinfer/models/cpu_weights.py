@@ -30,7 +30,7 @@ from mlx.nn.layers.distributed import (
 from mlx.utils import tree_unflatten
 
 from ..errors import ConfigError
-from .quantized import dequantize_blocks
+from .quantized import dequantize_blocks, widened
 
 MODES = ("auto", "dense", "quantized")
 DENSE_SHARE = 0.25  # float32 weights may take at most this share of the planner's usable memory
@@ -86,10 +86,9 @@ def _widen(layers: dict[str, nn.Module]) -> None:
     memory is traded for speed, quantized_matmul need not widen 16-bit ones at every call (5% of Gemma 3's
     decode here, where its tied 262k-row head stays quantized)."""
     for module in layers.values():
-        for key in ("scales", "biases"):
-            value = module.get(key)
-            if value is not None and mx.issubdtype(value.dtype, mx.floating):
-                module[key] = value.astype(mx.float32)
+        module.scales, biases = widened(module.scales, module.get("biases"))
+        if biases is not None:
+            module.biases = biases
     mx.eval([m.parameters() for m in layers.values()])
 
 
@@ -176,8 +175,7 @@ def _time_both(layer: nn.Module, rows: int) -> tuple[float, float]:
     kept = slice(0, max(1, TIMED_BYTES // (4 * in_dims)))
     packed, scales = layer.weight[kept], layer.scales[kept]
     biases = layer["biases"][kept] if "biases" in layer else None
-    if mx.issubdtype(scales.dtype, mx.floating):  # as a layer kept quantized beside float32 ones is held (_widen)
-        scales, biases = scales.astype(mx.float32), biases.astype(mx.float32) if biases is not None else None
+    scales, biases = widened(scales, biases)  # as a layer kept quantized beside float32 ones is held (_widen)
     mode = getattr(layer, "mode", "affine")
     weight = dequantize_blocks(packed, scales, biases, layer.group_size, layer.bits, mode)
     x = mx.random.normal((rows, in_dims), key=mx.random.key(0))

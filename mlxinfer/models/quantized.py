@@ -29,15 +29,23 @@ FLOAT_FORMATS = {(4, 32): "mxfp4", (4, 16): "nvfp4", (8, 32): "mxfp8"}  # (bits,
 DEQUANTIZE_BLOCK_ELEMENTS = 1 << 21
 
 
+def widened(
+    scales: mx.array, biases: mx.array | None, dtype: mx.Dtype = mx.float32
+) -> tuple[mx.array, mx.array | None]:
+    """Float scales and biases in `dtype` (16-bit ones held as stored widen exactly); the uint8 exponents of
+    mxfp4, nvfp4 and mxfp8 stay as they are."""
+    if not mx.issubdtype(scales.dtype, mx.floating):
+        return scales, biases
+    return scales.astype(dtype), None if biases is None else biases.astype(dtype)
+
+
 def dequantize_blocks(
     packed: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int, mode: str = "affine"
 ) -> mx.array:
     """The float32 values of a quantized matrix, DEQUANTIZE_BLOCK_ELEMENTS at a time: at most twice its floats
     (the blocks, then their join). Float scales and biases are widened first: MLX would dequantize in 16-bit
     ones' width and round every value."""
-    if mx.issubdtype(scales.dtype, mx.floating):
-        scales = scales.astype(mx.float32)
-        biases = biases.astype(mx.float32) if biases is not None else None
+    scales, biases = widened(scales, biases)
     step = max(1, DEQUANTIZE_BLOCK_ELEMENTS // (packed.shape[-1] * 32 // bits))
     parts = []
     for start in range(0, packed.shape[0], step):
@@ -60,12 +68,12 @@ class QuantizedLookup(nn.QuantizedEmbedding):
         self.dtype = dtype
 
     def __call__(self, x: mx.array) -> mx.array:
-        scales, biases = self["scales"][x], self.get("biases")
-        floats = mx.issubdtype(scales.dtype, mx.floating)  # not the uint8 exponents of mxfp4, nvfp4 and mxfp8
+        biases = self.get("biases")
+        scales, biases = widened(self["scales"][x], biases[x] if biases is not None else None, self.dtype)
         return mx.dequantize(
             self["weight"][x],
-            scales=scales.astype(self.dtype) if floats else scales,
-            biases=biases[x].astype(self.dtype) if biases is not None else None,
+            scales=scales,
+            biases=biases,
             group_size=self.group_size,
             bits=self.bits,
             mode=self.mode,
