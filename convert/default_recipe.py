@@ -21,7 +21,7 @@ LEARNED_BPW = 4.75
 FLAGS = f"--recipe sensitivity --bpw {LEARNED_BPW} --method dwq --calibration mixed"
 # Measured: SmolLM2-135M-Instruct (135M parameters) in 4 min 27 s, quality report included, on this project's
 # 2-core x86 CPU (bench/README.md); its steps scale with the parameters (a fixed number of calibration tokens).
-MINUTES_PER_BILLION = 33
+MINUTES_PER_BILLION = 36
 
 
 @dataclass(frozen=True)

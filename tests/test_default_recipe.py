@@ -49,7 +49,7 @@ def test_no_recipe_flag_on_a_verified_dense_model_picks_the_learned_recipe(bits)
     settings = ConvertSettings(bits=bits)
     choice = chosen(settings)
     assert choice.learned and "the learned default --recipe sensitivity --bpw 4.75 --method dwq" in choice.note
-    assert "; about 4 min on a 2-core CPU at 33 min per billion parameters; --method rtn takes seconds" in choice.note
+    assert "; about 5 min on a 2-core CPU at 36 min per billion parameters; --method rtn takes seconds" in choice.note
     assert (settings.recipe, settings.bpw, settings.method, settings.calibration) == (
         "sensitivity",
         4.75,
