@@ -23,11 +23,14 @@ from .engine import (
     GenerationRequest,
     GenerationStats,
     ModelRuntime,
+    PromptImages,
     SamplingParams,
     StepCosts,
     Structure,
     TextGeneration,
     check_mode,
+    encode_chat,
+    encode_text,
     prefix_store_for,
     structure_of,
     warm_alone,
@@ -37,6 +40,7 @@ from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import check_kv_bits, footprint
+from .models.vision import VisionModel
 from .tokenizer import Tokenizer, check_same_vocabulary
 from .untrusted import is_int, shown
 
@@ -144,22 +148,24 @@ class Model:
         Example:
             >>> model.warm([{"role": "system", "content": open("manual.txt").read()}])
         """
-        ids = self._prefix_ids(prefix, chat)
+        ids, images = self._prefix_ids(prefix, chat)
         store = self.prefix_cache.store
         if store is None:  # no tokenizer, or the model files could not be fingerprinted (warned at load)
             log.warning("%s: warming the prefix in memory only; it will not be kept on disk", self.path)
         else:
             store.check_room(len(ids))  # a full or unwritable cache folder fails now, not after the prefill
-        warm_alone(self.runtime, ids)
+        warm_alone(self.runtime, ids, images=images)
         return len(ids)
 
-    def _prefix_ids(self, prefix: Prompt, chat: bool | None) -> list[int]:
-        """The ids to warm; SamplingError if empty or longer than the context, checked before any prefill."""
+    def _prefix_ids(self, prefix: Prompt, chat: bool | None) -> tuple[list[int], PromptImages | None]:
+        """The ids to warm (and their images); SamplingError if empty or longer than the context, checked before
+        any prefill."""
         context = self.context_tokens
         if _text_chars(prefix) > context * MAX_CHARS_PER_TOKEN:
             raise SamplingError(f"the prefix to warm is far longer than the model's context of {context} tokens")
+        images = None
         if isinstance(prefix, (list, tuple)) and prefix and isinstance(prefix[0], dict):
-            ids = self.tokenizer.encode_chat(prefix, add_generation_prompt=False)
+            ids, images = encode_chat(self.tokenizer, self.vision, prefix, context, add_generation_prompt=False)
         else:
             ids = self.encode_prompt(prefix, chat=chat)
         if not ids:
@@ -168,7 +174,7 @@ class Model:
             raise SamplingError(
                 f"the prefix to warm has {len(ids)} tokens; the model's context is {context}; shorten it"
             )
-        return ids
+        return ids, images
 
     @property
     def runtime(self) -> ModelRuntime:
@@ -230,7 +236,10 @@ class Model:
         **options: Any,
     ) -> GenerationResult:
         """Generate a completion. A string is a raw prompt unless `chat=True`; a list of
-        messages always uses the chat template. Options: max_tokens, temperature, top_p,
+        messages always uses the chat template. `images` (a model that reads them): paths,
+        bytes, PIL images or NumPy arrays, placed before the prompt's text (or at each
+        <start_of_image> in a raw prompt); in messages, image parts instead:
+        {"type": "image", "image": ...}. Options: max_tokens, temperature, top_p,
         top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every,
         speculate ("auto", "off", "lookup" or "draft"; default: the model's, see `load`).
 
@@ -286,13 +295,14 @@ class Model:
         use_cache: bool = True,
         snapshot_every: int = SNAPSHOT_EVERY,
         speculate: str | None = None,
+        images: Sequence[Any] | None = None,
         **sampling: Any,
     ) -> TextGeneration:
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
             raise SamplingError(f"unknown generation option: {e}") from None
-        ids = self.encode_prompt(prompt, chat=chat)
+        ids, placed = self._encode_images(prompt, chat, images)
         eos = self.eos_token_ids
         # Compiled here, before any prefill: a schema the matcher cannot enforce fails at the call.
         constraint = structure.constraint(self.tokenizer, self.config.vocab_size, eos) if structure else None
@@ -306,11 +316,40 @@ class Model:
             snapshot_every=snapshot_every,
             constraint=constraint,
             speculate=check_mode(self.speculate if speculate is None else speculate, self.runtime.draft),
+            images=placed,
         )
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         return TextGeneration(self.runtime, request, stop=stops, use_cache=use_cache)
+
+    def _encode_images(
+        self, prompt: Prompt, chat: bool | None, images: Sequence[Any] | None
+    ) -> tuple[list[int], PromptImages | None]:
+        """Ids and the images placed among them: image parts in messages, or `images` with a raw prompt (at each
+        placeholder, else first) or a single user message."""
+        if images is not None and not isinstance(images, (list, tuple)):
+            raise SamplingError(f"images must be a list (of paths, bytes, PIL images or arrays), got {shown(images)}")
+        messages = _as_messages(prompt, chat)
+        if messages is not None:
+            if images:
+                raise SamplingError("with messages, put images in their content as {'type': 'image', 'image': ...}")
+            return encode_chat(self.tokenizer, self.vision, messages, self.context_tokens)
+        if isinstance(prompt, str) and images:
+            if chat:
+                parts = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": prompt}]
+                return encode_chat(
+                    self.tokenizer, self.vision, [{"role": "user", "content": parts}], self.context_tokens
+                )
+            return encode_text(self.tokenizer, self.vision, prompt, images, self.context_tokens)
+        if images:
+            raise SamplingError("images need a text prompt or messages, not token ids")
+        return self.encode_prompt(prompt, chat=chat), None
+
+    @property
+    def vision(self) -> VisionModel | None:
+        """The vision tower of a model that reads images (Gemma 3), else None."""
+        return self._loaded.vision
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids for a raw string, a chat (list of messages or a string with chat=True) or ids."""
@@ -412,6 +451,15 @@ class Model:
             kv_bits=self.kv_bits,
             chunk_tokens=chunk_tokens,
         )
+
+
+def _as_messages(prompt: Prompt, chat: bool | None) -> list[Message] | None:
+    """`prompt` if it is a list of messages, else None."""
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if chat is False:
+            raise SamplingError("a list of messages needs the chat template; drop chat=False")
+        return list(prompt)
+    return None
 
 
 def _text_chars(prompt: Any) -> int:

@@ -123,3 +123,7 @@ class EmbeddingError(UnsupportedModelError):
 class ClusterError(MlxInferError):
     """A distributed model lost a rank (its process ended or its link broke) or a rank stopped answering: the
     requests it was serving end with this error and the server reports itself unhealthy; restart the ranks."""
+
+
+class ImageError(SamplingError):
+    """An image in a request cannot be read, is of a kind not supported, or is past a limit (a 400 on the server)."""

@@ -258,7 +258,7 @@ def test_history_blocks_become_openai_messages():
 
 BAD = [  # (body changes, status, Anthropic's error type, words of the message)
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error",
-     "images are not supported"),
+     'source must be {"type": "base64"'),
     ({"model": "no-such-model"}, 404, "not_found_error", "no-such-model"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "invalid_request_error", "thinking"),
     ({"temperature": 1.5}, 400, "invalid_request_error", "temperature must be a number in [0, 1]"),
@@ -282,7 +282,7 @@ def test_refusals_are_anthropic_errors(server, change, status, kind, words):
 
 def test_the_client_raises_and_the_server_goes_on(client):
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
-    with pytest.raises(anthropic.BadRequestError, match="images are not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="this model does not read images"):
         client.messages.create(model=CHAT, messages=[{"role": "user", "content": [image]}], **GREEDY)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", messages=[QUESTION], **GREEDY)

@@ -49,6 +49,9 @@ FORBIDDEN["formats"] = {"ui", "server", "models", "engine", "cache", "memory", "
 FORBIDDEN["formats"] |= {"quantize", "library", "hub", "tokenizer", "distributed", "chat", "grammar"}
 FORBIDDEN["library"] = {"ui", "server", "engine", "cache", "api", "speed", "cli", "convert", "quantize", "distributed"}
 FORBIDDEN["models"] |= {"library"}
+# Images are read and preprocessed without knowing a model; the towers live in models/, the placing in engine/.
+FORBIDDEN["vision"] = {"ui", "server", "models", "engine", "cache", "memory", "api", "speed", "cli", "convert"}
+FORBIDDEN["vision"] |= {"quantize", "library", "hub", "tokenizer", "distributed", "chat", "grammar", "formats"}
 # The client side of the resident server: it talks HTTP to the server, never imports it.
 FORBIDDEN["resident_client"] = {"ui", "server", "speed", "cli", "convert", "quantize"}
 # `mlxinfer doctor` reads the machine through the lower rooms; only the CLI uses it.

@@ -218,7 +218,7 @@ def test_ps_unload_with_keep_alive_0_and_reload(server):
         ({"model": "nope", "messages": HI}, 404, "nope"),
         ({"model": "chatml", "messages": HI, "options": {"temperature": "hot"}}, 400, "options.temperature"),
         ({"model": "chatml", "messages": HI, "options": {"num_predict": 0}}, 400, "options.num_predict"),
-        ({"model": "chatml", "messages": [{**HI[0], "images": ["aGk="]}]}, 400, "images are not supported"),
+        ({"model": "chatml", "messages": [{**HI[0], "images": ["aGk="]}]}, 400, "does not read images"),
         ({"model": "chatml", "messages": HI, "think": True}, 400, "think"),
         ({"model": "chatml", "messages": HI, "options": {"num_predict": 1000}}, 400, "options.num_predict: the prompt"),
     ],
@@ -234,7 +234,7 @@ def test_refusals_are_ollama_errors_and_the_server_keeps_serving(server, request
 def test_what_the_client_would_not_send_is_refused_too(server):
     for path, extra, words in (
         ("/api/generate", {"suffix": "end"}, "suffix"),
-        ("/api/generate", {"images": ["aGk="]}, "images are not supported"),
+        ("/api/generate", {"images": ["aGk="]}, "does not read images"),
         ("/api/chat", {"messages": HI, "format": "yaml"}, 'format must be "json" or a JSON schema'),
         ("/api/chat", {"messages": HI, "format": {"type": "object", "x-guidance": {}}}, "format"),
         ("/api/chat", {"messages": HI, "options": ["temperature"]}, "options must be an object"),

@@ -766,7 +766,7 @@ def _called(arguments: str) -> dict:
     [
         ({"role": "user"}, "messages"),
         ([{"role": "wizard", "content": "x"}], "messages[0].role"),
-        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),  # names no image
         ([USER, {"role": "assistant", "content": None}], "messages[1].content"),
         ([USER, CALL, {"role": "tool", "content": "x"}], "messages[2].tool_call_id"),
         ([USER, {**CALL, "tool_calls": [{**_call("f", {}), "id": None}]}], "messages[1].tool_calls[0].id"),

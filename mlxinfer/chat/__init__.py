@@ -20,11 +20,12 @@ named choice, constrain with call_grammar.
 
 from .forced import call_grammar
 from .formats import OutputFormat, output_format, require_tool_syntax
-from .messages import MAX_TOOL_CALLS, check_messages, template_messages
+from .messages import IMAGE_PARTS, MAX_TOOL_CALLS, check_messages, image_source, template_messages
 from .parse import Content, OutputParser, Piece, Reasoning, ToolCall
 from .tools import MAX_TOOLS, Tool, ToolChoice, check_tool_choice, check_tools, template_tools
 
 __all__ = [
+    "IMAGE_PARTS",
     "MAX_TOOLS",
     "MAX_TOOL_CALLS",
     "Content",
@@ -39,6 +40,7 @@ __all__ = [
     "check_messages",
     "check_tool_choice",
     "check_tools",
+    "image_source",
     "output_format",
     "require_tool_syntax",
     "template_messages",

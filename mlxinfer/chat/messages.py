@@ -1,7 +1,8 @@
 """Chat messages in (OpenAI's form), messages out in the form Hugging Face chat templates read.
 
 Roles system, developer, user, assistant and tool. Content is a string or a list
-of text parts (joined); an assistant message with `tool_calls` may have none.
+of text parts (joined) and image parts (kept as parts); an assistant message with
+`tool_calls` may have none.
 Tool-call arguments arrive as JSON text and leave as dicts, as templates expect.
 """
 
@@ -63,15 +64,43 @@ def _extras(message: dict[str, Any], out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _content(content: Any, where: str, optional: bool = False) -> str:
+def _content(content: Any, where: str, optional: bool = False) -> str | list[dict[str, Any]]:
+    """Text, or (where images are among the parts) the parts as {"type": "text", "text"} and {"type": "image",
+    "image": its source}, which the server reads with the model's image processor."""
     if isinstance(content, str):
         return content
     if content is None and optional:
         return ""  # templates concatenate and search content: an empty string renders where None fails
-    if isinstance(content, list):  # content parts: only text can be read by a text model
-        if all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
-    raise refuse(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    if isinstance(content, list):
+        parts = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
+    raise refuse(f"{where}.content must be a string or a list of text and image parts", f"{where}.content")
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    source = image_source(part) if kind in IMAGE_PARTS else None
+    if isinstance(source, str) and source:
+        return {"type": "image", "image": source}
+    raise refuse(
+        f'{where} must be {{"type": "text", "text"}} or {{"type": "image_url", "image_url": {{"url"}}}}', where
+    )
+
+
+IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})  # ours and Hugging Face's, OpenAI's, Responses'
+
+
+def image_source(part: dict[str, Any]) -> Any:
+    """Where an image part's picture is: OpenAI's image_url (a string or {"url"}), Hugging Face's image, url or
+    path; None if it names none."""
+    if part.get("type") not in IMAGE_PARTS:
+        return None
+    found = next((part[k] for k in ("image_url", "image", "url", "path") if part.get(k) is not None), None)
+    return found.get("url") if isinstance(found, dict) else found
 
 
 def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +12,13 @@ import click
 
 from ..api import Model
 from ..engine import structure_of
-from ..errors import GrammarError, MlxInferError
+from ..errors import GrammarError, ImageError, MlxInferError
 from ..grammar import MAX_GRAMMAR_CHARS
 from ..library import record_use
 from ..local_server import find_server, server_identity
 from ..resident_client import RemoteModel, model_field
 from ..untrusted import read_json_object
+from ..vision import file_data_url
 from .common import errors_as_one_line, load_model
 from .options import checked_generation, generation_options, take_speculation
 
@@ -35,8 +37,18 @@ from .options import checked_generation, generation_options, take_speculation
 )
 @click.option("--regex", default=None, help="The whole answer matches this regular expression.")
 @click.option("--choice", "choice", multiple=True, help="The answer is exactly one of these (repeatable).")
+@click.option(
+    "--image",
+    "images",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="An image to ask about, before the prompt (repeatable; a model that reads images, e.g. Gemma 3).",
+)
 @errors_as_one_line
-def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: str | None, **options: Any) -> None:
+def generate(
+    model: str | None, prompt: str, chat: bool, as_json: bool, system: str | None, images: tuple[Path, ...],
+    **options: Any,
+) -> None:  # fmt: skip
     """Generate a completion for one prompt.
 
     MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
@@ -49,7 +61,10 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
       mlxinfer generate -p "Invent a person." --schema person.json     # JSON valid against the schema
       mlxinfer generate -p "Is water wet?" --choice yes --choice no
       mlxinfer generate ~/models/Qwen3-4B-4bit --draft-model ~/models/Qwen3-0.6B-4bit -p "Hi"   # speculative
+      mlxinfer generate ~/models/gemma-3-4b-it --image chart.png -p "What does this chart show?"
     """
+    if images and not chat:
+        raise click.UsageError("--image needs the chat template; drop --raw")
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
     speculation = take_speculation(options)
     schema_file = options.pop("schema_file")
@@ -58,7 +73,7 @@ def generate(model: str | None, prompt: str, chat: bool, as_json: bool, system: 
     generation = checked_generation(options)  # before the load: a bad flag should not cost one
     text = sys.stdin.read() if prompt == "-" else prompt
     llm = _model_for(model, local, dtype, quiet=as_json, kv_bits=kv_bits, **speculation)
-    messages = _messages(text, system) if chat else text
+    messages = _messages(text, system, [file_data_url(p, "--image") for p in images]) if chat else text
     try:  # the grammar compiles here, for this model's tokenizer: an unsupported keyword names the file
         run = llm.stream(messages, chat=chat, **generation, **structured)
     except GrammarError as e:
@@ -89,15 +104,15 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
     MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
 
     \b
-    Commands: /reset clears the conversation, /exit (or Ctrl-D) quits.
-    Ctrl-C stops the current answer.
+    Commands: /image FILE attaches an image to your next message (a model that reads images), /reset clears the
+    conversation, /exit (or Ctrl-D) quits. Ctrl-C stops the current answer.
     """
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
     speculation = take_speculation(options)
     local = options.pop("local")
     generation = checked_generation(options)  # before the load: a bad flag should not cost one
     llm = _model_for(model, local, dtype, quiet=False, kv_bits=kv_bits, **speculation)
-    history = _messages(None, system)
+    history, attached = _messages(None, system), []
     name = llm.path.name if isinstance(llm, Model) else llm.name or "the server's model"
     click.echo(f"Chatting with {name}. /reset clears, /exit quits.", err=True)
     while True:
@@ -109,11 +124,16 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
         if line.strip() in ("/exit", "/quit"):
             return
         if line.strip() == "/reset":
-            history = _messages(None, system)
+            history, attached = _messages(None, system), []
+            click.echo("Cleared the conversation.", err=True)
+            continue
+        if line.strip().startswith("/image"):
+            attached += _attach(line.strip()[len("/image") :].strip())
             continue
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
+        history += _messages(line, None, attached)
+        attached = []
         try:
             answer = _stream_answer(llm, history, generation)
         except MlxInferError as e:  # one bad turn (a template refusal, say) does not end the chat
@@ -161,11 +181,29 @@ def _stream_answer(llm: Model | RemoteModel, history: list[dict[str, str]], opti
     return "".join(parts)
 
 
-def _messages(text: str | None, system: str | None) -> list[dict[str, str]]:
-    messages = [{"role": "system", "content": system}] if system else []
-    if text is not None:
+def _messages(text: str | None, system: str | None, images: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """A chat's opening: the system prompt, then the user's text with `images` (data: URLs) before it."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    if text is not None and images:
+        parts = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+        messages.append({"role": "user", "content": [*parts, {"type": "text", "text": text}]})
+    elif text is not None:
         messages.append({"role": "user", "content": text})
     return messages
+
+
+def _attach(path: str) -> list[str]:
+    """`/image FILE`: the image as a data: URL for the next message, or an error line and nothing."""
+    if not path:
+        click.secho("Usage: /image FILE (then ask about it)", err=True, fg="red")
+        return []
+    try:
+        url = file_data_url(path, "/image")
+    except ImageError as e:
+        click.secho(f"Error: {e}", err=True, fg="red")
+        return []
+    click.echo(f"Attached {Path(path).name}; your next message asks about it.", err=True)
+    return [url]
 
 
 def _structure_options(schema_file: Path | None, regex: str | None, choice: tuple[str, ...]) -> dict[str, Any]:

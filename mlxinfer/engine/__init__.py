@@ -3,6 +3,8 @@ speculation, structured output, embeddings, and the ServingThread thread that se
 
 from .drafting import DraftModel, DraftRuntime
 from .embed import POOLINGS, check_ids, embed, embeddable, split_inputs
+from .image_prompt import encode_chat, encode_text
+from .images import PromptImages
 from .job import Delta, Event, Failed, Finished, Job
 from .loop import BatchLoop
 from .prefill import SNAPSHOT_EVERY, Prefill, prefill
@@ -19,6 +21,9 @@ from .text import check_stops
 from .threads import call_on_device_thread
 
 __all__ = [
+    "PromptImages",
+    "encode_chat",
+    "encode_text",
     "BatchLoop",
     "DRAFT_REASONS",
     "Delta",

@@ -154,10 +154,14 @@ class Admission:
         prefix = self.runtime.prefix_cache if job.use_cache else None
         if prefix is None:
             return None, 0
-        hit = prefix.lookup(job.prompt_ids, reuse_all=job.warm)
+        ids = job.cache_ids
+        hit = prefix.lookup(ids, reuse_all=job.warm)
+        if hit and job.images is not None and job.images.inside(hit.tokens):
+            prefix.release(hit)  # (only a hash collision resumes inside an image) an image is prefilled whole
+            return None, 0
         if hit:
             return hit, hit.shared
-        return hit, prefix.shared_tokens(job.prompt_ids if job.warm else job.prompt_ids[:-1])
+        return hit, prefix.shared_tokens(ids if job.warm else ids[:-1])
 
     def unpin(self, hit: PrefixHit | None) -> None:
         """Let the prefix cache evict the entry a request that never started had resumed from."""
@@ -187,7 +191,7 @@ class Admission:
         job, prefix = sequence.job, self.runtime.prefix_cache
         try:
             kept = prefix is not None and prefix.insert(
-                job.prompt_ids, cache, persist=prefix.store is not None, snapshots=sequence.snapshots
+                job.cache_ids, cache, persist=prefix.store is not None, snapshots=sequence.snapshots
             )
             if sequence.speculation is not None:
                 _offer(lambda: sequence.speculation.keep([]))

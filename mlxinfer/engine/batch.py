@@ -49,7 +49,8 @@ class Running:
         return self.speculation is not None and self.speculation.ready
 
     def ids_in_cache(self, cached: int) -> list[int]:
-        return (self.job.prompt_ids + self.drawn)[:cached]
+        """What the prefix cache keys its first `cached` positions by (images by their content)."""
+        return (self.job.cache_ids + self.drawn)[:cached]
 
 
 class DecodeBatch:

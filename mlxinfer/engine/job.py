@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..defaults import DEFAULT_MAX_TOKENS
 from ..grammar import Constraint
+from .images import PromptImages
 from .sampling import SamplingParams
 from .stats import GenerationStats
 from .text import check_stops
@@ -64,11 +65,14 @@ class Job:
     constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn
     keep_special_tokens: bool = False  # text keeps special tokens (tool-call and reasoning markup to parse)
     speculate: str = "off"  # speculative decoding: "auto", "off", "lookup" or "draft" (engine/speculation.py)
+    images: PromptImages | None = None  # the prompt's images, at their tokens' places
     submitted_at: float = 0.0
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def __post_init__(self) -> None:
         self.stop = check_stops(self.stop)
+        # What the prefix cache keys this prompt by: its ids, each image's tokens named by the image's content.
+        self.cache_ids = self.prompt_ids if self.images is None else self.images.cache_ids(self.prompt_ids)
 
     @property
     def reserved_tokens(self) -> int:

@@ -20,6 +20,7 @@ import mlx.core as mx
 from ..cache import Cache, Snapshot, snapshot
 from ..cache.layers import cuttable
 from ..models.decoder import DecoderLM
+from .images import PromptImages
 
 SNAPSHOT_EVERY = 1024  # tokens between state snapshots of a long prompt
 MAX_MESSAGE_MARKS = 64  # message ends snapshotted per prompt: the last ones, where edits happen
@@ -55,16 +56,20 @@ class Prefill:
     stops: list[int] = field(default_factory=list)  # positions to snapshot at
     snapshots: dict[int, Snapshot] = field(default_factory=dict)  # position -> state, taken here or inherited
     done: int = 0  # of `ids`
+    images: PromptImages | None = None  # the prompt's images (positions from the prompt's start)
 
     @classmethod
     def start(cls, model: DecoderLM, cache: list[Cache], ids: mx.array, chunk: int,
               every: int = SNAPSHOT_EVERY, marks: Iterable[int] = (),
-              inherited: dict[int, Snapshot] | None = None, before_end: bool = True) -> Prefill:  # fmt: skip
+              inherited: dict[int, Snapshot] | None = None, before_end: bool = True,
+              images: PromptImages | None = None) -> Prefill:  # fmt: skip
         base = cache[0].length
         stage = getattr(model, "stage", None)  # a pipeline rank: the whole model's layers decide, not its own
         whole = cuttable(cache) if stage is None else stage.cuttable
         stops = [] if whole else snapshot_positions(base, base + ids.size, every, marks, before_end)
-        return cls(model, cache, ids, base, chunk, stops, dict(inherited or {}))
+        if images is not None:  # an image runs whole, in one chunk
+            stops = [p for p in stops if not images.inside(p)]
+        return cls(model, cache, ids, base, chunk, stops, dict(inherited or {}), images=images)
 
     @property
     def finished(self) -> bool:
@@ -79,7 +84,15 @@ class Prefill:
         """Run the next chunk; returns its hidden states, shape (1, chunk, hidden)."""
         stop = next((p for p in self.stops if p > self.position), self.base + self.ids.size)
         end = min(self.done + self.chunk, self.ids.size, stop - self.base)
-        hidden = self.model.hidden(self.ids[None, self.done : end], self.cache)
+        placed = None
+        if self.images is not None:
+            end = self.images.chunk_end(self.base + end) - self.base
+            placed = self.images.placed(self.position, self.base + end)
+        tokens = self.ids[None, self.done : end]
+        # (only a model with a vision tower takes images: the others' hidden() has no such argument)
+        hidden = (
+            self.model.hidden(tokens, self.cache) if placed is None else self.model.hidden(tokens, self.cache, placed)
+        )
         self.done = end
         if getattr(self.model, "stage", None) is not None:
             # A pipeline rank sends its output on and sums the last rank's within the pass's output, which the

@@ -14,6 +14,7 @@ from ..defaults import DEFAULT_MAX_TOKENS, MAX_TOKENS, PREFILL_CHUNK_TOKENS
 from ..errors import SamplingError
 from ..grammar import Constraint
 from ..untrusted import shown
+from .images import PromptImages
 from .prefill import SNAPSHOT_EVERY
 from .sampling import SamplingParams
 
@@ -31,6 +32,7 @@ class GenerationRequest:
     snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
     constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn
     speculate: str = "off"  # speculative decoding: "auto", "off", "lookup" or "draft" (engine/speculation.py)
+    images: PromptImages | None = None  # the prompt's images at their tokens' places (engine/image_prompt.py)
 
 
 def check_options(request: GenerationRequest) -> None:

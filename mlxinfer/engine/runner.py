@@ -81,7 +81,8 @@ class ModelRunner:
         rest = prompt[cache[0].length :]
         every = job.snapshot_every or self.config.snapshot_every
         # A warmed prefix is continued by later prompts, never repeated whole: no snapshot before its end.
-        run = Prefill.start(runtime.decoder, cache, rest, chunk, every, marks, inherited, before_end=not job.warm)
+        run = Prefill.start(runtime.decoder, cache, rest, chunk, every, marks, inherited, before_end=not job.warm,
+                            images=job.images)  # fmt: skip
         sequence.snapshots = run.snapshots  # the same dict: snapshots taken later join it
         self.prefilling = Prefilling(run, sequence)
 

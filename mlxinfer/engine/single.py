@@ -16,6 +16,7 @@ from ..cache import PrefixCache
 from ..defaults import MAX_TOKENS, PREFILL_CHUNK_TOKENS
 from ..errors import SamplingError
 from ..models.decoder import DecoderLM
+from .images import PromptImages
 from .job import Delta, Event, Failed, Finished, Job
 from .loop import BatchLoop
 from .request import GenerationRequest, check_options
@@ -54,9 +55,13 @@ def run_alone(runtime: ModelRuntime, job: Job, config: SchedulerConfig = SINGLE)
         raise
 
 
-def warm_alone(runtime: ModelRuntime, ids: list[int], chunk: int = PREFILL_CHUNK_TOKENS) -> None:
-    """Prefill `ids` and keep their state in the prefix cache and on disk (MemoryBudgetError if it cannot fit)."""
-    for _ in run_alone(runtime, Job(ids, on_event=_unset, max_tokens=1, prefill_chunk=chunk, warm=True)):
+def warm_alone(
+    runtime: ModelRuntime, ids: list[int], chunk: int = PREFILL_CHUNK_TOKENS, images: PromptImages | None = None
+) -> None:
+    """Prefill `ids` (with `images` at their tokens) and keep their state in the prefix cache and on disk
+    (MemoryBudgetError if it cannot fit)."""
+    job = Job(ids, on_event=_unset, max_tokens=1, prefill_chunk=chunk, warm=True, images=images)
+    for _ in run_alone(runtime, job):
         pass
 
 
@@ -76,6 +81,7 @@ def job_for(request: GenerationRequest, stop: Sequence[str], stats: GenerationSt
         use_cache=use_cache,
         constraint=request.constraint,
         speculate=request.speculate,
+        images=request.images,
     )
 
 

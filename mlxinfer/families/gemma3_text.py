@@ -1,20 +1,33 @@
-"""Gemma 3's text model (Gemma3ForCausalLM; also the text half of model_type "gemma3", see models/multimodal.py).
+"""Gemma 3: the text model (Gemma3ForCausalLM, also the text half of model_type "gemma3", see models/multimodal.py)
+and the image half of Gemma3ForConditionalGeneration (a SigLIP tower and Gemma 3's projector).
 
 mlx-lm picks each layer's RoPE base from sliding_window_pattern; transformers from layer_types, which may follow
 any pattern: sliding layers rotate with rope_local_base_freq and no scaling, global ones with rope_theta and the
 config's scaling.
+
+An image is 4096 SigLIP patches (896 / 14 per side) average-pooled 4 x 4 into 256 embeddings, RMS-normed (1 + w)
+and projected to the text width. Its 256 tokens attend to each other both ways (transformers' token_type_ids mask);
+the text around them stays causal.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from ..errors import UnsupportedModelError
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ConfigError, UnsupportedModelError
 from ..models.config import FULL, MAX_LAYERS, SLIDING, ModelConfig, rope_scaling, rope_section, rope_value
 from ..models.decoder import DecoderLM
 from ..models.gguf_arch import GGUFArch, Meta
 from ..models.mlx_lm_modules import model_module
+from ..models.multimodal import text_config
 from ..models.registry import GEMMA, ArchSpec
+from ..models.siglip import SiglipConfig, SiglipVisionTower, tower_weights
+from ..models.vision import ImageFormat, VisionModel, load_checked
+from ..untrusted import is_int, shown
 
 
 def rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, Any]:
@@ -115,3 +128,90 @@ GGUF = {
         norm_shift=1.0,
     ),
 }
+
+
+# ---- the image half (model_type "gemma3") ----
+TOWER_PREFIXES = (
+    "model.vision_tower.vision_model.",
+    "vision_tower.vision_model.",
+    "model.vision_tower.",
+    "vision_tower.",
+)
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# transformers' Gemma3Config defaults (google/gemma-3-4b-it states them all).
+IMAGE_DEFAULTS = {"mm_tokens_per_image": 256, "image_token_index": 262_144, "boi_token_index": 255_999,
+                  "eoi_token_index": 256_000}  # fmt: skip
+
+
+class Projector(nn.Module):
+    """Gemma3MultiModalProjector: pool the patch grid to tokens_per_side², norm, project to the text width."""
+
+    def __init__(self, vision_width: int, text_width: int, pool: int, eps: float):
+        super().__init__()
+        self.mm_input_projection_weight = mx.zeros((vision_width, text_width))
+        self.mm_soft_emb_norm = nn.RMSNorm(vision_width, eps=eps)
+        self.pool = pool
+
+    def __call__(self, patches: mx.array) -> mx.array:
+        images, count, width = patches.shape
+        side, k = math.isqrt(count), self.pool
+        grid = patches.reshape(images, side // k, k, side // k, k, width)
+        pooled = grid.mean(axis=(2, 4)).reshape(images, -1, width)
+        norm = self.mm_soft_emb_norm  # Gemma's norms scale by 1 + w
+        return mx.fast.rms_norm(pooled, 1.0 + norm.weight, norm.eps) @ self.mm_input_projection_weight
+
+
+class Gemma3Vision(VisionModel):
+    def __init__(self, tower: SiglipConfig, text_width: int, image_format: ImageFormat):
+        super().__init__()
+        self.vision_tower = SiglipVisionTower(tower)
+        pool = tower.patches_per_side // math.isqrt(image_format.tokens_per_image)
+        self.multi_modal_projector = Projector(tower.hidden_size, text_width, pool, tower.layer_norm_eps)
+        self.format = image_format
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
+        return self.multi_modal_projector(self.vision_tower(pixels.astype(dtype)))
+
+
+def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, source: str) -> Gemma3Vision:
+    """Gemma3ForConditionalGeneration's image half from its config.json and tensors."""
+    tower = SiglipConfig.from_dict(raw.get("vision_config"), source)
+    ids = {k: raw.get(k, raw.get(k.replace("_index", "_id"), v)) for k, v in IMAGE_DEFAULTS.items()}
+    bad = next((k for k, v in ids.items() if not is_int(v) or v < 0), None)
+    if bad is not None:
+        raise ConfigError(f"{source}: {bad} must be a non-negative integer, got {shown(ids[bad])}")
+    tokens = ids["mm_tokens_per_image"]
+    side = math.isqrt(tokens)
+    if side * side != tokens or not 0 < side <= tower.patches_per_side or tower.patches_per_side % side:
+        raise ConfigError(
+            f"{source}: mm_tokens_per_image {tokens} must be a square whose side divides the "
+            f"{tower.patches_per_side} patches per side"
+        )
+    image_format = ImageFormat(
+        placeholder="<start_of_image>",
+        expansion=f"\n\n<start_of_image>{'<image_soft_token>' * tokens}<end_of_image>\n\n",  # Gemma3Processor's
+        image_token_id=ids["image_token_index"],
+        tokens_per_image=tokens,
+        bidirectional=True,
+    )
+    model = Gemma3Vision(tower, text_config(raw, source)["hidden_size"], image_format)
+    load_checked(model, _our_names(weights), dtype, source)
+    return model
+
+
+def _our_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    tower: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        stored = next((p for p in TOWER_PREFIXES if name.startswith(p)), None)
+        if stored is not None:
+            tower[name[len(stored) :]] = value
+            continue
+        stored = next((p for p in PROJECTOR_PREFIXES if name.startswith(p)), "")
+        out["multi_modal_projector." + name[len(stored) :] if stored else name] = value
+    out.update({"vision_tower." + k: v for k, v in tower_weights(tower).items()})
+    return out
+
+
+VISION = {"gemma3": vision}

@@ -12,7 +12,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +36,16 @@ class Layout:
     final_norm: str = "norm"  # the backbone's attribute holding the last norm
 
 
+class Placed(Protocol):
+    """Images placed in one prefill chunk (engine/images.py): their embeddings and their bidirectional blocks."""
+
+    blocks: Sequence[tuple[int, int]]  # absolute [start, end) positions whose tokens see each other both ways
+
+    def place(self, h: mx.array) -> mx.array:
+        """`h` (1, chunk, hidden) with the images' embeddings in their tokens' places."""
+        ...
+
+
 class DecoderLM(nn.Module):
     """A causal LM: embeddings -> blocks -> norm -> head, with per-layer masks."""
 
@@ -55,9 +65,11 @@ class DecoderLM(nn.Module):
     def layers(self) -> list[nn.Module]:
         return self.model.layers
 
-    def hidden(self, tokens: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
-        """Final-norm hidden states, shape (B, L, hidden)."""
+    def hidden(self, tokens: mx.array, cache: Sequence[Any] | None = None, images: Placed | None = None) -> mx.array:
+        """Final-norm hidden states, shape (B, L, hidden); `images` (one row) replace their tokens' embeddings."""
         h = self.embed(tokens)
+        if images is not None:
+            h = images.place(h)
         if self.stage is not None:  # a later rank: the previous rank's hidden states, shaped like these
             h = self.stage.receive(h)
         caches = cache if cache is not None else [None] * len(self.layers)
@@ -69,7 +81,7 @@ class DecoderLM(nn.Module):
             if kind not in masks and kind in ATTENTION:
                 # A window's cache returns keys from its `start`, which a long write moves forward.
                 start = layer_cache.key_start(h.shape[1]) if layer_cache is not None else 0
-                masks[kind] = self.mask(h.shape[1], offset, kind, padding, start)
+                masks[kind] = self.mask(h.shape[1], offset, kind, padding, start, images.blocks if images else ())
         for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
             # Recurrent layers need no mask: each row is prefilled alone and keeps its own state.
             h = layer(h, masks.get(kind), layer_cache)
@@ -105,13 +117,20 @@ class DecoderLM(nn.Module):
         return self.head(self.hidden(tokens, cache))
 
     def mask(
-        self, length: int, offset: int, kind: str, left_padding: Sequence[int] | None = None, key_start: int = 0
+        self,
+        length: int,
+        offset: int,
+        kind: str,
+        left_padding: Sequence[int] | None = None,
+        key_start: int = 0,
+        blocks: Sequence[tuple[int, int]] = (),
     ) -> mx.array | None:
         """Attention mask for `length` queries after `offset` positions in a `kind` layer whose cache returns
         keys from position `key_start` on.
 
         With `left_padding` (a batch of right-aligned rows) the mask is per row,
-        shape (rows, 1, length, offset + length - key_start), and hides each row's padding."""
+        shape (rows, 1, length, offset + length - key_start), and hides each row's padding. Within each
+        [start, end) of `blocks` (an image's tokens, all in this chunk) positions also see later ones."""
         # Keys cover positions [key_start, offset + length); query i sits at offset + i.
         window = self.layout.sliding_window if kind == SLIDING else None
         keys = offset + length - key_start
@@ -120,6 +139,8 @@ class DecoderLM(nn.Module):
         query = mx.arange(offset, offset + length)[:, None]
         key = mx.arange(key_start, offset + length)[None]
         mask = query >= key
+        for start, end in blocks:  # transformers: OR(causal, same block), then AND the window
+            mask = mask | ((query >= start) & (query < end) & (key >= start) & (key < end))
         if window is not None:
             mask = mask & (query < key + window)
         if left_padding is not None:

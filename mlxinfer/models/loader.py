@@ -37,6 +37,7 @@ from .multimodal import text_checkpoint
 from .quantized import quantize_like
 from .shard import Stage, keep_layers, select_weights, shard_tensor
 from .sizing import StoredTensor, check_before_build
+from .vision import VisionModel, load_vision
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class LoadedModel:
     weights_bytes: int
     load_s: float
     weights: WeightChoice = WeightChoice("as stored", "not chosen")  # quantized or dequantized on this CPU
+    vision: VisionModel | None = None  # a vision-language model's image half (weights_bytes counts it)
 
 
 def load_model(
@@ -75,13 +77,15 @@ def load_model(
     start = time.perf_counter()
     path = Path(path).expanduser()
     compute = choose_compute_dtype(dtype)
+    vision = None
     if path.is_file() and path.suffix == ".gguf":
         config, weights, metadata = _read_gguf_checked(path, compute, stage)
         tokenizer = tokenizer_from_gguf(metadata, f"{path}: GGUF") if with_tokenizer else None
     elif path.is_dir():
         checkpoint = open_folder(path)
         config = normalize_config(checkpoint.config, source=str(path / "config.json"))
-        checkpoint = text_checkpoint(checkpoint)  # a vision-language model's text tensors only
+        vision = load_vision(checkpoint, compute, str(path)) if stage is None and tensor_group is None else None
+        checkpoint = text_checkpoint(checkpoint, vision is not None)  # a vision-language model's text tensors
         check_before_build(config, _folder_tensors(checkpoint, compute), str(path))
         weights = load_tensors(checkpoint)
         tokenizer = Tokenizer.from_folder(path, config.eos_token_ids) if with_tokenizer else None
@@ -107,18 +111,21 @@ def load_model(
         blas.activate()  # once per process; not at import, as the swap reaches every MLX user in it
     kept = choose_cpu_weights(model, compute, machine_memory().usable_bytes(), cpu_weights_mode(cpu_weights))
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # after the choice: what is held
+    nbytes += vision.nbytes if vision is not None else 0
     log.info(
-        "loaded %s: %d quantized layers (%s: %s), %.1f MB, %s",
+        "loaded %s: %d quantized layers (%s: %s), %.1f MB, %s%s",
         path,
         quantized,
         kept.kept,
         kept.reason,
         nbytes / 1e6,
         compute,
+        f", with its vision tower ({vision.nbytes / 1e6:.1f} MB)" if vision is not None else "",
     )
     if not config.verified:
         log.warning("%s: model_type %s is %s", path, config.model_type, UNVERIFIED)
-    return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, time.perf_counter() - start, kept)
+    took = time.perf_counter() - start
+    return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, took, kept, vision)
 
 
 def _read_gguf_checked(

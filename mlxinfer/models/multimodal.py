@@ -1,10 +1,11 @@
-"""Vision-language checkpoints run as their text model: the nested text config, the text tensors.
+"""Vision-language checkpoints' text model: the nested text config, the text tensors.
 
 Gemma 3 (`gemma3`, Gemma3ForConditionalGeneration) and Qwen3.5 (`qwen3_5`,
 Qwen3_5ForConditionalGeneration) keep a complete decoder under text_config and
 `language_model` tensor prefixes; with text-only prompts the full model computes
-exactly that decoder. The vision tensors are never read (MLX maps tensors lazily and
-they are dropped unevaluated), and one log line says they were skipped.
+exactly that decoder. The image half is models/vision.py's, for the families whose
+file has a VISION builder (Gemma 3); for the others the vision tensors are never read
+(MLX maps tensors lazily and they are dropped unevaluated), and one log line says so.
 """
 
 from __future__ import annotations
@@ -174,14 +175,14 @@ def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
-def text_checkpoint(checkpoint: Checkpoint) -> Checkpoint:
+def text_checkpoint(checkpoint: Checkpoint, vision_loaded: bool = False) -> Checkpoint:
     """`checkpoint` as its text model: text tensors under the names the model uses, vision tensors left out
-    (never read). A checkpoint of a text model comes back as it is."""
+    (never read here; logged as skipped unless `vision_loaded`). A checkpoint of a text model comes back as it is."""
     wrapper = wrapper_of(checkpoint.config)
     if wrapper is None:
         return checkpoint
     names, skipped = text_names(checkpoint.tensors, wrapper)
-    if skipped:
+    if skipped and not vision_loaded:
         _log_skipped(checkpoint, skipped)
     tensors = {name: checkpoint.tensors[stored] for name, stored in names.items()}
     return replace(checkpoint, tensors=tensors, stored_names=names)

@@ -188,6 +188,7 @@ class API:
             constraint=prepared.constraint,
             keep_special_tokens=prepared.keep_special_tokens,
             speculate=served.model.speculate,
+            images=prepared.images,
         )
         served.scheduler.submit(job)
         return job, events

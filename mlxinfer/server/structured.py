@@ -24,6 +24,7 @@ from ..chat import (
     template_messages,
     template_tools,
 )
+from ..engine import PromptImages, encode_chat
 from ..grammar import Constraint, Grammar, constraint_for, json_schema, lark
 from ..tokenizer import Tokenizer
 from .schema import ChatRequest, CompletionRequest, ResponseFormat
@@ -42,6 +43,7 @@ class Prepared:
     constraint: Constraint | None = None
     keep_special_tokens: bool = False  # the parser reads markup made of special tokens
     parser: OutputParser | None = None  # None: the text is the answer as generated (completions)
+    images: PromptImages | None = None  # the prompt's images, read and placed (engine/image_prompt.py)
 
 
 def prepare_completion(model: Model, request: CompletionRequest) -> Prepared:
@@ -61,7 +63,8 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
     if tools:
         require_tool_syntax(fmt)
     messages = template_messages(request.messages, fmt)  # e.g. Mistral's 9-character call ids
-    ids = model.tokenizer.encode_chat(messages, tools=template_tools(tools) if tools else None)
+    listed = template_tools(tools) if tools else None
+    ids, images = encode_chat(model.tokenizer, model.vision, messages, model.context_tokens, tools=listed, remote=True)
     answer = request.response_format
     # The output may start inside a reasoning block the generation prompt opened (then the parser starts there).
     tail = _prompt_tail(model.tokenizer, ids) if fmt.reasoning and answer is None else ""
@@ -76,7 +79,7 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
     else:
         grammar = None
     markup = bool(tools) or (fmt.reasoning is not None and answer is None)
-    return Prepared(ids, _compile(model, grammar), fmt.keep_special_tokens and markup, parser)
+    return Prepared(ids, _compile(model, grammar), fmt.keep_special_tokens and markup, parser, images)
 
 
 def _call_or_format(

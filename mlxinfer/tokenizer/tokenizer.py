@@ -98,6 +98,16 @@ class Tokenizer:
         """Token ids of plain text; special-token strings in it stay text."""
         return self._encode_ids(self._plain, _valid_text(text), add_special_tokens)
 
+    def encode_images(self, text: str, placeholder: str, expansion: str) -> list[int]:
+        """A raw prompt with images: each `placeholder` in `text` becomes `expansion` (its special tokens read as
+        such); the rest is plain text, encoded as `encode` does."""
+        first, *rest = _valid_text(text).split(placeholder)
+        image = self._encode_ids(self.backend, expansion, False)
+        ids = self.encode(first)
+        for piece in rest:
+            ids += image + self._plain_ids(piece)
+        return ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -111,11 +121,22 @@ class Tokenizer:
         return self._render(messages, add_generation_prompt, marker, tools).replace(marker, "")
 
     def encode_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        images: tuple[str, str] | None = None,
     ) -> list[int]:
-        """Token ids of a chat rendered with the model's template (and `tools`, as apply_chat_template)."""
+        """Token ids of a chat rendered with the model's template (and `tools`, as apply_chat_template).
+
+        `images`: (placeholder, expansion): each placeholder the template wrote for an image part becomes the
+        expansion (the image's tokens) before tokenizing, as transformers' processors do (one a user typed
+        stays text)."""
         marker = _new_marker()
         rendered = _valid_text(self._render(messages, add_generation_prompt, marker, tools))
+        if images is not None:
+            placeholder, expansion = images
+            rendered = re.sub(f"(?<!{re.escape(marker)}){re.escape(placeholder)}", lambda _: expansion, rendered)
         if marker not in rendered:
             return self._encode_ids(self.backend, rendered, False)
         # Message content held special-token text: split at the template's own

@@ -26,7 +26,7 @@ from ..schema import ChatRequest, GenerationParams, parse_chat, parse_json
 
 MAX_ITEMS = 100_000  # Anthropic's limit on messages; content blocks per message are held to it too
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and {"type": "tool", "name"}: a named one
-UNREADABLE = {"image": "images", "document": "documents"}
+UNREADABLE = {"image": "images outside a user message", "document": "documents"}
 DROPPED = ("thinking", "redacted_thinking")  # an earlier turn's reasoning: templates leave it out anyway
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # and "stop": end_turn or stop_sequence
 TEXT_BLOCKS = {"content": ("text", "text_delta"), "reasoning_content": ("thinking", "thinking_delta")}
@@ -103,17 +103,35 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 def _user(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    results, texts = [], []
+    results, parts = [], []
     for j, block in enumerate(_blocks(content, where)):
-        kind = _kind(block, f"{where}[{j}]")
+        kind = _kind(block, f"{where}[{j}]", images=True)
         if kind == "tool_result":
             results.append(_tool_result(block, f"{where}[{j}]"))
         elif kind == "text":
-            texts.append(_text([block], f"{where}[{j}]"))
+            parts.append({"type": "text", "text": _text([block], f"{where}[{j}]")})
+        elif kind == "image":
+            parts.append(_image(block, f"{where}[{j}]"))
         elif kind not in DROPPED:
             raise APIError(400, f"{where}[{j}]: a user message cannot hold a {shown(kind)} block")
     # Results answer the calls of the turn before, so they come first (Anthropic puts them first too).
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+    if any(p["type"] == "image_url" for p in parts):
+        return [*results, {"role": "user", "content": parts}]
+    text = "".join(p["text"] for p in parts)
+    return results + ([{"role": "user", "content": text}] if parts or not results else [])
+
+
+def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
+    """An image block as OpenAI's image_url part: base64 data as a data: URL (a url source is refused later)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
+        url = f"data:{source['media_type']};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise APIError(400, f'{where}.source must be {{"type": "base64", "media_type", "data"}}', where)
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -167,12 +185,12 @@ def _blocks(content: Any, where: str) -> list[Any]:
     return content
 
 
-def _kind(block: Any, where: str) -> str:
+def _kind(block: Any, where: str, images: bool = False) -> str:
     kind = block.get("type") if isinstance(block, dict) else None
     if not isinstance(kind, str):
         raise APIError(400, f"{where} must be a content block: an object with a type")
-    if kind in UNREADABLE:
-        raise APIError(400, f"{where}: {UNREADABLE[kind]} are not supported; this server's models read text only")
+    if kind in UNREADABLE and not (images and kind == "image"):
+        raise APIError(400, f"{where}: {UNREADABLE[kind]} are not supported")
     return kind
 
 

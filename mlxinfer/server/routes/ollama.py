@@ -29,6 +29,7 @@ from ...chat import MAX_TOOL_CALLS, output_format
 from ...engine import GenerationStats
 from ...errors import MlxInferError
 from ...untrusted import is_int, shown
+from ...vision import MAX_IMAGES
 from ..core import API, read_body
 from ..deltas import Answer, Done, Running
 from ..errors import APIError, as_api_error
@@ -144,7 +145,6 @@ def _generate_request(body: dict[str, Any], prompt: Any) -> tuple[Any, Any]:
         ("suffix", "fill-in-the-middle is not supported"),
         ("template", "a template per request is not supported; the model's own chat template is used"),
         ("context", "context token ids are not supported; send the conversation to /api/chat instead"),
-        ("images", "images are not supported"),
     ):
         if body.get(name) not in (None, "", []):
             raise APIError(400, f"{name}: {why}", name)
@@ -158,9 +158,21 @@ def _generate_request(body: dict[str, Any], prompt: Any) -> tuple[Any, Any]:
     if raw:
         if system:  # a raw prompt is sent as it is: there is no template to put a system prompt in
             raise APIError(400, "system cannot be combined with raw: put it in the prompt yourself", "system")
+        if body.get("images") not in (None, []):
+            raise APIError(400, "images cannot be combined with raw: send them without raw", "images")
         return parse_completion({**_common(body), "prompt": prompt})
     messages = [{"role": "system", "content": system}] if system else []
+    if body.get("images") not in (None, []):
+        prompt = with_images(prompt, body["images"], "images")
     return parse_chat({**_common(body), "messages": [*messages, {"role": "user", "content": prompt}]})
+
+
+def with_images(content: Any, images: Any, where: str) -> Any:
+    """A message's text with Ollama's `images` (base64 strings) before it, as OpenAI's content parts."""
+    if not isinstance(images, list) or len(images) > MAX_IMAGES or not all(isinstance(b, str) for b in images):
+        raise APIError(400, f"{where} must be a list of at most {MAX_IMAGES} base64 strings", where)
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": f"data:;base64,{b}"}} for b in images]
+    return parts + ([{"type": "text", "text": content}] if isinstance(content, str) and content else [])
 
 
 def to_openai_chat(body: dict[str, Any]) -> dict[str, Any]:
@@ -232,9 +244,10 @@ def to_openai_messages(messages: Any) -> Any:
         if not isinstance(message, dict):
             out.append(message)
             continue
-        if message.get("images"):
-            raise APIError(400, f"messages[{i}].images: images are not supported", f"messages[{i}].images")
+        images = message.get("images")
         message = {k: v for k, v in message.items() if k not in ("images", "thinking", "tool_name")}
+        if images not in (None, []):
+            message["content"] = with_images(message.get("content"), images, f"messages[{i}].images")
         if isinstance(messages[i].get("thinking"), str):
             message["reasoning_content"] = messages[i]["thinking"]
         calls = message.get("tool_calls")

@@ -1,0 +1,109 @@
+"""A prompt with images, from the caller's messages (or raw text and a list of images) to ids and PromptImages.
+
+The order of the work bounds it: the prompt is rendered and tokenized first (an image's token count is fixed by
+its family), checked against the context and the image limits, and only then are the images read, resized and
+hashed. All of it runs on the caller's thread (the server's preparing pool), never on the scheduler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..chat import IMAGE_PARTS, image_source
+from ..errors import ImageError, SamplingError
+from ..models.vision import VisionModel, check_images
+from ..tokenizer import Tokenizer
+from ..vision import DEFAULT_LIMITS, Limits, digest, read_images
+from .images import PromptImages
+
+Message = dict[str, Any]
+
+
+def split_images(messages: Sequence[Message]) -> tuple[list[Message], list[tuple[str, Any]]]:
+    """The messages as a chat template reads them (each image part as {"type": "image"}), and the images'
+    (where, source) in prompt order. Messages without image parts pass as they are."""
+    out: list[Message] = []
+    sources: list[tuple[str, Any]] = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(_is_image(p) for p in content):
+            out.append(message)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            if _is_image(part):
+                sources.append((f"messages[{i}].content[{j}]", image_source(part)))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, sources
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    vision: VisionModel | None,
+    messages: Sequence[Message],
+    context: int,
+    limits: Limits = DEFAULT_LIMITS,
+    tools: list[dict[str, Any]] | None = None,
+    remote: bool = False,
+    add_generation_prompt: bool = True,
+) -> tuple[list[int], PromptImages | None]:
+    """Ids of a chat and its images. `remote`: the messages came over HTTP, so images must be data: URLs."""
+    rendered, sources = split_images(messages)
+    if not sources:
+        return tokenizer.encode_chat(messages, add_generation_prompt, tools), None
+    check_images(len(sources), vision, "this model")
+    assert vision is not None
+    fmt = vision.format
+    ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=(fmt.placeholder, fmt.expansion))
+    return ids, images_at(ids, sources, vision, context, limits, remote)
+
+
+def encode_text(
+    tokenizer: Tokenizer, vision: VisionModel | None, text: str, images: Sequence[Any], context: int,
+    limits: Limits = DEFAULT_LIMITS,
+) -> tuple[list[int], PromptImages | None]:  # fmt: skip
+    """Ids of a raw prompt and its images: at each placeholder (Gemma 3's <start_of_image>) in `text`, else all
+    before it."""
+    if not images:
+        return tokenizer.encode(text), None
+    check_images(len(images), vision, "this model")
+    assert vision is not None
+    fmt = vision.format
+    if fmt.placeholder not in text:
+        text = fmt.placeholder * len(images) + text
+    ids = tokenizer.encode_images(text, fmt.placeholder, fmt.expansion)
+    return ids, images_at(ids, [(f"images[{i}]", s) for i, s in enumerate(images)], vision, context, limits)
+
+
+def images_at(
+    ids: Sequence[int], sources: list[tuple[str, Any]], vision: VisionModel, context: int, limits: Limits,
+    remote: bool = False,
+) -> PromptImages:  # fmt: skip
+    """The images read and placed at their tokens in `ids`, once the prompt is known to fit the context."""
+    if len(ids) > context:
+        raise SamplingError(
+            f"the prompt has {len(ids)} tokens with its images; the model's context is {context}; "
+            "send fewer images or a shorter prompt"
+        )
+    PromptImages.check_runs(ids, len(sources), vision.format)  # before any pixel is read
+    if remote:
+        sources = [(where, _remote(source, where)) for where, source in sources]
+    pixels = [vision.processor.pixels(rgb) for rgb in read_images(sources, limits)]
+    return PromptImages.locate(ids, [(digest(p), p) for p in pixels], vision)
+
+
+def _remote(source: Any, where: str) -> str:
+    """A request's image source: a data: URL; a web address or a local path is refused (nothing is fetched)."""
+    if isinstance(source, str) and source.startswith("data:"):
+        return source
+    if isinstance(source, str) and source.lower().startswith(("http://", "https://")):
+        raise ImageError(f"{where}: image URLs are not fetched; send the image as a data: URL (base64)")
+    raise ImageError(f"{where}: an image must be a data: URL (data:image/png;base64,...)")
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_PARTS

@@ -1,0 +1,156 @@
+"""SigLIP's vision transformer (transformers' SiglipVisionModel without its pooling head), in MLX.
+
+Gemma 3's tower; SmolVLM / Idefics3 and PaliGemma use the same one. Patches are cut by a strided convolution,
+given learned positions, run through pre-norm encoder layers with full (unmasked) attention, and normed once more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ConfigError, UnsupportedModelError
+from ..untrusted import shown
+
+ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu}
+MAX_SIDE = 4096  # pixels: real towers read 224-896
+MAX_WIDTH = 8192  # hidden and MLP sizes: SigLIP-so400m is 1152 / 4304
+MAX_LAYERS = 64
+
+
+@dataclass(frozen=True)
+class SiglipConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int = 3
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str) -> SiglipConfig:
+        """vision_config, checked: sizes bounded, the heads dividing the width, the patches tiling the image."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: vision_config must be an object, got {shown(raw)}")
+        sizes = {"hidden_size": MAX_WIDTH, "intermediate_size": MAX_WIDTH, "num_hidden_layers": MAX_LAYERS,
+                 "num_attention_heads": 256, "image_size": MAX_SIDE, "patch_size": MAX_SIDE}  # fmt: skip
+        values = {key: _bounded(raw.get(key), high, f"{source}: vision_config.{key}") for key, high in sizes.items()}
+        config = cls(**values, layer_norm_eps=float(raw.get("layer_norm_eps", 1e-6)),
+                     hidden_act=raw.get("hidden_act", "gelu_pytorch_tanh"))  # fmt: skip
+        if raw.get("num_channels", 3) != 3:
+            raise UnsupportedModelError(f"{source}: vision_config.num_channels must be 3 (RGB)")
+        if config.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{source}: vision_config.hidden_act {shown(config.hidden_act)} is not supported"
+            )
+        if config.hidden_size % config.num_attention_heads or config.image_size % config.patch_size:
+            raise ConfigError(f"{source}: vision_config's heads must divide hidden_size and patches tile image_size")
+        if raw.get("vision_use_head"):
+            raise UnsupportedModelError(f"{source}: a SigLIP tower with its pooling head is not supported")
+        return config
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+class Embeddings(nn.Module):
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(3, config.hidden_size, config.patch_size, stride=config.patch_size)
+        self.position_embedding = nn.Embedding(config.patches_per_side**2, config.hidden_size)
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        """(images, 3, H, W) channels first, as processors write them -> (images, patches, hidden)."""
+        patches = self.patch_embedding(pixels.transpose(0, 2, 3, 1))  # MLX convolves channels last
+        h = patches.reshape(patches.shape[0], -1, patches.shape[-1])
+        return h + self.position_embedding.weight[None, : h.shape[1]]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        width, self.heads = config.hidden_size, config.num_attention_heads
+        self.scale = (width // self.heads) ** -0.5
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(width, width) for _ in range(3))
+        self.out_proj = nn.Linear(width, width)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        batch, length, width = x.shape
+
+        def heads(t: mx.array) -> mx.array:
+            return t.reshape(batch, length, self.heads, -1).transpose(0, 2, 1, 3)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.activation = ACTIVATIONS[config.hidden_act]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.self_attn = Attention(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        self.layers = [EncoderLayer(config) for _ in range(config.num_hidden_layers)]
+
+
+class SiglipVisionTower(nn.Module):
+    """pixel_values (images, 3, H, W) -> the last hidden states (images, patches, hidden), post-normed."""
+
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = Embeddings(config)
+        self.encoder = Encoder(config)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        h = self.embeddings(pixels)
+        for layer in self.encoder.layers:
+            h = layer(h)
+        return self.post_layernorm(h)
+
+
+def tower_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A tower's tensors as this module names them: PyTorch's convolution (out, in, kh, kw) turned channels last;
+    one already channels last (an MLX port's) is left as it is."""
+    out = dict(weights)
+    name = "embeddings.patch_embedding.weight"
+    conv = out.get(name)
+    if conv is not None and conv.ndim == 4 and conv.shape[1] == 3 and conv.shape[3] != 3:
+        out[name] = conv.transpose(0, 2, 3, 1)
+    return out
+
+
+def _bounded(value: Any, high: int, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        raise ConfigError(f"{where} must be an integer in [1, {high}], got {shown(value)}")
+    return value

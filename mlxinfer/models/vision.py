@@ -1,0 +1,129 @@
+"""A vision-language model's image half: its tower and projector, how its prompts hold an image, its processor.
+
+The family file (families/<text model_type>.py) builds it from a `VISION` entry keyed by the wrapper's model_type;
+the loader attaches it to the LoadedModel. The engine asks it for an image's embeddings (`features`), which take
+the places of the image's tokens in the prompt; the last few images' embeddings are kept by content hash, so a
+second question about the same picture does not run the tower again even when the prefix cache lost it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import ImageError, UnsupportedModelError, WeightMismatchError
+from ..untrusted import shown_path
+from ..vision import PREPROCESSOR_FILE, ImageProcessor
+from .checkpoint import load_tensors
+from .multimodal import Wrapper, wrapper_of
+from .registry import family_module
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+KEPT_IMAGES = 8  # images whose embeddings stay in memory (a 256-token Gemma 3 image is 2.5 MB at hidden 2560)
+
+
+@dataclass(frozen=True)
+class ImageFormat:
+    """How one family's prompt holds an image."""
+
+    placeholder: str  # what its chat template writes for an image part ("<start_of_image>")
+    expansion: str  # the text each placeholder becomes before tokenizing: the image tokens and their markers
+    image_token_id: int  # the token whose places the image's embeddings take
+    tokens_per_image: int
+    bidirectional: bool  # an image's tokens attend to each other both ways (Gemma 3), else causally
+
+
+class VisionModel(nn.Module):
+    """pixel_values (images, 3, H, W) -> embeddings (images, tokens_per_image, text hidden) in the compute dtype."""
+
+    format: ImageFormat
+    processor: ImageProcessor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kept: OrderedDict[bytes, mx.array] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def features(self, digest: bytes, pixels: np.ndarray) -> mx.array:
+        """One image's embeddings (tokens_per_image, hidden), from the last KEPT_IMAGES by content hash or computed
+        now (lazily: they are evaluated with the prefill chunk that places them)."""
+        with self._lock:
+            kept = self._kept.get(digest)
+            if kept is not None:
+                self._kept.move_to_end(digest)
+                return kept
+        out = self(mx.array(pixels[None]))[0]
+        with self._lock:
+            self._kept[digest] = out
+            while len(self._kept) > KEPT_IMAGES:
+                self._kept.popitem(last=False)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.parameters()))
+
+
+# builder(config.json, the tower's and projector's tensors under their stored names, the compute dtype, the source
+# to name in errors) -> a VisionModel holding those weights (the family file's VISION[model_type]).
+Builder = Callable[[dict[str, Any], dict[str, mx.array], mx.Dtype, str], VisionModel]
+
+
+def vision_builder(wrapper: Wrapper, model_type: str) -> Builder | None:
+    """The family file's builder for a vision-language model_type, None where images are not supported yet."""
+    module = importlib.import_module(family_module(wrapper.text_type))
+    return getattr(module, "VISION", {}).get(model_type)
+
+
+def load_vision(checkpoint: Checkpoint, dtype: mx.Dtype, source: str) -> VisionModel | None:
+    """The vision half of a vision-language checkpoint, weights loaded; None for a text model or a family whose
+    images are not supported yet (the text model then runs alone, as models/multimodal.py logs)."""
+    wrapper = wrapper_of(checkpoint.config)
+    if wrapper is None or "vision_config" not in checkpoint.config:
+        return None
+    build = vision_builder(wrapper, checkpoint.config["model_type"])
+    if build is None:
+        return None
+    names = {n: n for n in checkpoint.tensors if n.startswith(wrapper.vision_prefixes)}
+    if not names:  # a text model saved under the wrapper's name (a converted language model alone)
+        return None
+    if not (checkpoint.folder / PREPROCESSOR_FILE).is_file():
+        log.warning("%s: %s is missing, so images cannot be read", shown_path(checkpoint.folder), PREPROCESSOR_FILE)
+        return None
+    weights = load_tensors(replace(checkpoint, stored_names=names))
+    model = build(checkpoint.config, weights, dtype, source)
+    model.processor = ImageProcessor.from_folder(checkpoint.folder)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load_checked(model: VisionModel, weights: dict[str, mx.array], dtype: mx.Dtype, source: str) -> None:
+    """`weights` into `model`, cast to `dtype`; WeightMismatchError naming what differs (names or shapes)."""
+    if any(name.endswith(".scales") for name in weights):
+        raise UnsupportedModelError(f"{source}: a quantized vision tower is not supported; keep it in float")
+    try:
+        model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+    except ValueError as e:
+        raise WeightMismatchError(f"{source}: the vision tower's weights do not match its config ({e})") from None
+
+
+def check_images(count: int, vision: VisionModel | None, source: str) -> None:
+    """An ImageError for images given to a model that cannot read them."""
+    if count and vision is None:
+        raise ImageError(f"{source} does not read images (no vision tower loaded); send text only")

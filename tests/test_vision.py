@@ -1,0 +1,330 @@
+"""Images in: Gemma 3's tower and projector against transformers, images in prompts, the prefix cache, hostile files.
+
+Expected values are transformers' (tests/fixtures/make_tiny_vision.py wrote them: Gemma3ImageProcessorPil's
+pixel_values, Gemma3ForConditionalGeneration's logits and greedy tokens on real images) or Pillow's own decoding.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from PIL import Image
+
+import mlxinfer
+from mlxinfer.cache import make_cache
+from mlxinfer.engine import Prefill, encode_chat
+from mlxinfer.errors import ImageError
+from mlxinfer.vision import ImageProcessor, Limits, read_image, read_images
+from tests.conftest import TINY
+
+MODEL = TINY / "gemma3_vision"
+IMAGES = Path(__file__).parent / "fixtures" / "images"
+GOLDEN = mx.load(str(MODEL / "golden_image.safetensors"))
+# The golden cases' messages (make_tiny_vision.CASES), images by file.
+CASES = {
+    "portrait": [{"type": "image", "image": "hopper.jpg"}, {"type": "text", "text": "Who is this?"}],
+    "two": [
+        {"type": "text", "text": "Compare "},
+        {"type": "image", "image": "hopper_wide.png"},  # a palette PNG
+        {"type": "text", "text": " with "},
+        {"type": "image", "image": "hopper_small.png"},  # a translucent RGBA PNG, upscaled
+        {"type": "text", "text": ", please."},
+    ],
+}
+
+
+def messages(case: str) -> list[dict]:
+    parts = [{**p, "image": str(IMAGES / p["image"])} if p["type"] == "image" else p for p in CASES[case]]
+    return [{"role": "user", "content": parts}]
+
+
+def golden(case: str, key: str) -> np.ndarray:
+    return np.array(GOLDEN[f"{case}.{key}"])
+
+
+@pytest.fixture(scope="module")
+def gemma() -> mlxinfer.Model:
+    return mlxinfer.load(MODEL, prefix_cache_bytes=64 << 20)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pixel_values_match_transformers(case):
+    processor = ImageProcessor.from_folder(MODEL)
+    files = [p["image"] for p in CASES[case] if p["type"] == "image"]
+    ours = np.stack([processor.pixels(read_image(IMAGES / f)) for f in files])
+    np.testing.assert_allclose(ours, golden(case, "pixel_values"), atol=1e-6)
+
+
+@pytest.mark.parametrize(("case", "chunk"), [("portrait", 64), ("two", 64), ("two", 3)])
+def test_logits_of_every_position_match_transformers(gemma, case, chunk):
+    # Chunks of 3 would cut each 4-token image: it runs whole instead (its tokens attend to each other both ways),
+    # and the text past the 8-token sliding window reads the images from the cache.
+    ids, images = encode_chat(gemma.tokenizer, gemma.vision, messages(case), gemma.context_tokens)
+    assert ids == golden(case, "input_ids").tolist()
+    decoder = gemma._loaded.model
+    run = Prefill.start(decoder, make_cache(decoder.cache_kinds), mx.array(ids, dtype=mx.uint32), chunk, images=images)
+    hidden = [run.step()]
+    while not run.finished:
+        hidden.append(run.step())
+    logits = np.array(decoder.head(mx.concatenate(hidden, axis=1))[0])
+    np.testing.assert_allclose(logits, golden(case, "logits"), atol=1e-4)
+
+
+def test_chat_and_generate_answer_as_transformers_does(gemma):
+    chat = gemma.chat(messages("portrait"), max_tokens=8, use_cache=False)
+    assert chat.token_ids == golden("portrait", "greedy").tolist()
+    # Images given as bytes and as an array answer as their files do.
+    sources = iter([(IMAGES / "hopper_wide.png").read_bytes(), np.asarray(Image.open(IMAGES / "hopper_small.png"))])
+    parts = [{"type": "image", "image": next(sources)} if p["type"] == "image" else p for p in CASES["two"]]
+    two = gemma.chat([{"role": "user", "content": parts}], max_tokens=8, use_cache=False)
+    assert two.token_ids == golden("two", "greedy").tolist()
+
+
+def test_a_raw_prompt_places_images_at_their_placeholders_else_first(gemma):
+    # Gemma3Processor's full_image_sequence: "\n\n<start_of_image>" + 4 x <image_soft_token> + "<end_of_image>\n\n"
+    image = [10, 10, 260, 259, 259, 259, 259, 261, 10, 10]
+    ask = list(b"Who?")
+    at = gemma.generate("Who?<start_of_image>", images=[IMAGES / "hopper.jpg"], max_tokens=1)
+    first = gemma.generate("Who?", images=[IMAGES / "hopper.jpg"], max_tokens=1)
+    assert at.stats.prompt_tokens == len(ask + image)
+    assert gemma._encode_images("Who?<start_of_image>", None, [IMAGES / "hopper.jpg"])[0] == ask + image
+    assert gemma._encode_images("Who?", None, [IMAGES / "hopper.jpg"])[0] == image + ask
+    assert first.stats.prompt_tokens == len(image + ask)
+
+
+def test_the_prefix_cache_keys_an_image_by_its_content(gemma):
+    # Two prompts with the same text and different images have the same token ids: keyed by ids, the second would
+    # resume from the first's snapshot before its end, on the wrong picture's keys and values.
+    gemma.prefix_cache.clear()
+    asked = gemma.chat(messages("portrait"), max_tokens=4)
+    ids = golden("portrait", "input_ids").tolist()
+    image_start = ids.index(259)
+    calls = []
+    tower = type(gemma.vision).__call__
+    type(gemma.vision).__call__ = lambda self, pixels: calls.append(1) or tower(self, pixels)
+    try:
+        again = gemma.chat(messages("portrait"), max_tokens=4)  # the same image: resumed, the tower not run
+        assert again.stats.cached_tokens == len(ids) - 1 and calls == []
+        follow_up = [*messages("portrait"), {"role": "assistant", "content": asked.text}]
+        follow_up.append({"role": "user", "content": "And now?"})
+        later = gemma.chat(follow_up, max_tokens=4)
+        assert later.stats.cached_tokens >= ids.index(258) + 1 and calls == []  # past the first turn's end
+        other = messages("portrait")
+        mirrored = np.asarray(Image.open(IMAGES / "hopper.jpg"))[:, ::-1]  # a picture no earlier test embedded
+        other[0]["content"][0] = {"type": "image", "image": mirrored}
+        third = gemma.chat(other, max_tokens=4)
+        assert third.stats.cached_tokens <= image_start and calls == [1]
+    finally:
+        type(gemma.vision).__call__ = tower
+    assert third.token_ids == gemma.chat(other, max_tokens=4, use_cache=False).token_ids
+
+
+def test_rows_with_and_without_images_decode_in_one_batch_as_each_alone(gemma, scheduler_for):
+    from mlxinfer.engine import Job
+    from tests.test_scheduler import Collector, batch_sizes
+
+    asks = [messages("portrait"), [{"role": "user", "content": "Who is this?"}], messages("two")]
+    alone = [gemma.chat(m, max_tokens=8, use_cache=False).token_ids for m in asks]
+    scheduler = scheduler_for(gemma, max_batch=3, prefill_chunk=16)
+    sizes = batch_sizes(scheduler)
+    collectors = [Collector() for _ in asks]
+    for ask, collector in zip(asks, collectors):
+        ids, images = encode_chat(gemma.tokenizer, gemma.vision, ask, gemma.context_tokens)
+        scheduler.submit(Job(ids, collector, max_tokens=8, images=images, use_cache=False))
+    together = [c.wait() for c in collectors]
+    assert max(sizes) >= 2
+    assert [gemma.tokenizer.encode("".join(c.texts), add_special_tokens=False) for c in together] == [
+        gemma.tokenizer.encode(gemma.tokenizer.decode(ids), add_special_tokens=False) for ids in alone
+    ]
+    assert alone[0] == golden("portrait", "greedy").tolist() and alone[2] == golden("two", "greedy").tolist()
+
+
+def test_a_warmed_image_prefix_is_kept_on_disk_and_resumed_after_a_restart():
+    look = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": str(IMAGES / "hopper_wide.png")}, {"type": "text", "text": "Look."}],
+        }
+    ]
+    warmed = mlxinfer.load(MODEL).warm(look)
+    restarted = mlxinfer.load(MODEL)  # a new process would find the same file: nothing is in memory yet
+    follow_up = [*look, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Who?"}]
+    assert restarted.chat(follow_up, max_tokens=2).stats.cached_tokens == warmed
+    other = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": str(IMAGES / "hopper.jpg")}, {"type": "text", "text": "Look."}],
+        }
+    ]
+    assert restarted.chat([*other, *follow_up[1:]], max_tokens=2).stats.cached_tokens == 0
+
+
+def test_images_for_a_text_model_and_mismatched_placeholders_are_refused(gemma, tiny_llama):
+    with pytest.raises(ImageError, match="does not read images"):
+        tiny_llama.chat([{"role": "user", "content": [{"type": "image", "image": str(IMAGES / "hopper.jpg")}]}])
+    with pytest.raises(ImageError, match="places 2 images .* but 1 were given"):
+        gemma.generate("<start_of_image> and <start_of_image>", images=[IMAGES / "hopper.jpg"])
+
+
+# ---- hostile images: one clear error or a correct result, bounded before decoding ----
+
+
+def png_bytes(image: Image.Image, **options) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=options.pop("format", "PNG"), **options)
+    return out.getvalue()
+
+
+def with_stated_size(png: bytes, width: int, height: int) -> bytes:
+    """A PNG whose header claims another size (its CRC fixed): a decompression bomb's header."""
+    header = b"IHDR" + struct.pack(">II", width, height) + png[24:29]
+    return png[:12] + header + struct.pack(">I", zlib.crc32(header)) + png[33:]
+
+
+def test_hostile_images_are_refused_in_one_line():
+    small = png_bytes(Image.new("RGB", (4, 4), "red"))
+    cases = {
+        "states more than": with_stated_size(small, 100_000, 100_000),
+        "truncated or corrupt": (IMAGES / "hopper.jpg").read_bytes()[:2000] + b"\0" * 10,
+        "not an image in a supported format": b"GIF87a? not really" + b"\0" * 64,
+        "SVG images are not supported": b'<?xml version="1.0"?><svg xmlns="http://www.w3.org/2000/svg"/>',
+        "TIFF": png_bytes(Image.new("RGB", (4, 4)), format="TIFF"),
+    }
+    for expected, data in cases.items():
+        expected = "not an image in a supported format" if expected == "TIFF" else expected
+        with pytest.raises(ImageError, match=expected) as error:
+            read_image(data, "messages[0].content[1]")
+        assert str(error.value).startswith("messages[0].content[1]: ") and "\n" not in str(error.value)
+    with pytest.raises(ImageError, match="20x20 pixels, more than the 100 allowed"):
+        read_image(Image.new("RGB", (20, 20)), limits=Limits(max_pixels=100))
+    with pytest.raises(ImageError, match="not valid base64"):
+        read_image("data:image/png;base64,@@@")
+    with pytest.raises(ImageError, match="holds 'text/html', not an image"):
+        read_image("data:text/html;base64," + base64.b64encode(small).decode())
+
+
+def test_request_limits_hold_before_images_are_read():
+    never_read = [(f"images[{i}]", "/nonexistent/never-read.png") for i in range(3)]
+    with pytest.raises(ImageError, match="3 images in one request; at most 2"):
+        read_images(never_read, Limits(max_images=2))
+    tile = Image.new("RGB", (10, 10))
+    with pytest.raises(ImageError, match=r"images\[1\]: with it the request's images are more than the 150 pixels"):
+        read_images([("images[0]", tile), ("images[1]", tile)], Limits(max_total_pixels=150))
+
+
+def test_odd_modes_read_as_transformers_would_or_correctly():
+    photo = Image.open(IMAGES / "hopper.jpg").resize((40, 30))
+    rgb = np.asarray(photo)
+    # CMYK JPEG: Pillow's own conversion, as transformers' convert_rgb gives.
+    cmyk = read_image(png_bytes(photo.convert("CMYK"), format="JPEG", quality=95))
+    np.testing.assert_array_equal(
+        cmyk,
+        np.asarray(Image.open(io.BytesIO(png_bytes(photo.convert("CMYK"), format="JPEG", quality=95))).convert("RGB")),
+    )
+    # EXIF orientation 6 (rotate 90 clockwise to view): read upright.
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    turned = read_image(png_bytes(photo, format="PNG", exif=exif.tobytes()))
+    np.testing.assert_array_equal(turned, np.rot90(rgb, k=-1))
+    # 16-bit grayscale: scaled to 8 bits (Pillow's own conversion would clip everything above 255 to white).
+    gray16 = Image.fromarray(np.arange(12, dtype=np.uint16).reshape(3, 4) * 5000)
+    np.testing.assert_array_equal(
+        read_image(png_bytes(gray16))[..., 0], np.round(np.arange(12).reshape(3, 4) * 5000 / 257)
+    )
+    # An animated GIF: its first frame.
+    frames = [Image.new("RGB", (8, 8), c) for c in ("red", "blue")]
+    gif = png_bytes(frames[0], format="GIF", save_all=True, append_images=frames[1:])
+    assert read_image(gif)[0, 0].tolist() == [255, 0, 0]
+    # Arrays: gray, float in [0, 1], RGBA composited onto white.
+    assert read_image(np.full((2, 3), 7, np.uint8)).shape == (2, 3, 3)
+    np.testing.assert_array_equal(read_image(np.full((2, 2, 3), 0.5)), np.full((2, 2, 3), 128, np.uint8))
+    clear = np.zeros((2, 2, 4), np.uint8)
+    np.testing.assert_array_equal(read_image(clear), np.full((2, 2, 3), 255, np.uint8))
+
+
+# ---- the three APIs, through their official clients ----
+
+
+@pytest.fixture(scope="module")
+def vision_server(gemma):
+    from mlxinfer.server import ModelSet, ServerSettings
+    from mlxinfer.server.uvicorn_host import BackgroundServer
+
+    models = ModelSet()
+    models.add(gemma, name="gemma3_vision")
+    with BackgroundServer(models, ServerSettings(port=0)) as running:
+        yield running
+    models.close()
+
+
+def data_url(name: str, kind: str = "image/jpeg") -> str:
+    return f"data:{kind};base64," + base64.b64encode((IMAGES / name).read_bytes()).decode()
+
+
+@pytest.mark.slow
+def test_openai_ollama_and_anthropic_clients_ask_about_an_image(gemma, vision_server):
+    import anthropic
+    import ollama
+    import openai
+
+    expected = gemma.tokenizer.decode(golden("portrait", "greedy").tolist())
+    prompt_tokens = len(golden("portrait", "input_ids"))
+    client = openai.OpenAI(base_url=vision_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    parts = [
+        {"type": "image_url", "image_url": {"url": data_url("hopper.jpg")}},
+        {"type": "text", "text": "Who is this?"},
+    ]
+    chat = client.chat.completions.create(model="gemma3_vision", messages=[{"role": "user", "content": parts}],
+                                          temperature=0, max_tokens=8)  # fmt: skip
+    assert (chat.choices[0].message.content, chat.usage.prompt_tokens) == (expected, prompt_tokens)
+    # Ollama puts a message's images before its text: the same prompt.
+    answer = ollama.Client(host=vision_server.url, timeout=120).chat(
+        model="gemma3_vision",
+        messages=[{"role": "user", "content": "Who is this?", "images": [IMAGES / "hopper.jpg"]}],
+        options={"temperature": 0, "num_predict": 8},
+    )
+    assert (answer.message.content, answer.prompt_eval_count) == (expected, prompt_tokens)
+    source = {"type": "base64", "media_type": "image/jpeg", "data": data_url("hopper.jpg").split(",", 1)[1]}
+    message = anthropic.Anthropic(
+        base_url=vision_server.url, api_key="x" * 8, max_retries=0, timeout=120
+    ).messages.create(
+        model="gemma3_vision",
+        max_tokens=8,
+        extra_body={"temperature": 0},  # anthropic 2.x's create() has no temperature; the API takes it
+        messages=[
+            {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": "Who is this?"}]}
+        ],
+    )
+    usage = message.usage  # Anthropic counts the tokens read from the cache apart
+    assert (message.content[0].text, usage.input_tokens + usage.cache_read_input_tokens) == (expected, prompt_tokens)
+
+
+@pytest.mark.slow
+def test_bad_images_are_a_400_naming_the_part_and_the_server_keeps_serving(vision_server):
+    import httpx
+
+    bomb = with_stated_size(png_bytes(Image.new("RGB", (4, 4))), 100_000, 100_000)
+    cases = {
+        "https://example.com/cat.png": "messages[0].content[0]: image URLs are not fetched",
+        "/etc/passwd": "messages[0].content[0]: an image must be a data: URL",
+        "data:image/png;base64," + base64.b64encode(bomb).decode(): "messages[0].content[0]: the image states more",
+        "data:image/svg+xml;base64," + base64.b64encode(b"<svg/>").decode(): "SVG images are not supported",
+    }
+    for url, expected in cases.items():
+        parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+        body = {"model": "gemma3_vision", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+        response = httpx.post(vision_server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400 and expected in response.json()["error"]["message"], response.text
+    many = [{"type": "image_url", "image_url": {"url": data_url("hopper_small.png", "image/png")}}] * 17
+    body = {"model": "gemma3_vision", "messages": [{"role": "user", "content": many}], "max_tokens": 2}
+    response = httpx.post(vision_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400 and "17 images in one request; at most 16" in response.text
+    body = {"model": "gemma3_vision", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert httpx.post(vision_server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
