@@ -189,3 +189,70 @@ def test_reasoning_streams_into_a_folded_thinking_block(thinking_page_server, br
     assert answer.find_element(By.CLASS_NAME, "text").get_attribute("textContent") == (expected["content"] or "")
     # The block sits above the answer's text.
     assert answer.find_elements(By.CSS_SELECTOR, ".thinking + .text")
+
+
+@pytest.fixture(scope="module")
+def vision_page_server():
+    import mlxinfer
+    from tests.conftest import TINY
+
+    models = ModelSet()
+    models.add(mlxinfer.load(TINY / "gemma3_vision"), SchedulerConfig())
+    with BackgroundServer(models, ServerSettings(port=0)) as running:
+        yield running
+    models.close()
+
+
+@pytest.mark.slow
+def test_an_attached_and_a_dropped_image_are_previewed_and_asked_about(vision_page_server, browser):
+    import mlx.core as mx
+    from selenium.webdriver.common.by import By
+
+    from tests.test_vision import IMAGES, MODEL
+
+    tokens = mx.load(str(MODEL / "golden_image.safetensors"))["portrait.greedy"].tolist()
+    expected = mlxinfer_tokenizer().decode(tokens)
+    browser.get(vision_page_server.url + "/")
+    wait_for(lambda: "gemma3_vision" in browser.find_element(By.ID, "model").text, timeout=30)
+    browser.execute_script("document.getElementById('image-file').hidden = false")
+    browser.find_element(By.ID, "image-file").send_keys(str(IMAGES / "hopper.jpg"))
+    wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#attachments img"), timeout=30)
+    # The preview is drawn (the page's content security policy lets it show data: images, nothing else).
+    wait_for(lambda: browser.execute_script("return document.querySelector('#attachments img').naturalWidth"))
+    browser.execute_script("document.getElementById('image-file').hidden = true")
+    send(browser, "Who is this?")  # the golden case: the image, then the question, answered greedily
+    first = wait_for(lambda: [a for a in answers(browser) if a.get_attribute("data-done")])[0]
+    # The page sets no max_tokens: its answer runs on past the 8 greedy tokens transformers gave.
+    assert first.find_element(By.CLASS_NAME, "text").text.startswith(expected.strip())
+    assert browser.find_elements(By.CSS_SELECTOR, ".message.user img")
+    assert not browser.find_elements(By.CSS_SELECTOR, "#attachments img")  # sent with that message only
+    # A dropped file is read the same way; the server's refusal of a non-image shows in the status line.
+    browser.execute_script(
+        """const drop = (name, type, bytes) => {
+             const data = new DataTransfer();
+             data.items.add(new File([bytes], name, { type }));
+             document.dispatchEvent(new DragEvent("drop", { dataTransfer: data, bubbles: true }));
+           };
+           drop("notes.txt", "text/plain", "hello");
+           drop("pixel.png", "image/png", Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0)));""",
+        base64_png(),
+    )
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#attachments img")) == 1, timeout=30)
+    assert "notes.txt is not a PNG" in browser.find_element(By.ID, "status").text
+
+
+def mlxinfer_tokenizer():
+    from mlxinfer.models import load_tokenizer
+    from tests.conftest import TINY
+
+    return load_tokenizer(TINY / "gemma3_vision")
+
+
+def base64_png() -> str:
+    import base64
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (2, 2), "blue").save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()

@@ -2,7 +2,10 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"]; // what the server reads
+const MAX_IMAGE_BYTES = 32 * 2 ** 20; // the server's limit per image
 let history = [];
+let attached = []; // data: URLs of the images the next message carries
 let modelId = null;
 let controller = null;
 let apiKey = sessionStorage.getItem("mlxinfer-api-key");
@@ -34,9 +37,15 @@ async function refreshStatus() {
   }
 }
 
-function bubble(role, text) {
+function bubble(role, text, images = []) {
   const div = document.createElement("div");
   div.className = `message ${role}`;
+  if (images.length) {
+    const strip = document.createElement("div");
+    strip.className = "images";
+    for (const url of images) strip.appendChild(thumbnail(url));
+    div.appendChild(strip);
+  }
   const body = document.createElement("span");
   body.className = "text";
   body.textContent = text;
@@ -99,10 +108,60 @@ async function* serverEvents(response) {
   }
 }
 
+function thumbnail(url) {
+  const img = document.createElement("img");
+  img.src = url;
+  img.alt = "attached image";
+  return img;
+}
+
+// Images are read here into data: URLs, the only image form the server takes from a page.
+function attach(files) {
+  for (const file of files) {
+    if (!IMAGE_TYPES.includes(file.type)) {
+      $("status").textContent = `${file.name || "that file"} is not a PNG, JPEG, WebP, GIF or BMP image`;
+      continue;
+    }
+    if (file.size > MAX_IMAGE_BYTES) {
+      $("status").textContent = `${file.name} is more than 32 MiB`;
+      continue;
+    }
+    const reader = new FileReader();
+    reader.onload = () => {
+      attached.push(reader.result);
+      showAttached();
+    };
+    reader.readAsDataURL(file);
+  }
+}
+
+function showAttached() {
+  const strip = $("attachments");
+  strip.replaceChildren();
+  attached.forEach((url, i) => {
+    const item = document.createElement("div");
+    item.className = "attachment";
+    const remove = document.createElement("button");
+    remove.type = "button";
+    remove.textContent = "×";
+    remove.title = "Remove this image";
+    remove.addEventListener("click", () => {
+      attached.splice(i, 1);
+      showAttached();
+    });
+    item.append(thumbnail(url), remove);
+    strip.appendChild(item);
+  });
+}
+
 async function ask(text) {
   const conversation = history; // "New chat" replaces the array; this answer stays with its own conversation
-  conversation.push({ role: "user", content: text });
-  bubble("user", text);
+  const images = attached;
+  attached = [];
+  showAttached();
+  const parts = images.map((url) => ({ type: "image_url", image_url: { url } }));
+  conversation.push({ role: "user", content: images.length ? [...parts, { type: "text", text }] : text });
+  bubble("user", text, images);
   const div = bubble("assistant", "");
   const body = div.querySelector(".text");
   const times = { start: performance.now(), first: 0, last: 0 };
@@ -183,9 +242,33 @@ $("input").addEventListener("keydown", (event) => {
   }
 });
 $("stop").addEventListener("click", () => controller && controller.abort());
+$("attach").addEventListener("click", () => $("image-file").click());
+$("image-file").addEventListener("change", (event) => {
+  attach(event.target.files);
+  event.target.value = "";
+});
+$("input").addEventListener("paste", (event) => {
+  const files = [...event.clipboardData.files];
+  if (files.length) {
+    event.preventDefault();
+    attach(files);
+  }
+});
+document.addEventListener("dragover", (event) => {
+  event.preventDefault();
+  document.body.classList.add("dropping");
+});
+document.addEventListener("dragleave", () => document.body.classList.remove("dropping"));
+document.addEventListener("drop", (event) => {
+  event.preventDefault();
+  document.body.classList.remove("dropping");
+  attach(event.dataTransfer.files);
+});
 $("new-chat").addEventListener("click", () => {
   if (controller) controller.abort();
   history = [];
+  attached = [];
+  showAttached();
   $("messages").replaceChildren();
 });
 refreshStatus();

@@ -12,8 +12,12 @@ from ..errors import APIError
 
 PAGE = Path(__file__).parent.parent / "page"
 PAGE_ASSETS = {"chat.js": "text/javascript", "chat.css": "text/css"}
-# The page runs only its own files: no inline script, nothing fetched from elsewhere.
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'", "Cache-Control": "no-cache"}
+# The page runs only its own files: no inline script, nothing fetched from elsewhere. Images it shows are the ones
+# the user attached, read into data: URLs in the page.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "Cache-Control": "no-cache",
+}
 
 
 async def page(request: Request) -> Response:
