@@ -328,3 +328,49 @@ def test_bad_images_are_a_400_naming_the_part_and_the_server_keeps_serving(visio
     assert response.status_code == 400 and "17 images in one request; at most 16" in response.text
     body = {"model": "gemma3_vision", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     assert httpx.post(vision_server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
+
+def test_an_mlx_vlm_layout_with_a_quantized_tower_loads(tmp_path):
+    # mlx-vlm's conversions (mlx-community's Gemma 3 folders) store the tower under vision_tower.vision_model.,
+    # its convolution channels last, and its linear layers quantized; the reference is the same folder with those
+    # layers dequantized by MLX itself.
+    import json
+    import shutil
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    vision = mlxinfer.load(MODEL).vision
+    nn.quantize(vision.vision_tower, group_size=32, bits=8, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+    tower = dict(tree_flatten(vision.vision_tower.parameters()))
+    dequantized = {}
+    for name, value in tower.items():
+        if name.endswith(".scales"):
+            path = name.removesuffix(".scales")
+            w = mx.dequantize(tower[f"{path}.weight"], value, tower[f"{path}.biases"], group_size=32, bits=8)
+            dequantized[f"{path}.weight"] = w
+        elif not name.endswith(".biases") or name.removesuffix(".biases") + ".scales" not in tower:
+            dequantized.setdefault(name, value)
+    text = {k: v for k, v in mx.load(str(MODEL / "model.safetensors")).items() if "vision_tower" not in k}
+    folders = {}
+    for kind, weights in (("quantized", tower), ("float", dequantized)):
+        folder = folders[kind] = tmp_path / kind
+        shutil.copytree(MODEL, folder, ignore=shutil.ignore_patterns("model.safetensors", "golden*"))
+        named = {f"vision_tower.vision_model.{k}": v for k, v in weights.items()}
+        mx.save_safetensors(str(folder / "model.safetensors"), {**text, **named})
+    config = json.loads((MODEL / "config.json").read_text())
+    (folders["quantized"] / "config.json").write_text(
+        json.dumps({**config, "quantization": {"group_size": 32, "bits": 8}})
+    )
+    ids = golden("portrait", "input_ids").tolist()
+    answers = []
+    for kind in ("quantized", "float"):
+        model = mlxinfer.load(folders[kind], prefix_cache_bytes=0)
+        held = type(model.vision.vision_tower.encoder.layers[0].mlp.fc1).__name__
+        assert held == {"quantized": "QuantizedLinear", "float": "Linear"}[kind]
+        answers.append(model.chat(messages("portrait"), max_tokens=8).token_ids)
+        _, images = encode_chat(model.tokenizer, model.vision, messages("portrait"), 256)
+        features = model.vision(mx.array(images.spans[0].pixels[None]))
+        answers.append(np.array(features))
+    assert answers[0] == answers[2]
+    np.testing.assert_allclose(answers[1], answers[3], atol=1e-4)

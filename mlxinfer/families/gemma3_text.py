@@ -196,7 +196,7 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
         bidirectional=True,
     )
     model = Gemma3Vision(tower, text_config(raw, source)["hidden_size"], image_format)
-    load_checked(model, _our_names(weights), dtype, source)
+    load_checked(model, _our_names(weights), dtype, source, (raw.get("quantization") or {}).get("mode", "affine"))
     return model
 
 

@@ -20,11 +20,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ImageError, UnsupportedModelError, WeightMismatchError
+from ..errors import ImageError, WeightMismatchError
 from ..untrusted import shown_path
 from ..vision import PREPROCESSOR_FILE, ImageProcessor
 from .checkpoint import load_tensors
 from .multimodal import Wrapper, wrapper_of
+from .quantized import quantize_like
 from .registry import family_module
 
 if TYPE_CHECKING:
@@ -113,12 +114,15 @@ def load_vision(checkpoint: Checkpoint, dtype: mx.Dtype, source: str) -> VisionM
     return model
 
 
-def load_checked(model: VisionModel, weights: dict[str, mx.array], dtype: mx.Dtype, source: str) -> None:
-    """`weights` into `model`, cast to `dtype`; WeightMismatchError naming what differs (names or shapes)."""
-    if any(name.endswith(".scales") for name in weights):
-        raise UnsupportedModelError(f"{source}: a quantized vision tower is not supported; keep it in float")
+def load_checked(
+    model: VisionModel, weights: dict[str, mx.array], dtype: mx.Dtype, source: str, mode: str = "affine"
+) -> None:
+    """`weights` into `model`, floats cast to `dtype`; layers stored quantized (an mlx-vlm conversion's) are
+    quantized alike first. WeightMismatchError naming what differs (names or shapes)."""
+    quantize_like(model, weights, mode=mode, dtype=dtype)
+    cast = [(k, v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in weights.items()]
     try:
-        model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
+        model.load_weights(cast, strict=True)
     except ValueError as e:
         raise WeightMismatchError(f"{source}: the vision tower's weights do not match its config ({e})") from None
 
