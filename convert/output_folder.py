@@ -21,6 +21,7 @@ import re
 import shutil
 import stat
 from collections.abc import Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,33 @@ from mlxinfer.display import mib
 from mlxinfer.errors import ConversionError
 from mlxinfer.untrusted import shown_path
 
-from .writer import TOKENIZER_FILES, os_error, writing
+from .writer import TOKENIZER_FILES, os_error, sha256_files, write_json, writing
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "mlxinfer-manifest.json"
 MANIFEST_KEYS = frozenset({"mlxinfer_version", "created", "source", "settings", "files"})
+
+
+def write_manifest(folder: Path, source: str, settings: dict[str, Any], bpw: float, quality: Any,
+                   image_half: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The output's manifest: what made it, from what, with which settings, its quality and its files' hashes."""
+    from mlxinfer import __version__
+
+    manifest = {
+        "mlxinfer_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source": source,
+        "settings": settings,
+        "bits_per_weight": bpw,
+        "quality": quality.to_dict() if quality else None,
+        "image_half": image_half,  # a vision-language model's tower and projector, where kept (vision_half.py)
+        "files": sha256_files(folder),
+    }
+    write_json(folder / MANIFEST, manifest)
+    return manifest
+
+
 MAX_MANIFEST_BYTES = 16 << 20  # a manifest lists file names and digests: a few KiB in practice
 MAX_ENTRIES = 100_000  # files in a folder we would delete; a 1 TB model in 1 GiB shards has ~1000
 # Every name a conversion writes; a folder holding anything else is not ours to delete.

@@ -12,7 +12,6 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +51,15 @@ from .layer_bytes import MXFP4Quant, copied, stream_peak_bytes, written_bytes
 from .layout import Sanitize, converted_tensors, output_shapes
 from .mlx_lm_rules import apply_quant_predicate, mlx_lm_predicates, routers_at_8_bits
 from .output_config import output_config
-from .output_folder import MANIFEST, AtomicFolder, check_apart, check_output, check_space
+from .output_folder import AtomicFolder, check_apart, check_output, check_space, write_manifest
 from .sources import Quantized, Source, open_source
+from .vision_half import image_half, text_prefix, vision_bytes, vision_names, wrapped, write_vision
 from .writer import (
     DEFAULT_SHARD_BYTES,
     ShardWriter,
     check_tokenizer_files,
     header_bound,
     os_error,
-    sha256_files,
     write_json,
 )
 
@@ -243,7 +242,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         }
     layers = _keep_mxfp4(source, layers)
     dtype = parse_dtype(settings.dtype) if settings.dtype else _default_dtype(source)
-    output_bytes = sum(
+    output_bytes = vision_bytes(source, dtype) + sum(
         written_bytes(shape, layers.get(n.removesuffix(".weight")), dtype) for n, shape in shapes.items()
     )
     peak = stream_peak_bytes(source, shapes, layers, dtype, BLOCK_GRIDS)
@@ -449,12 +448,15 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
             rounded = calibrated(plan.source, layers, plan.dtype, progress, plan.settings.calibration)
         files, data_bytes = _write_tensors(plan, folder.path, progress, rounded)
         plan.source.write_tokenizer(folder.path)
-        config = output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
+        config = wrapped(
+            plan.source, output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
+        )
         write_json(folder.path / "config.json", config)
         plan.source.close()  # read to the end: its mapped pages must not count against the quality report
         bpw = 8 * data_bytes / plan.params
         quality = _evaluate_or_warn(plan, folder.path, bpw, progress) if plan.settings.evaluate else None
-        manifest = _manifest(plan, folder.path, quality, bpw)
+        manifest = write_manifest(folder.path, plan.source.description, asdict(plan.settings), bpw, quality,
+                                  image_half(plan.source, plan.dtype))  # fmt: skip
         folder.commit()
     except OSError as e:  # one the writer did not already name (reading back our own files, say)
         folder.abort()
@@ -472,14 +474,14 @@ def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: 
         with tqdm(total=plan.params, unit="", unit_scale=True, desc="converting weights", disable=not progress) as bar:
             for name, value in converted_tensors(plan.source, plan.names, plan.sanitize):
                 for out_name, array in _encode(plan, name, value, rounded):
-                    mx.eval(array)
-                    writer.add(out_name, array)
+                    writer.add(text_prefix(plan.source) + out_name, array)
                 del value  # evaluated, its bytes (or, lazy, the tensors it was made of) are not needed again
                 bar.update(math.prod(shapes[name]))
                 bar.set_postfix_str(name, refresh=False)
         if rounded:  # a calibrated tensor no output tensor took: the output would not be what was fitted
             raise ConversionError(f"{shown_path(plan.out)}: calibrated tensors never written: {', '.join(rounded)}")
-        return writer.finish(), writer.total_bytes
+        vision = write_vision(plan.source, writer, plan.dtype)  # not counted in the language model's bits per weight
+        return writer.finish(), writer.total_bytes - vision
     except BaseException:
         writer.abandon()
         raise
@@ -494,7 +496,7 @@ def _written_names(plan: ConversionPlan, shapes: dict[str, tuple[int, ...]]) -> 
         stored = getattr(plan.source.tensors.get(name), "dtype", "")
         if name.endswith(".weight") and (plan.layers.get(path) or stored in BLOCK_GRIDS or stored == "MXFP4"):
             names |= {f"{path}.scales": len(shape), f"{path}.biases": len(shape)}
-    return names
+    return {text_prefix(plan.source) + n: d for n, d in names.items()} | vision_names(plan.source)
 
 
 def _encode(plan: ConversionPlan, name: str, value: mx.array | Quantized, rounded: dict):
@@ -582,19 +584,3 @@ def _advice(settings: ConvertSettings, sensitivity: str | None = "--recipe sensi
         f"try `{sensitivity} --group-size {settings.group_size} --bpw {quarter_over:g}` "
         f"(more bits where they matter) or, safest, `--bits 8`{flags}"
     )
-
-
-def _manifest(plan: ConversionPlan, folder: Path, quality: QualityReport | None, bpw: float) -> dict[str, Any]:
-    from mlxinfer import __version__
-
-    manifest = {
-        "mlxinfer_version": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "source": plan.source.description,
-        "settings": asdict(plan.settings),
-        "bits_per_weight": bpw,
-        "quality": quality.to_dict() if quality else None,
-        "files": sha256_files(folder),
-    }
-    write_json(folder / MANIFEST, manifest)
-    return manifest

@@ -26,6 +26,7 @@ from mlxinfer.models.quantized import DEQUANTIZE_BLOCK_ELEMENTS, dequantize_bloc
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 from mlxinfer.untrusted import listed
 
+from .vision_half import PROCESSOR_FILES, VisionHalf
 from .writer import TOKENIZER_FILES, copy_file, write_json, write_text
 
 FLOAT_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
@@ -92,8 +93,11 @@ class FolderSource:
     is_lazy = True  # read() hands out mapped arrays: their bytes are read only when evaluated
 
     def __init__(self, folder: Path, description: str | None = None):
-        # A vision-language checkpoint converts to its text model (the vision tower skipped, with one line).
-        checkpoint: Checkpoint = text_checkpoint(open_folder(folder))
+        # A vision-language checkpoint's image half is kept where mlxinfer reads the family's images
+        # (convert/vision_half.py); otherwise it converts to its text model (the tower skipped, with one line).
+        whole = open_folder(folder)
+        self.vision = VisionHalf.of(whole)
+        checkpoint: Checkpoint = text_checkpoint(whole, self.vision is not None)
         self.folder = folder
         self.description = description or str(folder)
         self.config = text_config(checkpoint.config, str(folder / "config.json"))
@@ -116,7 +120,7 @@ class FolderSource:
         return self._arrays.pop(name)
 
     def write_tokenizer(self, folder: Path) -> None:
-        for name in TOKENIZER_FILES:
+        for name in TOKENIZER_FILES + (PROCESSOR_FILES if self.vision is not None else ()):
             if (self.folder / name).is_file():
                 copy_file(self.folder / name, folder / name)
 

@@ -362,7 +362,6 @@ def test_an_mlx_vlm_layout_with_a_quantized_tower_loads(tmp_path):
     (folders["quantized"] / "config.json").write_text(
         json.dumps({**config, "quantization": {"group_size": 32, "bits": 8}})
     )
-    ids = golden("portrait", "input_ids").tolist()
     answers = []
     for kind in ("quantized", "float"):
         model = mlxinfer.load(folders[kind], prefix_cache_bytes=0)
@@ -374,3 +373,48 @@ def test_an_mlx_vlm_layout_with_a_quantized_tower_loads(tmp_path):
         answers.append(np.array(features))
     assert answers[0] == answers[2]
     np.testing.assert_allclose(answers[1], answers[3], atol=1e-4)
+
+
+# ---- conversion keeps the image half ----
+
+
+def stored_names(folder: Path) -> set[str]:
+    return {n for f in folder.glob("*.safetensors") for n in mx.load(str(f))}
+
+
+@pytest.mark.slow
+def test_a_converted_vision_model_keeps_its_image_half_in_mlx_vlm_layout(tmp_path):
+    import json
+
+    from mlxinfer.convert import convert
+
+    out = tmp_path / "float"
+    convert(MODEL, out, bits=16, dtype="float32", evaluate=False, progress=False)
+    names = stored_names(out)
+    assert {n.split(".")[0] for n in names} == {"language_model", "vision_tower", "multi_modal_projector"}
+    assert "vision_tower.vision_model.embeddings.patch_embedding.weight" in names  # mlx-vlm's Gemma 3 names
+    assert (out / "preprocessor_config.json").read_bytes() == (MODEL / "preprocessor_config.json").read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3" and config["text_config"]["model_type"] == "gemma3_text"
+    assert "kept in float32" in json.loads((out / "mlxinfer-manifest.json").read_text())["image_half"]
+    assert (
+        mlxinfer.load(out).chat(messages("portrait"), max_tokens=8).token_ids == golden("portrait", "greedy").tolist()
+    )
+
+
+@pytest.mark.slow
+def test_a_quantized_vision_conversion_runs_its_text_in_mlx_lm_and_its_images_here(tmp_path):
+    from mlxinfer.convert import convert
+
+    from tests.conftest import golden as text_golden
+    from tests.test_mlx_lm_roundtrip import mlx_lm_greedy
+
+    out = tmp_path / "8bit"
+    convert(MODEL, out, bits=8, dtype="float32", evaluate=False, progress=False)
+    ids = text_golden("gemma3_vl")["input_ids"].tolist()  # the same weights' text-only golden prompt
+    ours = mlxinfer.load(out)
+    assert mlx_lm_greedy(out, ids, 8) == ours.generate(ids, max_tokens=8).token_ids
+    assert type(ours._loaded.model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    assert type(ours.vision.vision_tower.encoder.layers[0].mlp.fc1).__name__ == "Linear"  # the tower in float
+    asked = ours.chat(messages("portrait"), max_tokens=8)
+    assert asked.stats.prompt_tokens == len(golden("portrait", "input_ids")) and asked.token_ids

@@ -169,6 +169,11 @@ class Gemma3Vision(VisionModel):
         self.multi_modal_projector = Projector(tower.hidden_size, text_width, pool, tower.layer_norm_eps)
         self.format = image_format
 
+    def exported(self, name: str) -> str:
+        # mlx-vlm's Gemma 3 nests the SigLIP model one level deeper (its tower keeps channels-last convolutions).
+        tower = name.startswith("vision_tower.")
+        return "vision_tower.vision_model." + name.removeprefix("vision_tower.") if tower else name
+
     def __call__(self, pixels: mx.array) -> mx.array:
         dtype = self.multi_modal_projector.mm_input_projection_weight.dtype
         return self.multi_modal_projector(self.vision_tower(pixels.astype(dtype)))

@@ -73,6 +73,10 @@ class VisionModel(nn.Module):
                 self._kept.popitem(last=False)
         return out
 
+    def exported(self, name: str) -> str:
+        """A parameter's name in mlx-vlm's layout of the family (what a conversion writes)."""
+        return name
+
     @property
     def nbytes(self) -> int:
         from mlx.utils import tree_flatten
@@ -94,6 +98,16 @@ def vision_builder(wrapper: Wrapper, model_type: str) -> Builder | None:
 def load_vision(checkpoint: Checkpoint, dtype: mx.Dtype, source: str) -> VisionModel | None:
     """The vision half of a vision-language checkpoint, weights loaded; None for a text model or a family whose
     images are not supported yet (the text model then runs alone, as models/multimodal.py logs)."""
+    model = build_vision(checkpoint, dtype, source)
+    if model is not None:
+        mx.eval(model.parameters())
+        model.eval()
+    return model
+
+
+def build_vision(checkpoint: Checkpoint, dtype: mx.Dtype, source: str) -> VisionModel | None:
+    """load_vision's model with its weights still lazy (mapped from the files, read when evaluated): what the
+    converter writes out tensor by tensor."""
     wrapper = wrapper_of(checkpoint.config)
     if wrapper is None or "vision_config" not in checkpoint.config:
         return None
@@ -106,11 +120,8 @@ def load_vision(checkpoint: Checkpoint, dtype: mx.Dtype, source: str) -> VisionM
     if not (checkpoint.folder / PREPROCESSOR_FILE).is_file():
         log.warning("%s: %s is missing, so images cannot be read", shown_path(checkpoint.folder), PREPROCESSOR_FILE)
         return None
-    weights = load_tensors(replace(checkpoint, stored_names=names))
-    model = build(checkpoint.config, weights, dtype, source)
+    model = build(checkpoint.config, load_tensors(replace(checkpoint, stored_names=names)), dtype, source)
     model.processor = ImageProcessor.from_folder(checkpoint.folder)
-    mx.eval(model.parameters())
-    model.eval()
     return model
 
 
