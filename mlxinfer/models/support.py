@@ -10,8 +10,9 @@ from dataclasses import astuple, dataclass
 
 from .gguf_arch import ARCHITECTURES as GGUF_ARCHITECTURES
 from .gguf_arch import WRITTEN_AS
-from .multimodal import WRAPPERS
+from .multimodal import WRAPPERS, Wrapper
 from .registry import ARCHITECTURES, ArchSpec
+from .vision import vision_builder
 
 HEADER = ("family", "status", "GGUF import", "converter", "prefix cache", "batching", "KV quantization")
 
@@ -46,7 +47,7 @@ def support_rows() -> list[Support]:
 
 def _verified(model_type: str, spec: ArchSpec) -> Support:
     wrappers = sorted(name for name, w in WRAPPERS.items() if w.text_type == model_type)
-    family = f"`{model_type}`" + "".join(f", `{w}` (vision-language: its text model)" for w in wrappers)
+    family = f"`{model_type}`" + "".join(f", `{w}` ({_reads(WRAPPERS[w], w)})" for w in wrappers)
     gguf = [f"`{name}`" for name, arch in sorted(GGUF_ARCHITECTURES.items()) if arch.model_type == model_type]
     if model_type in WRITTEN_AS:
         gguf.append(f"`{WRITTEN_AS[model_type]}` (as llama.cpp writes it)")
@@ -70,6 +71,13 @@ def support_markdown() -> str:
 
 def _row(cells: tuple[str, ...]) -> str:
     return "| " + " | ".join(cells) + " |"
+
+
+def _reads(wrapper: Wrapper, model_type: str) -> str:
+    """What a vision-language wrapper runs: its images too where the family file has a vision tower."""
+    return (
+        "vision-language: images and text" if vision_builder(wrapper, model_type) else "vision-language: its text model"
+    )
 
 
 if __name__ == "__main__":
