@@ -1,8 +1,9 @@
 """A prompt with images, from the caller's messages (or raw text and a list of images) to ids and PromptImages.
 
-The order of the work bounds it: the prompt is rendered and tokenized first (an image's token count is fixed by
-its family), checked against the context and the image limits, and only then are the images read, resized and
-hashed. All of it runs on the caller's thread (the server's preparing pool), never on the scheduler's.
+The order of the work bounds it: each image's header is read first (its size decides how many tokens it takes:
+SmolVLM tiles by size, Gemma 3 always takes 256), the prompt is rendered and tokenized, checked against the context
+and the image limits, and only then are the images decoded, resized and hashed. All of it runs on the caller's
+thread (the server's preparing pool), never on the scheduler's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ..chat import IMAGE_PARTS, image_source
 from ..errors import ImageError, SamplingError
 from ..models.vision import VisionModel, check_images
 from ..tokenizer import Tokenizer
-from ..vision import DEFAULT_LIMITS, Limits, digest, read_images
+from ..vision import DEFAULT_LIMITS, Limits, Opened, open_images
 from .images import PromptImages
 
 Message = dict[str, Any]
@@ -55,11 +56,11 @@ def encode_chat(
     rendered, sources = split_images(messages)
     if not sources:
         return tokenizer.encode_chat(messages, add_generation_prompt, tools), None
-    check_images(len(sources), vision, "this model")
-    assert vision is not None
-    fmt = vision.format
-    ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=(fmt.placeholder, fmt.expansion))
-    return ids, images_at(ids, sources, vision, context, limits, remote)
+    vision = _reading(vision, len(sources))
+    opened = open_images([(where, _remote(s, where) if remote else s) for where, s in sources], limits)
+    expansions = _expansions(vision, opened)
+    ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=(vision.format.placeholder, expansions))
+    return ids, _placed(ids, opened, vision, context)
 
 
 def encode_text(
@@ -70,30 +71,39 @@ def encode_text(
     before it."""
     if not images:
         return tokenizer.encode(text), None
-    check_images(len(images), vision, "this model")
+    vision = _reading(vision, len(images))
+    placeholder = vision.format.placeholder
+    if placeholder not in text:
+        text = placeholder * len(images) + text
+    elif text.count(placeholder) != len(images):
+        raise ImageError(f"the prompt has {text.count(placeholder)} {placeholder} but {len(images)} images were given")
+    opened = open_images([(f"images[{i}]", s) for i, s in enumerate(images)], limits)
+    ids = tokenizer.encode_images(text, placeholder, _expansions(vision, opened))
+    return ids, _placed(ids, opened, vision, context)
+
+
+def _reading(vision: VisionModel | None, count: int) -> VisionModel:
+    check_images(count, vision, "this model")
     assert vision is not None
-    fmt = vision.format
-    if fmt.placeholder not in text:
-        text = fmt.placeholder * len(images) + text
-    ids = tokenizer.encode_images(text, fmt.placeholder, fmt.expansion)
-    return ids, images_at(ids, [(f"images[{i}]", s) for i, s in enumerate(images)], vision, context, limits)
+    return vision
 
 
-def images_at(
-    ids: Sequence[int], sources: list[tuple[str, Any]], vision: VisionModel, context: int, limits: Limits,
-    remote: bool = False,
-) -> PromptImages:  # fmt: skip
-    """The images read and placed at their tokens in `ids`, once the prompt is known to fit the context."""
+def _expansions(vision: VisionModel, opened: list[Opened]) -> list[str]:
+    """Each image's tokens as text, from its size alone (its header's)."""
+    return [vision.format.expansion(vision.processor.layout(*image.size)) for image in opened]
+
+
+def _placed(ids: Sequence[int], opened: list[Opened], vision: VisionModel, context: int) -> PromptImages:
+    """The images decoded and placed at their tokens in `ids`, once the prompt is known to fit the context and to
+    hold one run of image tokens per frame."""
     if len(ids) > context:
         raise SamplingError(
             f"the prompt has {len(ids)} tokens with its images; the model's context is {context}; "
             "send fewer images or a shorter prompt"
         )
-    PromptImages.check_runs(ids, len(sources), vision.format)  # before any pixel is read
-    if remote:
-        sources = [(where, _remote(source, where)) for where, source in sources]
-    pixels = [vision.processor.pixels(rgb) for rgb in read_images(sources, limits)]
-    return PromptImages.locate(ids, [(digest(p), p) for p in pixels], vision)
+    layouts = [vision.processor.layout(*image.size) for image in opened]
+    PromptImages.check_runs(ids, [layout.frames for layout in layouts], vision.format)  # before any pixel is read
+    return PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], vision)
 
 
 def _remote(source: Any, where: str) -> str:

@@ -6,8 +6,9 @@ key drawn from the image's content hash and its place in the image, which no voc
 different images part at their first token; the same image asked about again is the same key sequence, so its
 KV (and everything before the question) is reused, in memory and on disk alike.
 
-A prefill chunk never cuts an image (its tokens may attend to each other both ways, so they run together), never
-snapshots inside one, and never resumes inside one.
+A prefill chunk never cuts an image's frame (its tokens may attend to each other both ways, so they run together),
+never snapshots inside one, and never resumes inside one. An image cut into tiles (SmolVLM) is a run of tokens per
+tile, the tiles' embeddings computed together, once per image.
 """
 
 from __future__ import annotations
@@ -21,55 +22,64 @@ import numpy as np
 
 from ..errors import ImageError
 from ..models.vision import ImageFormat, VisionModel
+from ..vision import digest
 
 _KEYS = (1 << 31) - 1  # keys are -1 .. -(2**31 - 1): int32, as prefix files store token ids
 
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """One image in a prompt: its first token's position, its token count, its content hash and pixels."""
+    """One frame (tile) of an image in a prompt: its first token's position, its token count, which image and frame
+    it is, and the image's content hash."""
 
     start: int
     length: int
+    image: int
+    frame: int
     digest: bytes
-    pixels: np.ndarray  # pixel_values (3, H, W), float32
 
     @property
     def end(self) -> int:
         return self.start + self.length
 
     def keys(self) -> list[int]:
-        """What the prefix cache calls this image's tokens."""
-        return [-1 - _key(self.digest, i) for i in range(self.length)]
+        """What the prefix cache calls this frame's tokens."""
+        return [-1 - _key(self.digest, self.frame, i) for i in range(self.length)]
 
 
 @dataclass(frozen=True)
 class PromptImages:
-    """The images of one prompt and the vision model that embeds them."""
+    """The images of one prompt (a run of tokens per frame of each) and the vision model that embeds them."""
 
     spans: tuple[ImageSpan, ...]
+    frames: tuple[np.ndarray, ...]  # each image's pixel_values, (frames, 3, H, W) float32
+    digests: tuple[bytes, ...]
     vision: VisionModel
 
     @staticmethod
-    def check_runs(ids: Sequence[int], images: int, fmt: ImageFormat) -> list[tuple[int, int]]:
-        """(start, length) of each image's tokens in `ids`; ImageError unless there is exactly one run of
-        tokens_per_image image tokens per image."""
+    def check_runs(ids: Sequence[int], frames: Sequence[int], fmt: ImageFormat) -> list[tuple[int, int]]:
+        """(start, length) of each frame's tokens in `ids`, for images of `frames` frames each; ImageError unless
+        there is exactly one run of tokens_per_frame image tokens per frame."""
         runs = _runs(ids, fmt.image_token_id)
-        if len(runs) != images or any(length != fmt.tokens_per_image for _, length in runs):
+        if len(runs) != sum(frames) or any(length != fmt.tokens_per_frame for _, length in runs):
             raise ImageError(
-                f"the prompt places {len(runs)} images ({sum(n for _, n in runs)} image tokens) but {images} "
-                f"were given, {fmt.tokens_per_image} tokens each; put one {fmt.placeholder} per image"
+                f"the prompt places {len(runs)} image frames ({sum(n for _, n in runs)} image tokens) but the "
+                f"{len(frames)} images given need {sum(frames)} of {fmt.tokens_per_frame} tokens each; put one "
+                f"{fmt.placeholder} per image"
             )
         return runs
 
     @classmethod
-    def locate(
-        cls, ids: Sequence[int], pixels: Sequence[tuple[bytes, np.ndarray]], vision: VisionModel
-    ) -> PromptImages:
-        """The images `pixels` ((digest, pixel_values) each, in prompt order) at their tokens' runs in `ids`."""
-        runs = cls.check_runs(ids, len(pixels), vision.format)
-        spans = tuple(ImageSpan(start, length, d, p) for (start, length), (d, p) in zip(runs, pixels))
-        return cls(spans, vision)
+    def locate(cls, ids: Sequence[int], images: Sequence[np.ndarray], vision: VisionModel) -> PromptImages:
+        """The images (each's pixel_values, (frames, 3, H, W)) at their frames' runs in `ids`, in order."""
+        runs = iter(cls.check_runs(ids, [len(f) for f in images], vision.format))
+        digests = tuple(digest(f) for f in images)
+        spans = tuple(
+            ImageSpan(*next(runs), image, frame, digests[image])
+            for image, frames in enumerate(images)
+            for frame in range(len(frames))
+        )
+        return cls(spans, tuple(images), digests, vision)
 
     def cache_ids(self, ids: Sequence[int]) -> list[int]:
         """`ids` as the prefix cache keys them: each image's tokens by the image's content."""
@@ -87,11 +97,12 @@ class PromptImages:
         return next((span.end for span in self.spans if span.start < end < span.end), end)
 
     def placed(self, start: int, end: int) -> Placed | None:
-        """The images within the chunk of positions [start, end), None where it holds none."""
+        """The image frames within the chunk of positions [start, end), None where it holds none."""
         spans = [s for s in self.spans if start <= s.start and s.end <= end]
         if not spans:
             return None
-        features = [(s.start - start, self.vision.features(s.digest, s.pixels)) for s in spans]
+        embedded = {i: self.vision.features(self.digests[i], self.frames[i]) for i in {s.image for s in spans}}
+        features = [(s.start - start, embedded[s.image][s.frame]) for s in spans]
         blocks = [(s.start, s.end) for s in spans] if self.vision.format.bidirectional else []
         return Placed(features, blocks)
 
@@ -125,7 +136,6 @@ def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _key(digest: bytes, index: int) -> int:
-    return (
-        int.from_bytes(hashlib.blake2b(digest + index.to_bytes(4, "little"), digest_size=8).digest(), "little") % _KEYS
-    )
+def _key(digest: bytes, frame: int, index: int) -> int:
+    named = digest + frame.to_bytes(4, "little") + index.to_bytes(4, "little")
+    return int.from_bytes(hashlib.blake2b(named, digest_size=8).digest(), "little") % _KEYS

@@ -165,7 +165,7 @@ class Gemma3Vision(VisionModel):
     def __init__(self, tower: SiglipConfig, text_width: int, image_format: ImageFormat):
         super().__init__()
         self.vision_tower = SiglipVisionTower(tower)
-        pool = tower.patches_per_side // math.isqrt(image_format.tokens_per_image)
+        pool = tower.patches_per_side // math.isqrt(image_format.tokens_per_frame)
         self.multi_modal_projector = Projector(tower.hidden_size, text_width, pool, tower.layer_norm_eps)
         self.format = image_format
 
@@ -193,12 +193,13 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
             f"{source}: mm_tokens_per_image {tokens} must be a square whose side divides the "
             f"{tower.patches_per_side} patches per side"
         )
+    sequence = f"\n\n<start_of_image>{'<image_soft_token>' * tokens}<end_of_image>\n\n"  # Gemma3Processor's
     image_format = ImageFormat(
         placeholder="<start_of_image>",
-        expansion=f"\n\n<start_of_image>{'<image_soft_token>' * tokens}<end_of_image>\n\n",  # Gemma3Processor's
         image_token_id=ids["image_token_index"],
-        tokens_per_image=tokens,
+        tokens_per_frame=tokens,
         bidirectional=True,
+        expansion=lambda layout: sequence,  # one frame, whatever the image's size (no pan-and-scan)
     )
     model = Gemma3Vision(tower, text_config(raw, source)["hidden_size"], image_format)
     load_checked(model, _our_names(weights), dtype, source, (raw.get("quantization") or {}).get("mode", "affine"))

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import ImageError, WeightMismatchError
 from ..untrusted import shown_path
-from ..vision import PREPROCESSOR_FILE, ImageProcessor
+from ..vision import PREPROCESSOR_FILE, Layout, Processor, processor_from_folder
 from .checkpoint import load_tensors
 from .multimodal import Wrapper, wrapper_of
 from .quantized import quantize_like
@@ -38,35 +38,37 @@ KEPT_IMAGES = 8  # images whose embeddings stay in memory (a 256-token Gemma 3 i
 
 @dataclass(frozen=True)
 class ImageFormat:
-    """How one family's prompt holds an image."""
+    """How one family's prompt holds an image: one run of image tokens per frame (tile) of it."""
 
-    placeholder: str  # what its chat template writes for an image part ("<start_of_image>")
-    expansion: str  # the text each placeholder becomes before tokenizing: the image tokens and their markers
-    image_token_id: int  # the token whose places the image's embeddings take
-    tokens_per_image: int
-    bidirectional: bool  # an image's tokens attend to each other both ways (Gemma 3), else causally
+    placeholder: str  # what its chat template writes for an image part ("<start_of_image>", "<image>")
+    image_token_id: int  # the token whose places the frames' embeddings take
+    tokens_per_frame: int
+    bidirectional: bool  # a frame's tokens attend to each other both ways (Gemma 3), else causally
+    # The text each placeholder becomes before tokenizing, for an image cut into Layout (rows, cols): the image
+    # tokens and their markers (Gemma3Processor's full_image_sequence, SmolVLM's get_image_prompt_string).
+    expansion: Callable[[Layout], str]
 
 
 class VisionModel(nn.Module):
-    """pixel_values (images, 3, H, W) -> embeddings (images, tokens_per_image, text hidden) in the compute dtype."""
+    """pixel_values (frames, 3, H, W) -> embeddings (frames, tokens_per_frame, text hidden) in the compute dtype."""
 
     format: ImageFormat
-    processor: ImageProcessor
+    processor: Processor
 
     def __init__(self) -> None:
         super().__init__()
         self._kept: OrderedDict[bytes, mx.array] = OrderedDict()
         self._lock = threading.Lock()
 
-    def features(self, digest: bytes, pixels: np.ndarray) -> mx.array:
-        """One image's embeddings (tokens_per_image, hidden), from the last KEPT_IMAGES by content hash or computed
-        now (lazily: they are evaluated with the prefill chunk that places them)."""
+    def features(self, digest: bytes, frames: np.ndarray) -> mx.array:
+        """One image's embeddings (frames, tokens_per_frame, hidden), from the last KEPT_IMAGES by content hash or
+        computed now (lazily: they are evaluated with the prefill chunk that places them)."""
         with self._lock:
             kept = self._kept.get(digest)
             if kept is not None:
                 self._kept.move_to_end(digest)
                 return kept
-        out = self(mx.array(pixels[None]))[0]
+        out = self(mx.array(frames))
         with self._lock:
             self._kept[digest] = out
             while len(self._kept) > KEPT_IMAGES:
@@ -121,7 +123,7 @@ def build_vision(checkpoint: Checkpoint, dtype: mx.Dtype, source: str) -> Vision
         log.warning("%s: %s is missing, so images cannot be read", shown_path(checkpoint.folder), PREPROCESSOR_FILE)
         return None
     model = build(checkpoint.config, load_tensors(replace(checkpoint, stored_names=names)), dtype, source)
-    model.processor = ImageProcessor.from_folder(checkpoint.folder)
+    model.processor = processor_from_folder(checkpoint.folder)
     return model
 
 

@@ -98,13 +98,14 @@ class Tokenizer:
         """Token ids of plain text; special-token strings in it stay text."""
         return self._encode_ids(self._plain, _valid_text(text), add_special_tokens)
 
-    def encode_images(self, text: str, placeholder: str, expansion: str) -> list[int]:
-        """A raw prompt with images: each `placeholder` in `text` becomes `expansion` (its special tokens read as
-        such); the rest is plain text, encoded as `encode` does."""
+    def encode_images(self, text: str, placeholder: str, expansions: Sequence[str]) -> list[int]:
+        """A raw prompt with images: the k-th `placeholder` in `text` becomes the k-th expansion (its special
+        tokens read as such; one past them stays text); the rest is plain text, encoded as `encode` does."""
         first, *rest = _valid_text(text).split(placeholder)
-        image = self._encode_ids(self.backend, expansion, False)
-        ids = self.encode(first)
+        ids, texts = self.encode(first), iter(expansions)
         for piece in rest:
+            expansion = next(texts, None)
+            image = self._encode_ids(self.backend, expansion, False) if expansion else self._plain_ids(placeholder)
             ids += image + self._plain_ids(piece)
         return ids
 
@@ -125,18 +126,20 @@ class Tokenizer:
         messages: Sequence[Message],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-        images: tuple[str, str] | None = None,
+        images: tuple[str, Sequence[str]] | None = None,
     ) -> list[int]:
         """Token ids of a chat rendered with the model's template (and `tools`, as apply_chat_template).
 
-        `images`: (placeholder, expansion): each placeholder the template wrote for an image part becomes the
-        expansion (the image's tokens) before tokenizing, as transformers' processors do (one a user typed
-        stays text)."""
+        `images`: (placeholder, expansions): the k-th placeholder the template wrote for an image part becomes the
+        k-th expansion (that image's tokens) before tokenizing, as transformers' processors do (a placeholder a
+        user typed stays text); placeholders past the expansions are left as they are."""
         marker = _new_marker()
         rendered = _valid_text(self._render(messages, add_generation_prompt, marker, tools))
         if images is not None:
-            placeholder, expansion = images
-            rendered = re.sub(f"(?<!{re.escape(marker)}){re.escape(placeholder)}", lambda _: expansion, rendered)
+            placeholder, expansions = images
+            texts = iter(expansions)
+            pattern = f"(?<!{re.escape(marker)}){re.escape(placeholder)}"
+            rendered = re.sub(pattern, lambda m: next(texts, m.group(0)), rendered)
         if marker not in rendered:
             return self._encode_ids(self.backend, rendered, False)
         # Message content held special-token text: split at the template's own

@@ -11,13 +11,23 @@ from .images import (
     MAX_IMAGE_PIXELS,
     MAX_IMAGES,
     Limits,
+    Opened,
     base64_bytes,
     data_url_bytes,
     file_data_url,
+    open_images,
     read_image,
     read_images,
 )
-from .preprocess import PREPROCESSOR_FILE, ImageProcessor, digest
+from .preprocess import (
+    PREPROCESSOR_FILE,
+    ImageProcessor,
+    Layout,
+    Processor,
+    SplitProcessor,
+    digest,
+    processor_from_folder,
+)
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -27,11 +37,17 @@ __all__ = [
     "MAX_IMAGES",
     "PREPROCESSOR_FILE",
     "ImageProcessor",
+    "Layout",
+    "Processor",
+    "SplitProcessor",
     "Limits",
+    "Opened",
     "base64_bytes",
     "data_url_bytes",
     "digest",
     "file_data_url",
+    "open_images",
+    "processor_from_folder",
     "read_image",
     "read_images",
 ]

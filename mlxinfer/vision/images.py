@@ -16,6 +16,8 @@ import io
 import logging
 import re
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -49,18 +51,35 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-def read_images(sources: list[tuple[str, Any]], limits: Limits = DEFAULT_LIMITS) -> list[np.ndarray]:
-    """Each (where, source) read as `read_image` does, refused past `limits.max_images` before any is read and past
-    `limits.max_total_pixels` before the image that would cross it is decoded."""
+@dataclass(frozen=True)
+class Opened:
+    """An image whose header was read and checked: its upright size is known, its pixels not decoded yet."""
+
+    where: str
+    size: tuple[int, int]  # (width, height), as it will be seen (EXIF rotation applied)
+    decode: Callable[[], np.ndarray]  # -> RGB uint8 (height, width, 3); ImageError if the data is corrupt
+
+    def rgb(self) -> np.ndarray:
+        return self.decode()
+
+
+def open_images(sources: list[tuple[str, Any]], limits: Limits = DEFAULT_LIMITS) -> list[Opened]:
+    """Each (where, source) opened as `open_image` does: refused past `limits.max_images` before any is read, and
+    past `limits.max_total_pixels` at the header of the image that would cross it (no pixel decoded yet)."""
     if len(sources) > limits.max_images:
         raise ImageError(f"{len(sources)} images in one request; at most {limits.max_images} are allowed")
-    out: list[np.ndarray] = []
+    out: list[Opened] = []
     left = limits.max_total_pixels
     for where, source in sources:
         each = replace(limits, max_pixels=min(limits.max_pixels, left), rest_of_request=left < limits.max_pixels)
-        out.append(read_image(source, where, each))
-        left -= out[-1].shape[0] * out[-1].shape[1]
+        out.append(open_image(source, where, each))
+        left -= out[-1].size[0] * out[-1].size[1]
     return out
+
+
+def read_images(sources: list[tuple[str, Any]], limits: Limits = DEFAULT_LIMITS) -> list[np.ndarray]:
+    """`open_images`, then each decoded."""
+    return [opened.rgb() for opened in open_images(sources, limits)]
 
 
 def read_image(source: Any, where: str = "image", limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
@@ -73,16 +92,24 @@ def read_image(source: Any, where: str = "image", limits: Limits = DEFAULT_LIMIT
         >>> read_image("photo.jpg").shape
         (600, 512, 3)
     """
+    return open_image(source, where, limits).rgb()
+
+
+def open_image(source: Any, where: str = "image", limits: Limits = DEFAULT_LIMITS) -> Opened:
+    """`source` (as read_image takes it) with its header read and its size checked; decoded by `.rgb()`."""
     if isinstance(source, np.ndarray):
-        return _from_array(source, where, limits)
+        size = _array_size(source, where)
+        _check_size(size, where, limits)
+        return Opened(where, size, lambda: _from_array(source, where, limits))
     if _is_pil(source):
-        return _from_pil(source, where, limits)
+        _check_size(source.size, where, limits)
+        return Opened(where, _upright(source), lambda: _from_pil(source, where, limits))
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return decode_image(bytes(source), where, limits)
+        return _open_encoded(bytes(source), where, limits)
     if isinstance(source, str) and source.startswith("data:"):
-        return decode_image(data_url_bytes(source, where, limits), where, limits)
+        return _open_encoded(data_url_bytes(source, where, limits), where, limits)
     if isinstance(source, (str, Path)):
-        return decode_image(_file_bytes(Path(source).expanduser(), where, limits), where, limits)
+        return _open_encoded(_file_bytes(Path(source).expanduser(), where, limits), where, limits)
     raise ImageError(f"{where}: expected a path, bytes, a data: URL, a PIL image or a NumPy array, got {shown(source)}")
 
 
@@ -116,18 +143,37 @@ def base64_bytes(text: str, where: str, limits: Limits = DEFAULT_LIMITS) -> byte
 
 def decode_image(data: bytes, where: str, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
     """An encoded image's pixels (RGB uint8), its size checked from the header before decoding."""
+    return _open_encoded(data, where, limits).rgb()
+
+
+def _open_encoded(data: bytes, where: str, limits: Limits) -> Opened:
     if len(data) > limits.max_bytes:
         raise ImageError(f"{where}: the image is more than {limits.max_bytes >> 20} MiB; send a smaller one")
     if _looks_like_svg(data):
         raise ImageError(f"{where}: SVG images are not supported; convert it to PNG first")
-    from PIL import Image, UnidentifiedImageError  # Pillow is a dependency; imported where images are read
+    from PIL import Image  # Pillow is a dependency; imported where images are read
+
+    with _decoding(where, limits):
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        _check_size(image.size, where, limits)
+        size = _upright(image)
+
+    def decode() -> np.ndarray:
+        with _decoding(where, limits):
+            return _from_pil(image, where, limits)
+
+    return Opened(where, size, decode)
+
+
+@contextmanager
+def _decoding(where: str, limits: Limits) -> Iterator[None]:
+    """Pillow's errors while opening or decoding, as one-line ImageErrors naming `where`."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=FORMATS)
-            _check_size(image.size, where, limits)
-            return _from_pil(image, where, limits)
+            yield
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -138,6 +184,13 @@ def decode_image(data: bytes, where: str, limits: Limits = DEFAULT_LIMITS) -> np
         ) from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated or corrupt data, a bad header field
         raise ImageError(f"{where}: the image is truncated or corrupt ({_reason(e)}); send the whole file") from None
+
+
+def _upright(image: Any) -> tuple[int, int]:
+    """(width, height) once EXIF orientation is applied (read from the header: 5-8 turn the picture a quarter)."""
+    width, height = image.size
+    orientation = image.getexif().get(0x0112, 1)
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 
 def _file_bytes(path: Path, where: str, limits: Limits) -> bytes:
@@ -180,10 +233,14 @@ def _gray16(samples: np.ndarray) -> np.ndarray:
     return np.repeat(gray[..., None], 3, axis=2)
 
 
-def _from_array(array: np.ndarray, where: str, limits: Limits) -> np.ndarray:
+def _array_size(array: np.ndarray, where: str) -> tuple[int, int]:
     if array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (1, 3, 4)):
         raise ImageError(f"{where}: an image array must be (H, W), (H, W, 3) or (H, W, 4), got {array.shape}")
-    _check_size((array.shape[1], array.shape[0]), where, limits)
+    return array.shape[1], array.shape[0]
+
+
+def _from_array(array: np.ndarray, where: str, limits: Limits) -> np.ndarray:
+    _check_size(_array_size(array, where), where, limits)
     if array.dtype.kind == "f":
         if not np.isfinite(array).all():
             raise ImageError(f"{where}: the image array holds NaN or infinite values")

@@ -7,9 +7,10 @@ resize with Pillow's filter on the 8-bit image, rescale (1/255), normalize by me
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,6 +20,17 @@ from ..untrusted import is_finite_number, read_json_object, shown
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_SIDE = 4096  # a processor's target side; real ones use 224-1540
 RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}  # PIL's codes
+
+
+class Layout(NamedTuple):
+    """How an image is cut: `rows` x `cols` tiles and the whole image after them, or (0, 0): the whole image alone."""
+
+    rows: int = 0
+    cols: int = 0
+
+    @property
+    def frames(self) -> int:
+        return self.rows * self.cols + 1 if self.rows else 1
 
 
 @dataclass(frozen=True)
@@ -33,14 +45,6 @@ class ImageProcessor:
     std: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
 
     @classmethod
-    def from_folder(cls, folder: Path) -> ImageProcessor:
-        """The processor of a model folder (ConfigError if its preprocessor_config.json is missing or bad)."""
-        path = folder / PREPROCESSOR_FILE
-        if not path.is_file():
-            raise ConfigError(f"{folder}: {PREPROCESSOR_FILE} is missing; a vision model needs its image processor")
-        return cls.from_config(read_json_object(path, ConfigError), str(path))
-
-    @classmethod
     def from_config(cls, raw: dict[str, Any], source: str) -> ImageProcessor:
         if raw.get("do_pan_and_scan"):
             raise UnsupportedModelError(f"{source}: do_pan_and_scan is not supported yet; set it to null")
@@ -48,7 +52,7 @@ class ImageProcessor:
         if not isinstance(size, dict) or not {"height", "width"} <= set(size):
             raise UnsupportedModelError(f"{source}: size must be {{height, width}}, got {shown(size)}")
         height, width = (_side(size[k], f"{source}: size.{k}") for k in ("height", "width"))
-        resample = raw.get("resample", 2)
+        resample = raw.get("resample", 2)  # (Idefics3 / SmolVLM state theirs: LANCZOS, 1)
         if resample not in RESAMPLE:
             raise ConfigError(
                 f"{source}: resample must be one of {sorted(RESAMPLE)} (PIL's filters), got {shown(resample)}"
@@ -63,19 +67,143 @@ class ImageProcessor:
             raise ConfigError(f"{source}: image_std must be positive, got {list(std)}")
         return cls(height, width, resample, rescale, mean, std)
 
+    def layout(self, width: int, height: int) -> Layout:
+        """Every image is one frame."""
+        return Layout()
+
+    def frames(self, rgb: np.ndarray) -> np.ndarray:
+        """`pixel_values` of one RGB uint8 image (H, W, 3): float32 (frames, 3, height, width)."""
+        return self.pixels(rgb)[None]
+
     def pixels(self, rgb: np.ndarray) -> np.ndarray:
         """`pixel_values` of one RGB uint8 image (H, W, 3): float32 (3, height, width)."""
-        from PIL import Image
+        return _normalized(_resized(rgb, self.width, self.height, self.resample), self.rescale, self.mean, self.std)
 
-        image = Image.fromarray(rgb, "RGB")
-        if image.size != (self.width, self.height):
-            image = image.resize((self.width, self.height), resample=Image.Resampling(self.resample))
-        values = np.asarray(image, dtype=np.float64)
-        if self.rescale is not None:
-            values = values * self.rescale
-        if self.mean is not None and self.std is not None:
-            values = (values - np.array(self.mean)) / np.array(self.std)
-        return np.ascontiguousarray(values.transpose(2, 0, 1), dtype=np.float32)
+
+@dataclass(frozen=True)
+class SplitProcessor:
+    """Idefics3 / SmolVLM: the longest side scaled to `longest_edge`, both sides rounded up to whole `tile`s, cut
+    into tile x tile frames, and the whole image at tile x tile after them (one frame if it fits in one tile)."""
+
+    longest_edge: int
+    tile: int
+    resample: int = 1
+    rescale: float | None = 1 / 255
+    mean: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
+    split: bool = True
+
+    def layout(self, width: int, height: int) -> Layout:
+        """Rows and columns of tiles for an image of this size (its header's), before any pixel is read."""
+        if not self.split:
+            return Layout()
+        width, height = self._tiled(*self._scaled(width, height))
+        if height <= self.tile and width <= self.tile:
+            return Layout()
+        return Layout((height - self.tile) // self.tile + 1, (width - self.tile) // self.tile + 1)
+
+    def frames(self, rgb: np.ndarray) -> np.ndarray:
+        """The tiles, then the whole image: float32 (frames, 3, tile, tile)."""
+        if not self.split:
+            whole = _resized(_resized(rgb, *self._scaled(rgb.shape[1], rgb.shape[0]), self.resample), self.tile,
+                             self.tile, self.resample)  # fmt: skip
+            return self._normalized(whole)[None]
+        image = _resized(rgb, *self._scaled(rgb.shape[1], rgb.shape[0]), self.resample)
+        image = _resized(image, *self._tiled(image.shape[1], image.shape[0]), self.resample)
+        rows, cols = self.layout(rgb.shape[1], rgb.shape[0])
+        t = self.tile
+        tiles = [image[r * t : (r + 1) * t, c * t : (c + 1) * t] for r in range(rows) for c in range(cols)]
+        if tiles:
+            tiles.append(_resized(image, t, t, self.resample))
+        else:
+            tiles = [image]
+        return np.stack([self._normalized(tile) for tile in tiles])
+
+    def _normalized(self, rgb: np.ndarray) -> np.ndarray:
+        return _normalized(rgb, self.rescale, self.mean, self.std)
+
+    def _scaled(self, width: int, height: int) -> tuple[int, int]:
+        """transformers' resize to the longest edge: the other side kept in proportion, rounded up to even, then
+        both within 4096."""
+        aspect = width / height
+        if width >= height:
+            width, height = self.longest_edge, int(self.longest_edge / aspect)
+            height += height % 2
+        else:
+            height, width = self.longest_edge, int(self.longest_edge * aspect)
+            width += width % 2
+        height, width = max(height, 1), max(width, 1)
+        if width >= height and width > MAX_SIDE:
+            width, height = MAX_SIDE, int(MAX_SIDE / aspect)
+        elif height > width and height > MAX_SIDE:
+            height, width = MAX_SIDE, int(MAX_SIDE * aspect)
+        return max(width, 1), max(height, 1)
+
+    def _tiled(self, width: int, height: int) -> tuple[int, int]:
+        """Both sides rounded up to whole tiles, the longer one first (transformers' resize_for_vision_encoder)."""
+        aspect, t = width / height, self.tile
+        if width >= height:
+            width = math.ceil(width / t) * t
+            height = math.ceil(int(width / aspect) / t) * t
+        else:
+            height = math.ceil(height / t) * t
+            width = math.ceil(int(height * aspect) / t) * t
+        return width, height
+
+
+def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
+    """Pillow's resize of 8-bit RGB, as transformers' PIL processors do it (each step back to 8 bits)."""
+    from PIL import Image
+
+    if rgb.shape[1] == width and rgb.shape[0] == height:
+        return rgb
+    return np.asarray(Image.fromarray(rgb, "RGB").resize((width, height), resample=Image.Resampling(resample)))
+
+
+def _normalized(
+    rgb: np.ndarray, rescale: float | None, mean: tuple[float, ...] | None, std: tuple[float, ...] | None
+) -> np.ndarray:
+    values = np.asarray(rgb, dtype=np.float64)
+    if rescale is not None:
+        values = values * rescale
+    if mean is not None and std is not None:
+        values = (values - np.array(mean)) / np.array(std)
+    return np.ascontiguousarray(values.transpose(2, 0, 1), dtype=np.float32)
+
+
+Processor = ImageProcessor | SplitProcessor
+
+
+def processor_from_folder(folder: Path) -> Processor:
+    """The image processor preprocessor_config.json describes (ConfigError if it is missing or bad)."""
+    path = folder / PREPROCESSOR_FILE
+    if not path.is_file():
+        raise ConfigError(f"{folder}: {PREPROCESSOR_FILE} is missing; a vision model needs its image processor")
+    raw = read_json_object(path, ConfigError)
+    if raw.get("image_processor_type") in SPLITTING:
+        return _split_processor(raw, str(path))
+    return ImageProcessor.from_config(raw, str(path))
+
+
+SPLITTING = (
+    "SmolVLMImageProcessor",
+    "Idefics3ImageProcessor",
+    "SmolVLMImageProcessorFast",
+    "Idefics3ImageProcessorFast",
+)
+
+
+def _split_processor(raw: dict[str, Any], source: str) -> SplitProcessor:
+    size, tile = raw.get("size"), raw.get("max_image_size")
+    if not isinstance(size, dict) or not isinstance(tile, dict):
+        raise ConfigError(f"{source}: size and max_image_size must be {{longest_edge}} objects")
+    longest = _side(size.get("longest_edge"), f"{source}: size.longest_edge")
+    side = _side(tile.get("longest_edge"), f"{source}: max_image_size.longest_edge")
+    fixed = ImageProcessor.from_config({**raw, "size": {"height": side, "width": side}}, source)
+    if longest > MAX_SIDE // side * side:
+        raise ConfigError(f"{source}: size.longest_edge {longest} asks for more than {MAX_SIDE // side} tiles a side")
+    split = raw.get("do_image_splitting", True)
+    return SplitProcessor(longest, side, fixed.resample, fixed.rescale, fixed.mean, fixed.std, bool(split))
 
 
 def digest(pixels: np.ndarray) -> bytes:
