@@ -97,7 +97,8 @@ class FolderSource:
         # (convert/vision_half.py); otherwise it converts to its text model (the tower skipped, with one line).
         whole = open_folder(folder)
         self.vision = VisionHalf.of(whole)
-        checkpoint: Checkpoint = text_checkpoint(whole, self.vision is not None)
+        why = "the output holds the text model alone (convert keeps images for Gemma 3 only)"
+        checkpoint: Checkpoint = text_checkpoint(whole, self.vision is not None, why)
         self.folder = folder
         self.description = description or str(folder)
         self.config = text_config(checkpoint.config, str(folder / "config.json"))

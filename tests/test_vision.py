@@ -26,7 +26,6 @@ from tests.conftest import TINY
 
 MODEL = TINY / "gemma3_vision"
 IMAGES = Path(__file__).parent / "fixtures" / "images"
-GOLDEN = mx.load(str(MODEL / "golden_image.safetensors"))
 # The golden cases' messages (make_tiny_vision.CASES), images by file.
 CASES = {
     "portrait": [{"type": "image", "image": "hopper.jpg"}, {"type": "text", "text": "Who is this?"}],
@@ -45,8 +44,19 @@ def messages(case: str) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
-def golden(case: str, key: str) -> np.ndarray:
-    return np.array(GOLDEN[f"{case}.{key}"])
+def golden(case: str, key: str, family: str = "gemma3_vision") -> np.ndarray:
+    return np.array(FAMILY_GOLDEN[family][f"{case}.{key}"])
+
+
+# Each family with images, its fixture's transformers outputs: Gemma 3 (one frame an image, bidirectional within it)
+# and SmolVLM (tiles by the image's size, each a frame; causal). The same cases and images for both.
+FAMILIES = ["gemma3_vision", "smolvlm"]
+FAMILY_GOLDEN = {name: mx.load(str(TINY / name / "golden_image.safetensors")) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request) -> tuple[str, mlxinfer.Model]:
+    return request.param, mlxinfer.load(TINY / request.param, prefix_cache_bytes=0)
 
 
 @pytest.fixture(scope="module")
@@ -54,27 +64,36 @@ def gemma() -> mlxinfer.Model:
     return mlxinfer.load(MODEL, prefix_cache_bytes=64 << 20)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("case", CASES)
-def test_pixel_values_match_transformers(case):
-    processor = processor_from_folder(MODEL)
+def test_pixel_values_match_transformers(name, case):
+    # SmolVLM: the portrait and the tiny RGBA PNG are 2 x 2 tiles and the whole (5 frames), the wide one 1 x 2 (3).
+    processor = processor_from_folder(TINY / name)
     files = [p["image"] for p in CASES[case] if p["type"] == "image"]
-    ours = np.stack([processor.pixels(read_image(IMAGES / f)) for f in files])
-    np.testing.assert_allclose(ours, golden(case, "pixel_values"), atol=1e-6)
+    ours = np.concatenate([processor.frames(read_image(IMAGES / f)) for f in files])
+    np.testing.assert_allclose(ours, golden(case, "pixel_values", name), atol=1e-6)
 
 
 @pytest.mark.parametrize(("case", "chunk"), [("portrait", 64), ("two", 64), ("two", 3)])
-def test_logits_of_every_position_match_transformers(gemma, case, chunk):
-    # Chunks of 3 would cut each 4-token image: it runs whole instead (its tokens attend to each other both ways),
-    # and the text past the 8-token sliding window reads the images from the cache.
-    ids, images = encode_chat(gemma.tokenizer, gemma.vision, messages(case), gemma.context_tokens)
-    assert ids == golden(case, "input_ids").tolist()
-    decoder = gemma._loaded.model
+def test_logits_of_every_position_match_transformers(family, case, chunk):
+    # Chunks of 3 would cut each 4-token frame: it runs whole instead (placed whole; Gemma 3's tokens also attend to
+    # each other both ways), and the text past Gemma's 8-token sliding window reads the images from the cache.
+    name, model = family
+    ids, images = encode_chat(model.tokenizer, model.vision, messages(case), model.context_tokens)
+    assert ids == golden(case, "input_ids", name).tolist()
+    decoder = model._loaded.model
     run = Prefill.start(decoder, make_cache(decoder.cache_kinds), mx.array(ids, dtype=mx.uint32), chunk, images=images)
     hidden = [run.step()]
     while not run.finished:
         hidden.append(run.step())
     logits = np.array(decoder.head(mx.concatenate(hidden, axis=1))[0])
-    np.testing.assert_allclose(logits, golden(case, "logits"), atol=1e-4)
+    np.testing.assert_allclose(logits, golden(case, "logits", name), atol=1e-4)
+
+
+def test_each_family_answers_about_images_as_transformers_does(family):
+    name, model = family
+    for case in CASES:
+        assert model.chat(messages(case), max_tokens=8).token_ids == golden(case, "greedy", name).tolist()
 
 
 def test_chat_and_generate_answer_as_transformers_does(gemma):

@@ -162,6 +162,8 @@ class Projector(nn.Module):
 
 
 class Gemma3Vision(VisionModel):
+    converts_whole = True  # mlx-lm's gemma3 module reads the wrapper's layout (and drops the image half)
+
     def __init__(self, tower: SiglipConfig, text_width: int, image_format: ImageFormat):
         super().__init__()
         self.vision_tower = SiglipVisionTower(tower)

@@ -118,6 +118,12 @@ WRAPPERS: dict[str, Wrapper] = {
             "embed_audio.",
         ),
     ),
+    "smolvlm": Wrapper(
+        "llama",
+        tied_by_default=False,  # SmolVLMConfig's default
+        text_prefixes=(("model.text_model.", "model."),),
+        vision_prefixes=("model.vision_model.", "model.connector.", "vision_model.", "connector."),
+    ),
 }
 # Keys of the outer config that hold for the text model too (the loader's refusals read them there).
 _CARRIED = ("model_file", "auto_map", "quantization", "quantization_config")
@@ -175,15 +181,19 @@ def _as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [value]
 
 
-def text_checkpoint(checkpoint: Checkpoint, vision_loaded: bool = False) -> Checkpoint:
+SKIPPED_AT_LOAD = "images are not supported, the text model runs alone"
+
+
+def text_checkpoint(checkpoint: Checkpoint, vision_loaded: bool = False, why: str = SKIPPED_AT_LOAD) -> Checkpoint:
     """`checkpoint` as its text model: text tensors under the names the model uses, vision tensors left out
-    (never read here; logged as skipped unless `vision_loaded`). A checkpoint of a text model comes back as it is."""
+    (never read here; logged as skipped, with `why`, unless `vision_loaded`). A checkpoint of a text model comes
+    back as it is."""
     wrapper = wrapper_of(checkpoint.config)
     if wrapper is None:
         return checkpoint
     names, skipped = text_names(checkpoint.tensors, wrapper)
     if skipped and not vision_loaded:
-        _log_skipped(checkpoint, skipped)
+        _log_skipped(checkpoint, skipped, why)
     tensors = {name: checkpoint.tensors[stored] for name, stored in names.items()}
     return replace(checkpoint, tensors=tensors, stored_names=names)
 
@@ -205,14 +215,15 @@ def text_names(stored: Mapping[str, Any], wrapper: Wrapper) -> tuple[dict[str, s
     return names, skipped
 
 
-def _log_skipped(checkpoint: Checkpoint, skipped: list[str]) -> None:
+def _log_skipped(checkpoint: Checkpoint, skipped: list[str], why: str) -> None:
     nbytes = sum(math.prod(checkpoint.tensors[n].shape) * DTYPE_BYTES[checkpoint.tensors[n].dtype] for n in skipped)
     files = sorted({checkpoint.owners[n].name for n in skipped if n in checkpoint.owners})
     where = ", ".join(files) or "the weights"
     log.warning(
-        "%s: skipped the vision tower (%s, %s in %s); images are not supported, the text model runs alone",
+        "%s: skipped the vision tower (%s, %s in %s); %s",
         shown_path(checkpoint.folder),
         plural(len(skipped), "tensor"),
         mib(nbytes) if nbytes >= 1 << 20 else f"{nbytes:,} bytes",
         where,
+        why,
     )

@@ -54,6 +54,9 @@ class VisionModel(nn.Module):
 
     format: ImageFormat
     processor: Processor
+    # `convert` keeps the image half (convert/vision_half.py) only where mlx-lm can still load the output's text
+    # model (it has a module for the wrapper, as for Gemma 3); others convert to their text model alone.
+    converts_whole = False
 
     def __init__(self) -> None:
         super().__init__()
