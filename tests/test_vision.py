@@ -445,3 +445,93 @@ def test_a_quantized_vision_conversion_runs_its_text_in_mlx_lm_and_its_images_he
     assert type(ours.vision.vision_tower.encoder.layers[0].mlp.fc1).__name__ == "Linear"  # the tower in float
     asked = ours.chat(messages("portrait"), max_tokens=8)
     assert asked.stats.prompt_tokens == len(golden("portrait", "input_ids")) and asked.token_ids
+
+
+# ---- images by address (mlxinfer serve --image-urls) and by path (the user's own front ends) ----
+
+
+REDIRECTS = {"/loop": "/loop", "/to-file": "file:///etc/passwd", "/to-ftp": "ftp://127.0.0.1/hopper.jpg"}
+
+
+@pytest.fixture(scope="module")
+def image_site():
+    """A local web server: /hopper.jpg, a redirect loop, redirects to file: and ftp: and a body past every limit."""
+    import http.server
+    import threading
+
+    photo = (IMAGES / "hopper.jpg").read_bytes()
+
+    class Site(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/hopper.jpg":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(photo)))
+                self.end_headers()
+                self.wfile.write(photo)
+            elif self.path in REDIRECTS:
+                self.send_response(302)
+                self.send_header("Location", REDIRECTS[self.path])
+                self.end_headers()
+            elif self.path == "/endless":  # no Content-Length: read until the limit cuts it off
+                self.send_response(200)
+                self.end_headers()
+                for _ in range(64):
+                    self.wfile.write(b"\0" * 65536)
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Site)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_fetching_an_image_is_bounded(image_site):
+    from mlxinfer.vision.fetch import fetch_image
+
+    assert fetch_image(image_site + "/hopper.jpg", "image", 1 << 20) == (IMAGES / "hopper.jpg").read_bytes()
+    for path, words in {
+        "/loop": "HTTP 302",
+        "/to-file": "is not allowed",  # urllib's own refusal
+        "/to-ftp": "redirected away from http",  # ours: urllib would follow it
+        "/endless": "more than 1 MiB",
+        "/missing": "HTTP 404",
+    }.items():
+        with pytest.raises(ImageError, match=words):
+            fetch_image(image_site + path, "messages[0].content[0]", 1 << 20)
+    with pytest.raises(ImageError, match="only http and https"):
+        fetch_image("file:///etc/passwd", "image", 1 << 20)
+
+
+@pytest.mark.slow
+def test_a_server_fetches_image_urls_only_when_started_so_and_reads_paths_only_for_its_token(gemma, image_site):
+    import httpx
+
+    from mlxinfer.server import ModelSet, ServerSettings
+    from mlxinfer.server.uvicorn_host import BackgroundServer
+
+    def ask(url: str, source: str, headers: dict | None = None) -> httpx.Response:
+        parts = [{"type": "image_url", "image_url": {"url": source}}, {"type": "text", "text": "Who is this?"}]
+        body = {"model": "gemma3_vision", "messages": [{"role": "user", "content": parts}], "max_tokens": 8,
+                "temperature": 0}  # fmt: skip
+        return httpx.post(url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=60)
+
+    expected = gemma.tokenizer.decode(golden("portrait", "greedy").tolist())
+    for image_urls in (False, True):
+        models = ModelSet()
+        models.add(gemma, name="gemma3_vision")
+        settings = ServerSettings(port=0, image_urls=image_urls, local_token="t" * 32)
+        with BackgroundServer(models, settings) as running:
+            fetched = ask(running.url, image_site + "/hopper.jpg")
+            by_path = ask(running.url, str(IMAGES / "hopper.jpg"), {"Authorization": "Bearer " + "t" * 32})
+            stranger = ask(running.url, str(IMAGES / "hopper.jpg"))
+        models.close()
+        if image_urls:
+            assert fetched.json()["choices"][0]["message"]["content"] == expected
+        else:
+            assert fetched.status_code == 400 and "start the server with --image-urls" in fetched.text
+        assert by_path.json()["choices"][0]["message"]["content"] == expected
+        assert stranger.status_code == 400 and "must be a data: URL" in stranger.text

@@ -99,6 +99,11 @@ from .options import speculation_options
     show_default=True,
     help="With --hostfile: seconds a rank may take to answer before the server reports unhealthy.",
 )
+@click.option(
+    "--image-urls",
+    is_flag=True,
+    help="Fetch images requests give as http(s) addresses (10 s, 3 redirects, 32 MiB each); else only data: URLs.",
+)
 @speculation_options
 @errors_as_one_line
 def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: Any) -> None:
@@ -132,6 +137,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"], prefill_chunk=o["prefill_chunk"]),
         speculate=o["speculate"],
         draft_model=o["draft_model"],
+        image_urls=o["image_urls"],
         local_token=new_token(),
     )
     sockets = listen(settings)  # before the load: a taken port is one line now, not after the loading

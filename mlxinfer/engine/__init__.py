@@ -3,7 +3,7 @@ speculation, structured output, embeddings, and the ServingThread thread that se
 
 from .drafting import DraftModel, DraftRuntime
 from .embed import POOLINGS, check_ids, embed, embeddable, split_inputs
-from .image_prompt import encode_chat, encode_text
+from .image_prompt import RequestSources, encode_chat, encode_text
 from .images import PromptImages
 from .job import Delta, Event, Failed, Finished, Job
 from .loop import BatchLoop
@@ -22,6 +22,7 @@ from .threads import call_on_device_thread
 
 __all__ = [
     "PromptImages",
+    "RequestSources",
     "encode_chat",
     "encode_text",
     "BatchLoop",

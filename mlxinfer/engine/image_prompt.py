@@ -9,6 +9,7 @@ thread (the server's preparing pool), never on the scheduler's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..chat import IMAGE_PARTS, image_source
@@ -16,6 +17,7 @@ from ..errors import ImageError, SamplingError
 from ..models.vision import VisionModel, check_images
 from ..tokenizer import Tokenizer
 from ..vision import DEFAULT_LIMITS, Limits, Opened, open_images
+from ..vision.fetch import fetch_image
 from .images import PromptImages
 
 Message = dict[str, Any]
@@ -42,6 +44,14 @@ def split_images(messages: Sequence[Message]) -> tuple[list[Message], list[tuple
     return out, sources
 
 
+@dataclass(frozen=True)
+class RequestSources:
+    """Where the images of a request that came over HTTP may come from, beyond data: URLs."""
+
+    paths: bool = False  # files on this machine: for the user's own front ends (they show the server's token)
+    urls: bool = False  # http(s) addresses, fetched with bounds (mlxinfer serve --image-urls)
+
+
 def encode_chat(
     tokenizer: Tokenizer,
     vision: VisionModel | None,
@@ -49,15 +59,18 @@ def encode_chat(
     context: int,
     limits: Limits = DEFAULT_LIMITS,
     tools: list[dict[str, Any]] | None = None,
-    remote: bool = False,
+    remote: RequestSources | None = None,
     add_generation_prompt: bool = True,
 ) -> tuple[list[int], PromptImages | None]:
-    """Ids of a chat and its images. `remote`: the messages came over HTTP, so images must be data: URLs."""
+    """Ids of a chat and its images. `remote`: the messages came over HTTP, their images taken as it allows
+    (None: the Python API's caller, whose paths, bytes and arrays are all taken)."""
     rendered, sources = split_images(messages)
     if not sources:
         return tokenizer.encode_chat(messages, add_generation_prompt, tools), None
     vision = _reading(vision, len(sources))
-    opened = open_images([(where, _remote(s, where) if remote else s) for where, s in sources], limits)
+    if remote is not None:
+        sources = [(where, _requested(source, where, remote, limits)) for where, source in sources]
+    opened = open_images(sources, limits)
     expansions = _expansions(vision, opened)
     ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=(vision.format.placeholder, expansions))
     return ids, _placed(ids, opened, vision, context)
@@ -106,12 +119,21 @@ def _placed(ids: Sequence[int], opened: list[Opened], vision: VisionModel, conte
     return PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], vision)
 
 
-def _remote(source: Any, where: str) -> str:
-    """A request's image source: a data: URL; a web address or a local path is refused (nothing is fetched)."""
-    if isinstance(source, str) and source.startswith("data:"):
-        return source
-    if isinstance(source, str) and source.lower().startswith(("http://", "https://")):
-        raise ImageError(f"{where}: image URLs are not fetched; send the image as a data: URL (base64)")
+def _requested(source: Any, where: str, allowed: RequestSources, limits: Limits) -> Any:
+    """A request's image source as it may be read: a data: URL; a path or a web address only where allowed (the
+    address fetched here, with bounds)."""
+    text = source if isinstance(source, str) else ""
+    if text.startswith("data:"):
+        return text
+    if text.lower().startswith(("http://", "https://")):
+        if not allowed.urls:
+            raise ImageError(
+                f"{where}: image URLs are not fetched; send the image as a data: URL (base64), or start the server "
+                "with --image-urls"
+            )
+        return fetch_image(text, where, limits.max_bytes)
+    if text and allowed.paths:
+        return text
     raise ImageError(f"{where}: an image must be a data: URL (data:image/png;base64,...)")
 
 

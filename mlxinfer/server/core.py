@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -23,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..defaults import MAX_TOKENS  # above it, the engine's own check answers (max_tokens out of range)
-from ..engine import Event, Finished, GenerationStats, Job
+from ..engine import Event, Finished, GenerationStats, Job, RequestSources
 from ..errors import MlxInferError
 from ..grammar import cancelled_by
 from .deltas import Answer, Done, JobEvents, Running, TokenClock
@@ -32,7 +33,7 @@ from .guard import shows_token
 from .limits import WorkGate
 from .metrics import Metrics
 from .model_pool import ModelSet, ServedModel
-from .schema import GenerationParams
+from .schema import ChatRequest, GenerationParams
 from .settings import ServerSettings
 from .structured import Prepared, prepare_chat
 
@@ -126,6 +127,8 @@ class API:
     ) -> tuple[ServedModel, Prepared, GenerationParams]:
         def everything() -> tuple[Any, GenerationParams, ServedModel | None, Prepared | None]:
             body, params = parse(raw)
+            if isinstance(body, ChatRequest):  # images from files only for the user's own front ends
+                body = replace(body, image_sources=RequestSources(paths=trusted, urls=self.settings.image_urls))
             served = self.models.acquire_loaded(params.model, trusted)  # held: never unloaded under it
             return body, params, served, None if served is None else self._encode(encode, served, body)
 

@@ -18,7 +18,7 @@ from itertools import accumulate
 from typing import Any
 
 from ..chat import Tool, ToolChoice, check_messages, check_tool_choice, check_tools
-from ..engine import SamplingParams, check_stops
+from ..engine import RequestSources, SamplingParams, check_stops
 from ..errors import GrammarError, SamplingError
 from ..grammar import check_schema
 from ..untrusted import is_finite_number, is_int, shown
@@ -72,6 +72,7 @@ class ChatRequest:
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     response_format: ResponseFormat | None
+    image_sources: RequestSources = RequestSources()  # set by the server: its --image-urls, the caller's token
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class ServerSettings:
     max_connections: int = MAX_CONNECTIONS  # past it the longest-idle connection is closed, or the new one gets 503
     prepare_workers: int = 4  # requests parsed, templated and tokenized at once, on threads off the event loop
     prepare_queue: int = 64  # requests waiting for one of those workers; past that, 429
+    image_urls: bool = False  # fetch images given as http(s) addresses (vision/fetch.py's bounds); else refused
     # What `mlxinfer serve` loads its model with (mlxinfer.load): every request decodes with the model's mode.
     speculate: str = "auto"
     draft_model: Path | None = None

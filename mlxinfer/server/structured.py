@@ -64,7 +64,9 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
         require_tool_syntax(fmt)
     messages = template_messages(request.messages, fmt)  # e.g. Mistral's 9-character call ids
     listed = template_tools(tools) if tools else None
-    ids, images = encode_chat(model.tokenizer, model.vision, messages, model.context_tokens, tools=listed, remote=True)
+    ids, images = encode_chat(
+        model.tokenizer, model.vision, messages, model.context_tokens, tools=listed, remote=request.image_sources
+    )
     answer = request.response_format
     # The output may start inside a reasoning block the generation prompt opened (then the parser starts there).
     tail = _prompt_tail(model.tokenizer, ids) if fmt.reasoning and answer is None else ""

@@ -421,8 +421,8 @@ def test_a_foreign_out_appearing_mid_conversion_is_kept(tmp_path, src, monkeypat
     if when == "after planning":
         _user_folder(out)
     else:
-        real = pipeline._manifest
-        monkeypatch.setattr(pipeline, "_manifest", lambda *a: (_user_folder(out), real(*a))[1])
+        real = pipeline.write_manifest
+        monkeypatch.setattr(pipeline, "write_manifest", lambda *a: (_user_folder(out), real(*a))[1])
     with pytest.raises(ConversionError, match="already exists") as caught:
         run_conversion(plan, progress=False)
     assert str(out) in str(caught.value)
