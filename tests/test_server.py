@@ -143,7 +143,12 @@ BAD_REQUESTS = [
     ("stop not strings", good_chat(stop=[1]), 400, "stop"),
     ("no messages", {"max_tokens": 2}, 400, "messages"),
     ("bad role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
-    ("image content", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content"),
+    (
+        "image naming none",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content[0]",
+    ),
     ("logprobs", good_chat(logprobs=True), 400, "logprobs"),
     ("frequency penalty", good_chat(frequency_penalty=0.5), 400, "frequency_penalty"),
     ("stream not bool", good_chat(stream="yes"), 400, "stream"),
