@@ -52,10 +52,12 @@ print(json.dumps({"ttft_first": one.stats.ttft_s, "ttft_second": two.stats.ttft_
 
 MLX_VLM = r"""
 import json, resource, sys
+import mlx.core as mx
 from mlx_vlm import generate, load
 from mlx_vlm.prompt_utils import apply_chat_template
 path, image, first, second, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 model, processor = load(path)
+model.set_dtype(mx.float32)  # as mlxinfer computes on a CPU (MLX's CPU bf16 matmuls are far slower)
 rows = []
 for q, tokens in ((first, 1), (second, 1), (first, n)):
     prompt = apply_chat_template(processor, model.config, q, num_images=1)
@@ -111,17 +113,20 @@ def main() -> None:
         "--folder", type=Path, default=Path.home() / ".cache" / "mlxinfer-bench" / "smolvlm-256m-random"
     )
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    parser.add_argument("--runtimes", default="mlxinfer,mlx-vlm", help="which rows to measure (comma-separated)")
     args = parser.parse_args()
     from bench.models import prepare_models
 
     folder = build(args.folder, prepare_models(["bf16"])["bf16"])
-    rows = {"mlxinfer": measure(OURS, folder)}
-    try:
-        import mlx_vlm  # noqa: F401
+    wanted = args.runtimes.split(",")
+    rows = {"mlxinfer": measure(OURS, folder)} if "mlxinfer" in wanted else {}
+    if "mlx-vlm" in wanted:
+        try:
+            import mlx_vlm  # noqa: F401
 
-        rows["mlx-vlm"] = measure(MLX_VLM, folder)
-    except ImportError:
-        rows["mlx-vlm"] = "not installed (pip install --no-deps mlx-vlm num2words)"
+            rows["mlx-vlm"] = measure(MLX_VLM, folder)
+        except ImportError:
+            rows["mlx-vlm"] = "not installed (pip install --no-deps mlx-vlm num2words)"
     lines = [
         f"# Images: SmolVLM-256M configuration, random weights, a 1,088-token image span ({platform.machine()}, "
         f"{platform.system()})",

@@ -67,9 +67,9 @@ def wrapped(source: Any, text: dict[str, Any]) -> dict[str, Any]:
     vision: VisionHalf | None = getattr(source, "vision", None)
     if vision is None:
         return text
-    drop = ("quantization", "quantization_config", "architectures", "torch_dtype")
-    out = {k: v for k, v in vision.config.items() if k not in drop}
-    out["text_config"] = {k: v for k, v in text.items() if k not in drop}
+    drop = ("quantization", "quantization_config", "torch_dtype")
+    out = {k: v for k, v in vision.config.items() if k not in drop}  # the wrapper's architectures kept
+    out["text_config"] = {k: v for k, v in text.items() if k not in (*drop, "architectures")}
     if "mm_tokens_per_image" in vision.config:  # mlx-vlm's Gemma 3 reads it from text_config (else 256)
         out["text_config"]["mm_tokens_per_image"] = vision.config["mm_tokens_per_image"]
     if "vocab_size" in text:  # mlx-lm's gemma3 reads it here (its default is Gemma 3's 262,208)

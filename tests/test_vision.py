@@ -423,6 +423,9 @@ def test_a_converted_vision_model_keeps_its_image_half_in_mlx_vlm_layout(tmp_pat
     assert (out / "preprocessor_config.json").read_bytes() == (MODEL / "preprocessor_config.json").read_bytes()
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gemma3" and config["text_config"]["model_type"] == "gemma3_text"
+    assert (
+        config["architectures"] == ["Gemma3ForConditionalGeneration"] and "architectures" not in config["text_config"]
+    )
     assert "kept in float32" in json.loads((out / "mlxinfer-manifest.json").read_text())["image_half"]
     assert (
         mlxinfer.load(out).chat(messages("portrait"), max_tokens=8).token_ids == golden("portrait", "greedy").tolist()
