@@ -34,15 +34,31 @@ class Layout(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Normalization:
+    """8-bit RGB to pixel_values: times `rescale`, less `mean`, over `std` (each step skipped when None)."""
+
+    rescale: float | None = 1 / 255
+    mean: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
+
+    def __call__(self, rgb: np.ndarray) -> np.ndarray:
+        """float32 (3, H, W) of an RGB uint8 (H, W, 3)."""
+        values = np.asarray(rgb, dtype=np.float64)
+        if self.rescale is not None:
+            values = values * self.rescale
+        if self.mean is not None and self.std is not None:
+            values = (values - np.array(self.mean)) / np.array(self.std)
+        return np.ascontiguousarray(values.transpose(2, 0, 1), dtype=np.float32)
+
+
+@dataclass(frozen=True)
 class ImageProcessor:
     """Fixed-size resizing (Gemma 3, SigLIP): every image becomes `height` x `width`."""
 
     height: int
     width: int
     resample: int = 2
-    rescale: float | None = 1 / 255
-    mean: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
+    normalized: Normalization = Normalization()
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], source: str) -> ImageProcessor:
@@ -65,7 +81,7 @@ class ImageProcessor:
         std = _triple(raw.get("image_std", 0.5), f"{source}: image_std") if normalize else None
         if std is not None and min(std) <= 0:
             raise ConfigError(f"{source}: image_std must be positive, got {list(std)}")
-        return cls(height, width, resample, rescale, mean, std)
+        return cls(height, width, resample, Normalization(rescale, mean, std))
 
     def layout(self, width: int, height: int) -> Layout:
         """Every image is one frame."""
@@ -77,7 +93,7 @@ class ImageProcessor:
 
     def pixels(self, rgb: np.ndarray) -> np.ndarray:
         """`pixel_values` of one RGB uint8 image (H, W, 3): float32 (3, height, width)."""
-        return _normalized(_resized(rgb, self.width, self.height, self.resample), self.rescale, self.mean, self.std)
+        return self.normalized(_resized(rgb, self.width, self.height, self.resample))
 
 
 @dataclass(frozen=True)
@@ -88,9 +104,7 @@ class SplitProcessor:
     longest_edge: int
     tile: int
     resample: int = 1
-    rescale: float | None = 1 / 255
-    mean: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] | None = (0.5, 0.5, 0.5)
+    normalized: Normalization = Normalization()
     split: bool = True
 
     def layout(self, width: int, height: int) -> Layout:
@@ -107,7 +121,7 @@ class SplitProcessor:
         if not self.split:
             whole = _resized(_resized(rgb, *self._scaled(rgb.shape[1], rgb.shape[0]), self.resample), self.tile,
                              self.tile, self.resample)  # fmt: skip
-            return self._normalized(whole)[None]
+            return self.normalized(whole)[None]
         image = _resized(rgb, *self._scaled(rgb.shape[1], rgb.shape[0]), self.resample)
         image = _resized(image, *self._tiled(image.shape[1], image.shape[0]), self.resample)
         rows, cols = self.layout(rgb.shape[1], rgb.shape[0])
@@ -117,10 +131,7 @@ class SplitProcessor:
             tiles.append(_resized(image, t, t, self.resample))
         else:
             tiles = [image]
-        return np.stack([self._normalized(tile) for tile in tiles])
-
-    def _normalized(self, rgb: np.ndarray) -> np.ndarray:
-        return _normalized(rgb, self.rescale, self.mean, self.std)
+        return np.stack([self.normalized(tile) for tile in tiles])
 
     def _scaled(self, width: int, height: int) -> tuple[int, int]:
         """transformers' resize to the longest edge: the other side kept in proportion, rounded up to even, then
@@ -160,17 +171,6 @@ def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndar
     return np.asarray(Image.fromarray(rgb, "RGB").resize((width, height), resample=Image.Resampling(resample)))
 
 
-def _normalized(
-    rgb: np.ndarray, rescale: float | None, mean: tuple[float, ...] | None, std: tuple[float, ...] | None
-) -> np.ndarray:
-    values = np.asarray(rgb, dtype=np.float64)
-    if rescale is not None:
-        values = values * rescale
-    if mean is not None and std is not None:
-        values = (values - np.array(mean)) / np.array(std)
-    return np.ascontiguousarray(values.transpose(2, 0, 1), dtype=np.float32)
-
-
 Processor = ImageProcessor | SplitProcessor
 
 
@@ -203,7 +203,7 @@ def _split_processor(raw: dict[str, Any], source: str) -> SplitProcessor:
     if longest > MAX_SIDE // side * side:
         raise ConfigError(f"{source}: size.longest_edge {longest} asks for more than {MAX_SIDE // side} tiles a side")
     split = raw.get("do_image_splitting", True)
-    return SplitProcessor(longest, side, fixed.resample, fixed.rescale, fixed.mean, fixed.std, bool(split))
+    return SplitProcessor(longest, side, fixed.resample, fixed.normalized, bool(split))
 
 
 def digest(pixels: np.ndarray) -> bytes:
