@@ -237,8 +237,9 @@ class Model:
     ) -> GenerationResult:
         """Generate a completion. A string is a raw prompt unless `chat=True`; a list of
         messages always uses the chat template. `images` (a model that reads them): paths,
-        bytes, PIL images or NumPy arrays, placed before the prompt's text (or at each
-        <start_of_image> in a raw prompt); in messages, image parts instead:
+        bytes, PIL images or NumPy arrays, placed before the prompt's text (or at each of
+        the model's placeholders in a raw prompt: Gemma 3's <start_of_image>, SmolVLM's
+        <image>); in messages, image parts instead:
         {"type": "image", "image": ...}. Options: max_tokens, temperature, top_p,
         top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every,
         speculate ("auto", "off", "lookup" or "draft"; default: the model's, see `load`).
@@ -348,7 +349,7 @@ class Model:
 
     @property
     def vision(self) -> VisionModel | None:
-        """The vision tower of a model that reads images (Gemma 3), else None."""
+        """The vision tower of a model that reads images (Gemma 3, SmolVLM), else None."""
         return self._loaded.vision
 
     def encode_prompt(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
