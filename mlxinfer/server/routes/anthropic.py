@@ -122,7 +122,8 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _image(block: dict[str, Any], where: str) -> dict[str, Any]:
-    """An image block as OpenAI's image_url part: base64 data as a data: URL (a url source is refused later)."""
+    """An image block as OpenAI's image_url part: base64 data as a data: URL; a url source is fetched only by a
+    server started with --image-urls."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source.get("data"), str) and isinstance(source.get("media_type"), str):
