@@ -174,6 +174,23 @@ def test_rows_with_and_without_images_decode_in_one_batch_as_each_alone(gemma, s
     assert alone[0] == golden("portrait", "greedy").tolist() and alone[2] == golden("two", "greedy").tolist()
 
 
+def test_the_towers_activations_are_counted_before_a_request_starts(gemma, scheduler_for, monkeypatch):
+    from mlxinfer.engine import Failed, Job
+    from mlxinfer.errors import MemoryBudgetError
+    from tests.test_scheduler import Collector
+
+    ids, images = encode_chat(gemma.tokenizer, gemma.vision, messages("portrait"), gemma.context_tokens)
+    assert images.activation_bytes == gemma.vision.activation_bytes(1) > 0
+    scheduler = scheduler_for(gemma)
+    for tower_bytes, refused in ((0, False), (1 << 50, True)):  # a petabyte of activations: never fits
+        monkeypatch.setattr(type(gemma.vision), "activation_bytes", lambda self, frames, b=tower_bytes: b)
+        collector = Collector()
+        scheduler.submit(Job(ids, collector, max_tokens=2, images=images, use_cache=False))
+        end = collector.wait().end
+        assert isinstance(end, Failed) == refused
+        assert not refused or isinstance(end.error, MemoryBudgetError)
+
+
 def test_a_warmed_image_prefix_is_kept_on_disk_and_resumed_after_a_restart():
     look = [
         {

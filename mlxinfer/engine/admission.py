@@ -101,7 +101,7 @@ class Admission:
             ours_now = self.runtime.footprint.weights_bytes + batch.nbytes + held + self._draft_rows_bytes()
             others = max(0, mx.get_active_memory() - ours_now)
             needed = batch_peak_bytes(self.runtime.footprint, rows, len(job.prompt_ids), chunk) + held + others
-            needed += self._draft_peak(job, chunk)
+            needed += self._draft_peak(job, chunk) + (job.images.activation_bytes if job.images else 0)
             usable = self._machine().usable_bytes(ours)
             fits = needed <= usable if self.agree is None else self.agree(needed <= usable)
             if fits:

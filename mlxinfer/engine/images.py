@@ -81,6 +81,12 @@ class PromptImages:
         )
         return cls(spans, tuple(images), digests, vision)
 
+    @property
+    def activation_bytes(self) -> int:
+        """What running the tower over these images may hold at once, beyond the weights (all of them: images in
+        one prefill chunk run together)."""
+        return sum(self.vision.activation_bytes(len(frames)) for frames in self.frames)
+
     def cache_ids(self, ids: Sequence[int]) -> list[int]:
         """`ids` as the prefix cache keys them: each image's tokens by the image's content."""
         out = list(ids)

@@ -171,6 +171,11 @@ class Gemma3Vision(VisionModel):
         self.multi_modal_projector = Projector(tower.hidden_size, text_width, pool, tower.layer_norm_eps)
         self.format = image_format
 
+    def activation_bytes(self, frames: int) -> int:
+        return self.vision_tower.config.activation_bytes(
+            frames, self.multi_modal_projector.mm_input_projection_weight.dtype.size
+        )
+
     def exported(self, name: str) -> str:
         # mlx-vlm's Gemma 3 nests the SigLIP model one level deeper (its tower keeps channels-last convolutions).
         tower = name.startswith("vision_tower.")

@@ -74,6 +74,11 @@ class SmolVLMVision(VisionModel):
         self.connector = Connector(tower.hidden_size, text_width, scale)
         self.format = image_format
 
+    def activation_bytes(self, frames: int) -> int:
+        return self.vision_model.config.activation_bytes(
+            frames, self.connector.modality_projection.proj.weight.dtype.size
+        )
+
     def __call__(self, pixels: mx.array) -> mx.array:
         dtype = self.connector.modality_projection.proj.weight.dtype
         return self.connector(self.vision_model(pixels.astype(dtype)))

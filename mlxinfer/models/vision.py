@@ -78,6 +78,10 @@ class VisionModel(nn.Module):
                 self._kept.popitem(last=False)
         return out
 
+    def activation_bytes(self, frames: int) -> int:
+        """The most running `frames` frames together holds beyond the weights (the planner counts it)."""
+        return 0
+
     def exported(self, name: str) -> str:
         """A parameter's name in mlx-vlm's layout of the family (what a conversion writes)."""
         return name
