@@ -10,6 +10,7 @@ scale_factor into fewer, wider ones and projected to the text width. Its prompt 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -84,7 +85,7 @@ class SmolVLMVision(VisionModel):
         return self.connector(self.vision_model(pixels.astype(dtype)))
 
 
-def _expansion(tokens: int) -> Any:
+def _expansion(tokens: int) -> Callable[[Layout], str]:
     """SmolVLMProcessor's image text: each tile marked by its row and column, then the whole image."""
     frame = "<image>" * tokens
     whole = f"<fake_token_around_image><global-img>{frame}<fake_token_around_image>"
