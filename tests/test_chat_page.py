@@ -239,6 +239,16 @@ def test_an_attached_and_a_dropped_image_are_previewed_and_asked_about(vision_pa
     )
     wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#attachments img")) == 1, timeout=30)
     assert "notes.txt is not a PNG" in browser.find_element(By.ID, "status").text
+    # A pasted image joins it (Ctrl+V of a screenshot into the message box).
+    browser.execute_script(
+        """const data = new DataTransfer();
+           data.items.add(new File([Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0))], "shot.png",
+                                   { type: "image/png" }));
+           document.getElementById("input").dispatchEvent(new ClipboardEvent("paste", { clipboardData: data,
+                                                                                   bubbles: true }));""",
+        base64_png(),
+    )
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#attachments img")) == 2, timeout=30)
 
 
 def mlxinfer_tokenizer():
