@@ -484,6 +484,7 @@ def image_site():
 
     class Site(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
+            served.append(self.path)
             if self.path == "/hopper.jpg":
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(photo)))
@@ -504,10 +505,20 @@ def image_site():
         def log_message(self, *args):
             pass
 
+    served: list[str] = []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Site)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
+    yield SiteURL(f"http://127.0.0.1:{server.server_address[1]}", served)
     server.shutdown()
+
+
+class SiteURL(str):
+    """The site's address; `.served` lists the paths it was asked for."""
+
+    def __new__(cls, url: str, served: list[str]):
+        made = super().__new__(cls, url)
+        made.served = served
+        return made
 
 
 def test_fetching_an_image_is_bounded(image_site):
@@ -525,6 +536,36 @@ def test_fetching_an_image_is_bounded(image_site):
             fetch_image(image_site + path, "messages[0].content[0]", 1 << 20)
     with pytest.raises(ImageError, match="only http and https"):
         fetch_image("file:///etc/passwd", "image", 1 << 20)
+
+
+def test_a_request_with_too_many_or_too_large_addresses_is_refused_before_or_while_fetching(gemma, image_site):
+    from mlxinfer.engine import RequestSources
+
+    def asking(*urls: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in urls]}]
+
+    before = len(image_site.served)
+    with pytest.raises(ImageError, match="17 images in one request"):
+        encode_chat(gemma.tokenizer, gemma.vision, asking(*[image_site + "/hopper.jpg"] * 17), 256,
+                    remote=RequestSources(urls=True))  # fmt: skip
+    assert len(image_site.served) == before  # nothing fetched
+    photo = (IMAGES / "hopper.jpg").stat().st_size
+    with pytest.raises(ImageError, match=r"messages\[0\]\.content\[1\]: the image at that address is more than"):
+        encode_chat(gemma.tokenizer, gemma.vision, asking(*[image_site + "/hopper.jpg"] * 2), 256,
+                    Limits(max_fetched_bytes=photo + photo // 2), remote=RequestSources(urls=True))  # fmt: skip
+
+
+def test_configs_cannot_make_an_image_expand_without_bound():
+    from mlxinfer.errors import ConfigError
+    from mlxinfer.models.vision import ImageFormat
+    from mlxinfer.vision.preprocess import _split_processor
+
+    raw = {"size": {"longest_edge": 9 * 32}, "max_image_size": {"longest_edge": 32}}
+    with pytest.raises(ConfigError, match="more than 8 tiles a side"):
+        _split_processor(raw, "preprocessor_config.json")
+    assert _split_processor({**raw, "size": {"longest_edge": 8 * 32}}, "p").layout(10_000, 10_000) == (8, 8)
+    with pytest.raises(ConfigError, match="an image frame of 16385 tokens"):
+        ImageFormat("<image>", 1, 16_385, False, lambda layout: "")
 
 
 @pytest.mark.slow

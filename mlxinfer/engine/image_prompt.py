@@ -16,7 +16,7 @@ from ..chat import IMAGE_PARTS, image_source
 from ..errors import ImageError, SamplingError
 from ..models.vision import VisionModel, check_images
 from ..tokenizer import Tokenizer
-from ..vision import DEFAULT_LIMITS, Limits, Opened, open_images
+from ..vision import DEFAULT_LIMITS, Limits, Opened, check_count, open_images
 from ..vision.fetch import fetch_image
 from .images import PromptImages
 
@@ -69,7 +69,7 @@ def encode_chat(
         return tokenizer.encode_chat(messages, add_generation_prompt, tools), None
     vision = _reading(vision, len(sources))
     if remote is not None:
-        sources = [(where, _requested(source, where, remote, limits)) for where, source in sources]
+        sources = _requested(sources, remote, limits)
     opened = open_images(sources, limits)
     expansions = _expansions(vision, opened)
     ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=(vision.format.placeholder, expansions))
@@ -119,22 +119,27 @@ def _placed(ids: Sequence[int], opened: list[Opened], vision: VisionModel, conte
     return PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], vision)
 
 
-def _requested(source: Any, where: str, allowed: RequestSources, limits: Limits) -> Any:
-    """A request's image source as it may be read: a data: URL; a path or a web address only where allowed (the
-    address fetched here, with bounds)."""
-    text = source if isinstance(source, str) else ""
-    if text.startswith("data:"):
-        return text
-    if text.lower().startswith(("http://", "https://")):
-        if not allowed.urls:
-            raise ImageError(
-                f"{where}: image URLs are not fetched; send the image as a data: URL (base64), or start the server "
-                "with --image-urls"
-            )
-        return fetch_image(text, where, limits.max_bytes)
-    if text and allowed.paths:
-        return text
-    raise ImageError(f"{where}: an image must be a data: URL (data:image/png;base64,...)")
+def _requested(sources: list[tuple[str, Any]], allowed: RequestSources, limits: Limits) -> list[tuple[str, Any]]:
+    """A request's image sources as they may be read: data: URLs; paths and web addresses only where allowed, the
+    addresses fetched here: no more images than the limit, and together no more than its fetched bytes."""
+    check_count(len(sources), limits)  # before anything is fetched
+    out, left = [], limits.max_fetched_bytes
+    for where, source in sources:
+        text = source if isinstance(source, str) else ""
+        if text.lower().startswith(("http://", "https://")):
+            if not allowed.urls:
+                raise ImageError(
+                    f"{where}: image URLs are not fetched; send the image as a data: URL (base64), or start the "
+                    "server with --image-urls"
+                )
+            data = fetch_image(text, where, min(limits.max_bytes, left))
+            left -= len(data)
+            out.append((where, data))
+        elif text.startswith("data:") or (text and allowed.paths):
+            out.append((where, text))
+        else:
+            raise ImageError(f"{where}: an image must be a data: URL (data:image/png;base64,...)")
+    return out
 
 
 def _is_image(part: Any) -> bool:

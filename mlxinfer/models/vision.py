@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import ImageError, WeightMismatchError
+from ..errors import ConfigError, ImageError, WeightMismatchError
 from ..untrusted import shown_path
 from ..vision import PREPROCESSOR_FILE, Layout, Processor, processor_from_folder
 from .checkpoint import load_tensors
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MAX_FRAME_TOKENS = 16_384  # tokens one frame may take (Gemma 3: 256, SmolVLM: 64)
 KEPT_IMAGES = 8  # images whose embeddings stay in memory (a 256-token Gemma 3 image is 2.5 MB at hidden 2560)
 
 
@@ -47,6 +48,13 @@ class ImageFormat:
     # The text each placeholder becomes before tokenizing, for an image cut into Layout (rows, cols): the image
     # tokens and their markers (Gemma3Processor's full_image_sequence, SmolVLM's get_image_prompt_string).
     expansion: Callable[[Layout], str]
+
+    def __post_init__(self) -> None:
+        # Bounds the prompt text an image expands to before any context check can (a config states it).
+        if not 1 <= self.tokens_per_frame <= MAX_FRAME_TOKENS:
+            raise ConfigError(
+                f"config.json: an image frame of {self.tokens_per_frame} tokens; at most {MAX_FRAME_TOKENS} are read"
+            )
 
 
 class VisionModel(nn.Module):

@@ -43,13 +43,13 @@ def fetch_image(url: str, where: str, max_bytes: int, timeout_s: float = FETCH_T
         with _OPENER.open(request, timeout=timeout_s) as response:
             length = response.headers.get("Content-Length")
             if length is not None and length.isdigit() and int(length) > max_bytes:
-                raise ImageError(f"{where}: the image at that address is more than {max_bytes >> 20} MiB")
+                raise ImageError(f"{where}: the image at that address is more than {_size(max_bytes)}")
             chunks, size = [], 0
             while chunk := response.read(_CHUNK):
                 chunks.append(chunk)
                 size += len(chunk)
                 if size > max_bytes:
-                    raise ImageError(f"{where}: the image at that address is more than {max_bytes >> 20} MiB")
+                    raise ImageError(f"{where}: the image at that address is more than {_size(max_bytes)}")
                 if time.monotonic() > deadline:
                     raise ImageError(f"{where}: fetching the image took more than {timeout_s:g} s")
             return b"".join(chunks)
@@ -60,3 +60,7 @@ def fetch_image(url: str, where: str, max_bytes: int, timeout_s: float = FETCH_T
     except (urllib.error.URLError, TimeoutError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or type(e).__name__
         raise ImageError(f"{where}: fetching the image failed ({str(reason)[:120]})") from None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes:,} bytes"

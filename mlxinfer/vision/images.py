@@ -33,6 +33,7 @@ MAX_IMAGE_BYTES = 32 << 20  # an encoded image; a 12-megapixel photo is 3-8 MB
 MAX_IMAGE_PIXELS = 50_000_000  # decoded width x height: a 50-megapixel RGB image is 150 MB of pixels
 MAX_IMAGES = 16  # per request
 MAX_REQUEST_PIXELS = 100_000_000  # per request, all images together
+MAX_FETCHED_BYTES = 64 << 20  # per request, all images fetched from web addresses together
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*(?P<b64>;base64)?,", re.ASCII)
 
@@ -45,6 +46,7 @@ class Limits:
     max_pixels: int = MAX_IMAGE_PIXELS
     max_images: int = MAX_IMAGES
     max_total_pixels: int = MAX_REQUEST_PIXELS
+    max_fetched_bytes: int = MAX_FETCHED_BYTES
     rest_of_request: bool = False  # max_pixels is what the request's earlier images left of max_total_pixels
 
 
@@ -66,8 +68,7 @@ class Opened:
 def open_images(sources: list[tuple[str, Any]], limits: Limits = DEFAULT_LIMITS) -> list[Opened]:
     """Each (where, source) opened as `open_image` does: refused past `limits.max_images` before any is read, and
     past `limits.max_total_pixels` at the header of the image that would cross it (no pixel decoded yet)."""
-    if len(sources) > limits.max_images:
-        raise ImageError(f"{len(sources)} images in one request; at most {limits.max_images} are allowed")
+    check_count(len(sources), limits)
     out: list[Opened] = []
     left = limits.max_total_pixels
     for where, source in sources:
@@ -75,6 +76,12 @@ def open_images(sources: list[tuple[str, Any]], limits: Limits = DEFAULT_LIMITS)
         out.append(open_image(source, where, each))
         left -= out[-1].size[0] * out[-1].size[1]
     return out
+
+
+def check_count(images: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """An ImageError for more images in one request than `limits.max_images`."""
+    if images > limits.max_images:
+        raise ImageError(f"{images} images in one request; at most {limits.max_images} are allowed")
 
 
 def read_images(sources: list[tuple[str, Any]], limits: Limits = DEFAULT_LIMITS) -> list[np.ndarray]:

@@ -19,6 +19,7 @@ from ..untrusted import is_finite_number, read_json_object, shown
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_SIDE = 4096  # a processor's target side; real ones use 224-1540
+MAX_TILES = 8  # tiles a side a splitting processor may cut (SmolVLM: 4, Idefics3: 4)
 RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}  # PIL's codes
 
 
@@ -200,8 +201,8 @@ def _split_processor(raw: dict[str, Any], source: str) -> SplitProcessor:
     longest = _side(size.get("longest_edge"), f"{source}: size.longest_edge")
     side = _side(tile.get("longest_edge"), f"{source}: max_image_size.longest_edge")
     fixed = ImageProcessor.from_config({**raw, "size": {"height": side, "width": side}}, source)
-    if longest > MAX_SIDE // side * side:
-        raise ConfigError(f"{source}: size.longest_edge {longest} asks for more than {MAX_SIDE // side} tiles a side")
+    if longest > MAX_TILES * side:  # each tile is a frame through the tower and a run of prompt tokens
+        raise ConfigError(f"{source}: size.longest_edge {longest} asks for more than {MAX_TILES} tiles a side")
     split = raw.get("do_image_splitting", True)
     return SplitProcessor(longest, side, fixed.resample, fixed.normalized, bool(split))
 
