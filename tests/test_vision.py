@@ -466,6 +466,9 @@ def test_a_quantized_vision_conversion_runs_its_text_in_mlx_lm_and_its_images_he
     assert type(ours.vision.vision_tower.encoder.layers[0].mlp.fc1).__name__ == "Linear"  # the tower in float
     asked = ours.chat(messages("portrait"), max_tokens=8)
     assert asked.stats.prompt_tokens == len(golden("portrait", "input_ids")) and asked.token_ids
+    # The image half came through whole: the same embeddings as the source's for the same picture.
+    frames = mx.array(processor_from_folder(out).frames(read_image(IMAGES / "hopper.jpg")))
+    np.testing.assert_array_equal(np.array(ours.vision(frames)), np.array(mlxinfer.load(MODEL).vision(frames)))
 
 
 # ---- images by address (mlxinfer serve --image-urls) and by path (the user's own front ends) ----

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..defaults import DEFAULT_MAX_TOKENS
 from ..grammar import Constraint
@@ -71,8 +72,11 @@ class Job:
 
     def __post_init__(self) -> None:
         self.stop = check_stops(self.stop)
-        # What the prefix cache keys this prompt by: its ids, each image's tokens named by the image's content.
-        self.cache_ids = self.prompt_ids if self.images is None else self.images.cache_ids(self.prompt_ids)
+
+    @cached_property
+    def cache_ids(self) -> list[int]:
+        """What the prefix cache keys this prompt by: its ids, each image's tokens named by the image's content."""
+        return self.prompt_ids if self.images is None else self.images.cache_ids(self.prompt_ids)
 
     @property
     def reserved_tokens(self) -> int:

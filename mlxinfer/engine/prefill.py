@@ -88,11 +88,7 @@ class Prefill:
         if self.images is not None:
             end = self.images.chunk_end(self.base + end) - self.base
             placed = self.images.placed(self.position, self.base + end)
-        tokens = self.ids[None, self.done : end]
-        # (only a model with a vision tower takes images: the others' hidden() has no such argument)
-        hidden = (
-            self.model.hidden(tokens, self.cache) if placed is None else self.model.hidden(tokens, self.cache, placed)
-        )
+        hidden = self.model.hidden(self.ids[None, self.done : end], self.cache, placed)
         self.done = end
         if getattr(self.model, "stage", None) is not None:
             # A pipeline rank sends its output on and sums the last rank's within the pass's output, which the

@@ -25,7 +25,7 @@ from ..models.gguf_arch import GGUFArch, Meta
 from ..models.mlx_lm_modules import model_module
 from ..models.multimodal import text_config
 from ..models.registry import GEMMA, ArchSpec
-from ..models.siglip import SiglipConfig, SiglipVisionTower, tower_weights
+from ..models.siglip import SiglipConfig, SiglipVisionTower, renamed
 from ..models.vision import ImageFormat, VisionModel, load_checked
 from ..untrusted import is_int, shown
 
@@ -131,13 +131,15 @@ GGUF = {
 
 
 # ---- the image half (model_type "gemma3") ----
-TOWER_PREFIXES = (
-    "model.vision_tower.vision_model.",
-    "vision_tower.vision_model.",
-    "model.vision_tower.",
-    "vision_tower.",
-)
-PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+# Stored prefixes (transformers 4 and 5, mlx-vlm's) -> this module's names.
+PREFIXES = {
+    "model.vision_tower.vision_model.": "vision_tower.",
+    "vision_tower.vision_model.": "vision_tower.",
+    "model.vision_tower.": "vision_tower.",
+    "vision_tower.": "vision_tower.",
+    "model.multi_modal_projector.": "multi_modal_projector.",
+    "multi_modal_projector.": "multi_modal_projector.",
+}
 # transformers' Gemma3Config defaults (google/gemma-3-4b-it states them all).
 IMAGE_DEFAULTS = {"mm_tokens_per_image": 256, "image_token_index": 262_144, "boi_token_index": 255_999,
                   "eoi_token_index": 256_000}  # fmt: skip
@@ -209,22 +211,14 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
         expansion=lambda layout: sequence,  # one frame, whatever the image's size (no pan-and-scan)
     )
     model = Gemma3Vision(tower, text_config(raw, source)["hidden_size"], image_format)
-    load_checked(model, _our_names(weights), dtype, source, (raw.get("quantization") or {}).get("mode", "affine"))
+    load_checked(
+        model,
+        renamed(weights, PREFIXES, "vision_tower."),
+        dtype,
+        source,
+        (raw.get("quantization") or {}).get("mode", "affine"),
+    )
     return model
-
-
-def _our_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    out: dict[str, mx.array] = {}
-    tower: dict[str, mx.array] = {}
-    for name, value in weights.items():
-        stored = next((p for p in TOWER_PREFIXES if name.startswith(p)), None)
-        if stored is not None:
-            tower[name[len(stored) :]] = value
-            continue
-        stored = next((p for p in PROJECTOR_PREFIXES if name.startswith(p)), "")
-        out["multi_modal_projector." + name[len(stored) :] if stored else name] = value
-    out.update({"vision_tower." + k: v for k, v in tower_weights(tower).items()})
-    return out
 
 
 VISION = {"gemma3": vision}

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..models.gguf_arch import GGUFArch, Meta
 from ..models.multimodal import text_config
 from ..models.registry import ArchSpec
-from ..models.siglip import SiglipConfig, SiglipVisionTower, tower_weights
+from ..models.siglip import SiglipConfig, SiglipVisionTower, renamed
 from ..models.vision import ImageFormat, Layout, VisionModel, load_checked
 from ..untrusted import is_int, shown
 
@@ -47,6 +47,7 @@ SPECS = {
 
 
 # ---- SmolVLM's image half (model_type "smolvlm") ----
+# Stored prefixes (transformers', mlx-vlm's) -> this module's names.
 PREFIXES = {"model.vision_model.": "vision_model.", "vision_model.": "vision_model.",
             "model.connector.": "connector.", "connector.": "connector."}  # fmt: skip
 
@@ -114,23 +115,14 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
     tokens = (tower.patches_per_side // scale) ** 2
     image_format = ImageFormat("<image>", token, tokens, bidirectional=False, expansion=_expansion(tokens))
     model = SmolVLMVision(tower, text_config(raw, source)["hidden_size"], scale, image_format)
-    load_checked(model, _our_names(weights), dtype, source, (raw.get("quantization") or {}).get("mode", "affine"))
+    load_checked(
+        model,
+        renamed(weights, PREFIXES, "vision_model."),
+        dtype,
+        source,
+        (raw.get("quantization") or {}).get("mode", "affine"),
+    )
     return model
-
-
-def _our_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Stored names (transformers' `model.vision_model.`, mlx-vlm's `vision_model.`) as this module's, the tower's
-    convolution channels last."""
-    tower: dict[str, mx.array] = {}
-    out: dict[str, mx.array] = {}
-    for name, value in weights.items():
-        prefix = next((p for p in PREFIXES if name.startswith(p)), "")
-        ours = PREFIXES.get(prefix, "") + name[len(prefix) :]
-        if ours.startswith("vision_model."):
-            tower[ours.removeprefix("vision_model.")] = value
-        else:
-            out[ours] = value
-    return out | {f"vision_model.{k}": v for k, v in tower_weights(tower).items()}
 
 
 VISION = {"smolvlm": vision}

@@ -160,6 +160,19 @@ def tower_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+def renamed(weights: dict[str, mx.array], prefixes: dict[str, str], tower: str) -> dict[str, mx.array]:
+    """A vision half's stored tensors under its module's names: each name's first matching prefix (longest first)
+    replaced by its value, then those under `tower` (the SigLIP tower's) in this module's layout (tower_weights)."""
+    out = {}
+    for name, value in weights.items():
+        prefix = next((p for p in prefixes if name.startswith(p)), "")
+        out[prefixes.get(prefix, "") + name[len(prefix) :]] = value
+    inside = {k.removeprefix(tower): v for k, v in out.items() if k.startswith(tower)}
+    return {k: v for k, v in out.items() if not k.startswith(tower)} | {
+        tower + k: v for k, v in tower_weights(inside).items()
+    }
+
+
 def _bounded(value: Any, high: int, where: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
         raise ConfigError(f"{where} must be an integer in [1, {high}], got {shown(value)}")
