@@ -90,6 +90,26 @@ def test_logits_of_every_position_match_transformers(family, case, chunk):
     np.testing.assert_allclose(logits, golden(case, "logits", name), atol=1e-4)
 
 
+def test_a_prefill_step_runs_the_tower_over_one_frame_at_most():
+    # SmolVLM's portrait is 5 frames in a 64-token prompt: one 512-token chunk would run the tower 5 times in one
+    # step, holding every other request's decode for all of it; each step embeds one frame instead.
+    model = mlxinfer.load(TINY / "smolvlm", prefix_cache_bytes=0)
+    ids, images = encode_chat(model.tokenizer, model.vision, messages("portrait"), model.context_tokens)
+    decoder, calls = model._loaded.model, []
+    tower = type(model.vision).__call__
+    run = Prefill.start(decoder, make_cache(decoder.cache_kinds), mx.array(ids, dtype=mx.uint32), 512, images=images)
+    hidden = []
+    try:
+        type(model.vision).__call__ = lambda self, pixels: calls.append(len(hidden)) or tower(self, pixels)
+        while not run.finished:
+            hidden.append(run.step())
+    finally:
+        type(model.vision).__call__ = tower
+    assert calls == [0, 1, 2, 3, 4] and len(hidden) == 6  # a frame a step, then the text after the last
+    logits = np.array(decoder.head(mx.concatenate(hidden, axis=1))[0])
+    np.testing.assert_allclose(logits, golden("portrait", "logits", "smolvlm"), atol=1e-4)
+
+
 def test_each_family_answers_about_images_as_transformers_does(family):
     name, model = family
     for case in CASES:

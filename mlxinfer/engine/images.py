@@ -8,7 +8,8 @@ KV (and everything before the question) is reused, in memory and on disk alike.
 
 A prefill chunk never cuts an image's frame (its tokens may attend to each other both ways, so they run together),
 never snapshots inside one, and never resumes inside one. An image cut into tiles (SmolVLM) is a run of tokens per
-tile, the tiles' embeddings computed together, once per image.
+tile; a chunk ends after the first frame whose embeddings must be computed, so each prefill step runs the tower
+over one frame at most.
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ class PromptImages:
 
     @property
     def activation_bytes(self) -> int:
-        """What running the tower over these images may hold at once, beyond the weights (all of them: images in
-        one prefill chunk run together)."""
-        return sum(self.vision.activation_bytes(len(frames)) for frames in self.frames)
+        """What running the tower may hold at once beyond the weights: one frame's (chunk_end gives each step at
+        most one frame to embed)."""
+        return self.vision.activation_bytes(1)
 
     def cache_ids(self, ids: Sequence[int]) -> list[int]:
         """`ids` as the prefix cache keys them: each image's tokens by the image's content."""
@@ -98,17 +99,22 @@ class PromptImages:
         """Whether `position` falls strictly within an image (a chunk may neither end nor resume there)."""
         return any(span.start < position < span.end for span in self.spans)
 
-    def chunk_end(self, end: int) -> int:
-        """`end` moved past the image it would cut."""
-        return next((span.end for span in self.spans if span.start < end < span.end), end)
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk of positions [start, end) ends: past the frame it would cut, and right after the
+        first frame whose tower has yet to run (one frame's tower a step: the scheduler's other requests wait
+        no longer than that)."""
+        end = next((span.end for span in self.spans if span.start < end < span.end), end)
+        first = next((s for s in self.spans if start <= s.start < end and not self.vision.has(_frame_key(s))), None)
+        return end if first is None else first.end
 
     def placed(self, start: int, end: int) -> Placed | None:
         """The image frames within the chunk of positions [start, end), None where it holds none."""
         spans = [s for s in self.spans if start <= s.start and s.end <= end]
         if not spans:
             return None
-        embedded = {i: self.vision.features(self.digests[i], self.frames[i]) for i in {s.image for s in spans}}
-        features = [(s.start - start, embedded[s.image][s.frame]) for s in spans]
+        features = [
+            (s.start - start, self.vision.features(_frame_key(s), self.frames[s.image][s.frame])) for s in spans
+        ]
         blocks = [(s.start, s.end) for s in spans] if self.vision.format.bidirectional else []
         return Placed(features, blocks)
 
@@ -127,6 +133,10 @@ class Placed:
             parts += [h[:, at:offset], rows[None].astype(h.dtype)]
             at = offset + rows.shape[0]
         return mx.concatenate([*parts, h[:, at:]], axis=1)
+
+
+def _frame_key(span: ImageSpan) -> tuple[bytes, int]:
+    return span.digest, span.frame
 
 
 def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:

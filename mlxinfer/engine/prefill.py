@@ -86,7 +86,7 @@ class Prefill:
         end = min(self.done + self.chunk, self.ids.size, stop - self.base)
         placed = None
         if self.images is not None:
-            end = self.images.chunk_end(self.base + end) - self.base
+            end = self.images.chunk_end(self.position, self.base + end) - self.base
             placed = self.images.placed(self.position, self.base + end)
         hidden = self.model.hidden(self.ids[None, self.done : end], self.cache, placed)
         self.done = end

@@ -3,7 +3,9 @@
 The family file (families/<text model_type>.py) builds it from a `VISION` entry keyed by the wrapper's model_type;
 the loader attaches it to the LoadedModel. The engine asks it for an image's embeddings (`features`), which take
 the places of the image's tokens in the prompt; the last few images' embeddings are kept by content hash, so a
-second question about the same picture does not run the tower again even when the prefix cache lost it.
+second question about the same picture does not run the tower again even when the prefix cache lost it. The tower
+runs one frame at a time (engine/images.py ends a prefill chunk after each frame it must embed), so no prefill
+step holds the scheduler for more than one frame's tower.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_FRAME_TOKENS = 16_384  # tokens one frame may take (Gemma 3: 256, SmolVLM: 64)
-KEPT_IMAGES = 8  # images whose embeddings stay in memory (a 256-token Gemma 3 image is 2.5 MB at hidden 2560)
+KEPT_FRAMES = 32  # frames whose embeddings stay in memory (a 256-token Gemma 3 frame is 2.5 MB at hidden 2560)
 
 
 @dataclass(frozen=True)
@@ -68,23 +70,28 @@ class VisionModel(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self._kept: OrderedDict[bytes, mx.array] = OrderedDict()
+        self._kept: OrderedDict[tuple[bytes, int], mx.array] = OrderedDict()
         self._lock = threading.Lock()
 
-    def features(self, digest: bytes, frames: np.ndarray) -> mx.array:
-        """One image's embeddings (frames, tokens_per_frame, hidden), from the last KEPT_IMAGES by content hash or
-        computed now (lazily: they are evaluated with the prefill chunk that places them)."""
+    def features(self, key: tuple[bytes, int], frame: np.ndarray) -> mx.array:
+        """One frame's embeddings (tokens_per_frame, hidden), `key` its image's content hash and its index: from
+        the last KEPT_FRAMES or computed now (lazily: evaluated with the prefill chunk that places them)."""
         with self._lock:
-            kept = self._kept.get(digest)
+            kept = self._kept.get(key)
             if kept is not None:
-                self._kept.move_to_end(digest)
+                self._kept.move_to_end(key)
                 return kept
-        out = self(mx.array(frames))
+        out = self(mx.array(frame[None]))[0]
         with self._lock:
-            self._kept[digest] = out
-            while len(self._kept) > KEPT_IMAGES:
+            self._kept[key] = out
+            while len(self._kept) > KEPT_FRAMES:
                 self._kept.popitem(last=False)
         return out
+
+    def has(self, key: tuple[bytes, int]) -> bool:
+        """Whether a frame's embeddings are kept (its tower run is done)."""
+        with self._lock:
+            return key in self._kept
 
     def activation_bytes(self, frames: int) -> int:
         """The most running `frames` frames together holds beyond the weights (the planner counts it)."""
