@@ -262,14 +262,18 @@ def test_api_key_and_listed_cors_origin():
 def test_full_queue_gets_429_with_retry_after(smol):
     models = ModelSet()
     served = models.add(smol, SchedulerConfig(max_batch=1, max_queue=1))
-    release = threading.Event()
+    holding, release = threading.Event(), threading.Event()
 
     def hold(event):  # runs on the scheduler's thread: while it waits, the only place stays taken
         if isinstance(event, Delta):
+            holding.set()
             release.wait(60)
 
     with BackgroundServer(models, ServerSettings(port=0)) as running:
         served.scheduler.submit(Job(smol.encode_prompt("Hi", chat=True), hold, max_tokens=2))
+        # Only once the held job runs is the one queue place free for the next request alone: while the held
+        # job is still in the inbox it counts as queued, and a request sent then would take the place itself.
+        assert holding.wait(60)
         with ThreadPoolExecutor(1) as pool:
             queued = pool.submit(
                 httpx.post, running.url + "/v1/chat/completions", json=good_chat(max_tokens=20), timeout=300
@@ -277,6 +281,7 @@ def test_full_queue_gets_429_with_retry_after(smol):
             deadline = time.monotonic() + 30
             while served.scheduler.queued + len(served.scheduler._inbox) < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
+            assert served.scheduler.queued + len(served.scheduler._inbox) == 1
             refused = httpx.post(running.url + "/v1/chat/completions", json=good_chat())
             release.set()
             assert refused.status_code == 429

@@ -149,10 +149,11 @@ def test_server_speculates_in_the_batch_answers_the_same_and_counts_it():
     models = ModelSet()
     served = models.add(mlxinfer.load(TARGET, speculate="lookup"), SchedulerConfig(max_batch=4))
     models.add(mlxinfer.load(TARGET), SchedulerConfig(), name="auto")
-    release = threading.Event()
+    holding, release = threading.Event(), threading.Event()
 
     def hold(event) -> None:  # on the scheduler's thread: A and B queue meanwhile, so they decode together
         if isinstance(event, Delta):
+            holding.set()
             release.wait(60)
 
     try:
@@ -160,12 +161,14 @@ def test_server_speculates_in_the_batch_answers_the_same_and_counts_it():
             url, scheduler = running.url, served.scheduler
             before = {name: metric(url, name) for name in COUNTERS}
             scheduler.submit(Job(plain.encode_prompt("hi"), hold, max_tokens=2))
+            assert holding.wait(60)  # out of the inbox: the queue count below is A and B alone
             with ThreadPoolExecutor(2) as pool:
                 a = pool.submit(streamed, url, served.id, ROW_A, TOKENS_A)
                 b = pool.submit(streamed, url, served.id, ROW_B, TOKENS_B)
                 deadline = time.monotonic() + 30
                 while len(scheduler._inbox) + scheduler.queued < 2 and time.monotonic() < deadline:
                     time.sleep(0.01)
+                assert len(scheduler._inbox) + scheduler.queued == 2
                 release.set()
                 assert (a.result(), b.result()) == (answer_a.text, answer_b.text)
             streamed(url, "auto", ROW_B, 4, temperature=0.8, seed=1)  # auto keeps a seeded sampled answer plain
