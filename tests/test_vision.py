@@ -49,8 +49,9 @@ def golden(case: str, key: str, family: str = "gemma3_vision") -> np.ndarray:
 
 
 # Each family with images, its fixture's transformers outputs: Gemma 3 (one frame an image, bidirectional within it)
-# and SmolVLM (tiles by the image's size, each a frame; causal). The same cases and images for both.
-FAMILIES = ["gemma3_vision", "smolvlm"]
+# and SmolVLM (tiles by the image's size, each a frame; causal), also under its v1 name Idefics3. The same cases and
+# images for all.
+FAMILIES = ["gemma3_vision", "smolvlm", "idefics3"]
 FAMILY_GOLDEN = {name: mx.load(str(TINY / name / "golden_image.safetensors")) for name in FAMILIES}
 
 

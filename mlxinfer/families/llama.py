@@ -2,7 +2,8 @@
 sliding_window is set): mlx-lm's llama module computes what transformers does for both; no adapter. Their GGUF
 files (llama.cpp writes both as "llama") store Q/K rows permuted, which models/gguf.py undoes.
 
-SmolVLM (SmolVLMForConditionalGeneration, model_type "smolvlm") is a llama text model with a SigLIP tower: each
+SmolVLM (SmolVLMForConditionalGeneration, model_type "smolvlm"; its v1 checkpoints are Idefics3ForConditionalGeneration,
+"idefics3", the same model and processor) is a llama text model with a SigLIP tower: each
 frame (a tile of the image, or the whole image shrunk to one tile) gives (side / patch)² patches, pixel-shuffled by
 scale_factor into fewer, wider ones and projected to the text width. Its prompt spells out the tiles (see
 `_expansion`); its attention stays causal."""
@@ -104,7 +105,7 @@ def _expansion(tokens: int) -> Callable[[Layout], str]:
 
 
 def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, source: str) -> SmolVLMVision:
-    """SmolVLMForConditionalGeneration's image half from its config.json and tensors."""
+    """SmolVLMForConditionalGeneration's (or Idefics3's) image half from its config.json and tensors."""
     tower = SiglipConfig.from_dict(raw.get("vision_config"), source)
     scale, token = raw.get("scale_factor", 2), raw.get("image_token_id")
     if not is_int(scale) or scale < 1 or tower.patches_per_side % scale:
@@ -125,4 +126,4 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
     return model
 
 
-VISION = {"smolvlm": vision}
+VISION = {"smolvlm": vision, "idefics3": vision}

@@ -60,6 +60,12 @@ _TOWER_AND_PROJECTOR = (
 )
 _QWEN_VISUAL = ("model.visual.", "visual.", "vision_tower.")
 
+_SMOLVLM = Wrapper(
+    "llama",
+    tied_by_default=False,  # SmolVLMConfig's and Idefics3Config's default
+    text_prefixes=(("model.text_model.", "model."),),
+    vision_prefixes=("model.vision_model.", "model.connector.", "vision_model.", "connector."),
+)
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": Wrapper(
         "gemma3_text",
@@ -118,12 +124,9 @@ WRAPPERS: dict[str, Wrapper] = {
             "embed_audio.",
         ),
     ),
-    "smolvlm": Wrapper(
-        "llama",
-        tied_by_default=False,  # SmolVLMConfig's default
-        text_prefixes=(("model.text_model.", "model."),),
-        vision_prefixes=("model.vision_model.", "model.connector.", "vision_model.", "connector."),
-    ),
+    "smolvlm": _SMOLVLM,
+    # Idefics3ForConditionalGeneration: SmolVLM's model under its first name (SmolVLM v1 checkpoints say it).
+    "idefics3": _SMOLVLM,
 }
 # Keys of the outer config that hold for the text model too (the loader's refusals read them there).
 _CARRIED = ("model_file", "auto_map", "quantization", "quantization_config")
