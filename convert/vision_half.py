@@ -6,8 +6,8 @@ which mlx-lm's loader reads too (it drops the image half): the text tensors unde
 half under the family's mlx-vlm names (models/vision.py `exported`), config.json the wrapper's with the converted
 text config nested and the quantization block's per-layer entries named by those paths; the image processor's
 files are copied. Only where mlxinfer reads the family's images (a VISION builder, preprocessor_config.json in the
-folder) and mlx-lm reads the wrapper's layout (Gemma 3; not SmolVLM, which mlx-lm has no module for); any other
-vision-language source converts to its text model alone, as before.
+folder) and mlx-lm reads the wrapper's layout (Gemma 3, Mistral 3; not SmolVLM, which mlx-lm has no module for);
+any other vision-language source converts to its text model alone, as before.
 """
 
 from __future__ import annotations

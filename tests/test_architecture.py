@@ -73,8 +73,9 @@ ROOMS = (
 )
 FORBIDDEN.update({leaf: ROOMS - {leaf, "errors"} for leaf in LEAVES})
 # A family file builds on the shared decoder and readers only; models/registry.py finds it by its model_type
-# (importlib, by name), so no room imports families statically and no circle forms.
-FORBIDDEN["families"] = ROOMS - {"families", "models", "formats", "errors", "untrusted"}
+# (importlib, by name), so no room imports families statically and no circle forms. A vision-language family also
+# reads its image processor (vision/, which knows no model).
+FORBIDDEN["families"] = ROOMS - {"families", "models", "formats", "errors", "untrusted", "vision"}
 
 
 PACKAGES = {"mlxinfer": ROOT / "mlxinfer", "mlxinfer.convert": ROOT / "convert", "mlxinfer.quantize": ROOT / "quantize"}

@@ -16,12 +16,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from PIL import Image
+from safetensors import safe_open
 
 import mlxinfer
 from mlxinfer.cache import make_cache
 from mlxinfer.engine import Prefill, encode_chat
 from mlxinfer.errors import ImageError
-from mlxinfer.vision import Limits, processor_from_folder, read_image, read_images
+from mlxinfer.vision import Layout, Limits, processor_from_folder, read_image, read_images
 from tests.conftest import TINY
 
 MODEL = TINY / "gemma3_vision"
@@ -49,9 +50,9 @@ def golden(case: str, key: str, family: str = "gemma3_vision") -> np.ndarray:
 
 
 # Each family with images, its fixture's transformers outputs: Gemma 3 (one frame an image, bidirectional within it)
-# and SmolVLM (tiles by the image's size, each a frame; causal), also under its v1 name Idefics3. The same cases and
-# images for all.
-FAMILIES = ["gemma3_vision", "smolvlm", "idefics3"]
+# SmolVLM (tiles by the image's size, each a frame; causal), also under its v1 name Idefics3, and Mistral 3 (one
+# frame an image, in its own shape; a run of tokens a row). The same cases and images for all.
+FAMILIES = ["gemma3_vision", "smolvlm", "idefics3", "mistral3"]
 FAMILY_GOLDEN = {name: mx.load(str(TINY / name / "golden_image.safetensors")) for name in FAMILIES}
 
 
@@ -69,10 +70,17 @@ def gemma() -> mlxinfer.Model:
 @pytest.mark.parametrize("case", CASES)
 def test_pixel_values_match_transformers(name, case):
     # SmolVLM: the portrait and the tiny RGBA PNG are 2 x 2 tiles and the whole (5 frames), the wide one 1 x 2 (3).
-    processor = processor_from_folder(TINY / name)
+    # Mistral 3: each image keeps its shape (64 x 56, 32 x 64, 16 x 24); transformers pads them to one batch.
+    model = mlxinfer.load(TINY / name, prefix_cache_bytes=0)
     files = [p["image"] for p in CASES[case] if p["type"] == "image"]
-    ours = np.concatenate([processor.frames(read_image(IMAGES / f)) for f in files])
-    np.testing.assert_allclose(ours, golden(case, "pixel_values", name), atol=1e-6)
+    expected, at = golden(case, "pixel_values", name), 0
+    for file in files:
+        ours = model.vision.processor.frames(read_image(IMAGES / file))
+        frames, _, height, width = ours.shape
+        np.testing.assert_allclose(ours, expected[at : at + frames, :, :height, :width], atol=1e-6)
+        assert not expected[at : at + frames, :, height:].any() and not expected[at : at + frames, ..., width:].any()
+        at += frames
+    assert at == len(expected)
 
 
 @pytest.mark.parametrize(("case", "chunk"), [("portrait", 64), ("two", 64), ("two", 3)])
@@ -492,6 +500,26 @@ def test_a_quantized_vision_conversion_runs_its_text_in_mlx_lm_and_its_images_he
     np.testing.assert_array_equal(np.array(ours.vision(frames)), np.array(mlxinfer.load(MODEL).vision(frames)))
 
 
+@pytest.mark.slow
+def test_a_converted_mistral3_keeps_its_pixtral_tower_and_mlx_lm_runs_its_text(tmp_path):
+    from mlxinfer.convert import convert
+
+    from tests.test_mlx_lm_roundtrip import mlx_lm_greedy
+
+    source, out = TINY / "mistral3", tmp_path / "8bit"
+    convert(source, out, bits=8, dtype="float32", evaluate=False, progress=False)
+    ours = mlxinfer.load(out)
+    ids = ours.tokenizer.encode("Who wrote the first compiler? She")
+    assert mlx_lm_greedy(out, ids, 8) == ours.generate(ids, max_tokens=8).token_ids
+    assert type(ours._loaded.model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    layer = ours.vision.vision_tower.transformer.layers[0]
+    assert type(layer.feed_forward.gate_proj).__name__ == "Linear"  # the tower in float, in mlx-vlm's names:
+    with safe_open(str(out / "model-00001-of-00001.safetensors"), "numpy") as stored:
+        assert "vision_tower.vision_model.transformer.layers.0.feed_forward.gate_proj.weight" in stored.keys()
+    frames = mx.array(ours.vision.processor.frames(read_image(IMAGES / "hopper_wide.png")))
+    np.testing.assert_array_equal(np.array(ours.vision(frames)), np.array(mlxinfer.load(source).vision(frames)))
+
+
 # ---- images by address (mlxinfer serve --image-urls) and by path (the user's own front ends) ----
 
 
@@ -587,9 +615,39 @@ def test_configs_cannot_make_an_image_expand_without_bound():
     raw = {"size": {"longest_edge": 9 * 32}, "max_image_size": {"longest_edge": 32}}
     with pytest.raises(ConfigError, match="more than 8 tiles a side"):
         _split_processor(raw, "preprocessor_config.json")
-    assert _split_processor({**raw, "size": {"longest_edge": 8 * 32}}, "p").layout(10_000, 10_000) == (8, 8)
+    assert _split_processor({**raw, "size": {"longest_edge": 8 * 32}}, "p").layout(10_000, 10_000) == Layout(8, 8)
     with pytest.raises(ConfigError, match="an image frame of 16385 tokens"):
         ImageFormat("<image>", 1, 16_385, False, lambda layout: "")
+
+
+def test_mistral3_configs_cannot_make_an_image_expand_without_bound():
+    # Mistral 3 sizes a frame by the image: its config's largest image bounds the tokens, and the processor may not
+    # resize past it. The tiny fixture: 4-pixel patches merged 2 x 2, image_size 64: at most 8 x 8 tokens.
+    import json
+
+    from mlxinfer.errors import ConfigError
+    from mlxinfer.families.llama import mistral3_vision
+    from mlxinfer.vision.preprocess import PatchProcessor
+
+    raw = json.loads((TINY / "mistral3" / "config.json").read_text())
+    model = mlxinfer.load(TINY / "mistral3").vision
+    assert model.processor.layout(10_000, 50).grid == (1, 8) and model.format.tokens_per_frame == 64
+    with pytest.raises(ConfigError, match="gives images of up to 81 tokens; .* allows 64"):
+        model.fitted(PatchProcessor(72, 4))
+    too_large = {**raw, "vision_config": {**raw["vision_config"], "image_size": 4096, "patch_size": 4}}
+    with pytest.raises(ConfigError, match="an image frame of 262144 tokens"):
+        mistral3_vision(too_large, {}, mx.float32, "config.json")
+
+
+def test_a_large_pixtral_image_attends_in_blocks_of_queries_as_at_once(monkeypatch):
+    # A 1540-pixel image is 12,100 patches: their scores are computed a block of queries at a time.
+    from mlxinfer.models import pixtral
+
+    vision = mlxinfer.load(TINY / "mistral3").vision
+    pixels = mx.array(vision.processor.frames(read_image(IMAGES / "hopper.jpg")))  # 16 x 14 patches
+    whole = vision(pixels)
+    monkeypatch.setattr(pixtral, "QUERY_BLOCK", 7)
+    np.testing.assert_allclose(np.array(vision(pixels)), np.array(whole), atol=1e-5)
 
 
 @pytest.mark.slow

@@ -115,8 +115,8 @@ def _placed(ids: Sequence[int], opened: list[Opened], vision: VisionModel, conte
             "send fewer images or a shorter prompt"
         )
     layouts = [vision.processor.layout(*image.size) for image in opened]
-    PromptImages.check_runs(ids, [layout.frames for layout in layouts], vision.format)  # before any pixel is read
-    return PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], vision)
+    PromptImages.check_runs(ids, layouts, vision.format)  # before any pixel is read
+    return PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], layouts, vision)
 
 
 def _requested(sources: list[tuple[str, Any]], allowed: RequestSources, limits: Limits) -> list[tuple[str, Any]]:

@@ -8,8 +8,8 @@ KV (and everything before the question) is reused, in memory and on disk alike.
 
 A prefill chunk never cuts an image's frame (its tokens may attend to each other both ways, so they run together),
 never snapshots inside one, and never resumes inside one. An image cut into tiles (SmolVLM) is a run of tokens per
-tile; a chunk ends after the first frame whose embeddings must be computed, so each prefill step runs the tower
-over one frame at most.
+tile; Pixtral's frame is a run a row of tokens, each ended by an [IMG_BREAK] that stays text. A chunk ends after the
+first frame whose embeddings must be computed, so each prefill step runs the tower over one frame at most.
 """
 
 from __future__ import annotations
@@ -23,34 +23,37 @@ import numpy as np
 
 from ..errors import ImageError
 from ..models.vision import ImageFormat, VisionModel
-from ..vision import digest
+from ..vision import Layout, digest
 
 _KEYS = (1 << 31) - 1  # keys are -1 .. -(2**31 - 1): int32, as prefix files store token ids
 
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """One frame (tile) of an image in a prompt: its first token's position, its token count, which image and frame
-    it is, and the image's content hash."""
+    """One frame (tile) of an image in a prompt: the runs of its image tokens, (start, length) each (one run, unless
+    markers part its rows as Pixtral's [IMG_BREAK] do), which image and frame it is, and the image's content hash."""
 
-    start: int
-    length: int
+    runs: tuple[tuple[int, int], ...]
     image: int
     frame: int
     digest: bytes
 
     @property
+    def start(self) -> int:
+        return self.runs[0][0]
+
+    @property
     def end(self) -> int:
-        return self.start + self.length
+        return self.runs[-1][0] + self.runs[-1][1]
 
     def keys(self) -> list[int]:
-        """What the prefix cache calls this frame's tokens."""
-        return [-1 - _key(self.digest, self.frame, i) for i in range(self.length)]
+        """What the prefix cache calls this frame's image tokens, in order."""
+        return [-1 - _key(self.digest, self.frame, i) for i in range(sum(n for _, n in self.runs))]
 
 
 @dataclass(frozen=True)
 class PromptImages:
-    """The images of one prompt (a run of tokens per frame of each) and the vision model that embeds them."""
+    """The images of one prompt (runs of tokens per frame of each) and the vision model that embeds them."""
 
     spans: tuple[ImageSpan, ...]
     frames: tuple[np.ndarray, ...]  # each image's pixel_values, (frames, 3, H, W) float32
@@ -58,27 +61,30 @@ class PromptImages:
     vision: VisionModel
 
     @staticmethod
-    def check_runs(ids: Sequence[int], frames: Sequence[int], fmt: ImageFormat) -> list[tuple[int, int]]:
-        """(start, length) of each frame's tokens in `ids`, for images of `frames` frames each; ImageError unless
-        there is exactly one run of tokens_per_frame image tokens per frame."""
+    def check_runs(ids: Sequence[int], layouts: Sequence[Layout], fmt: ImageFormat) -> list[list[tuple[int, int]]]:
+        """Each frame's runs of image tokens in `ids` ((start, length) each), frames in order, for images cut as
+        `layouts`; ImageError unless the runs are exactly those the images need."""
+        needed = [frame for layout in layouts for frame in fmt.runs(layout)]
         runs = _runs(ids, fmt.image_token_id)
-        if len(runs) != sum(frames) or any(length != fmt.tokens_per_frame for _, length in runs):
+        if [n for _, n in runs] != [n for frame in needed for n in frame]:
             raise ImageError(
-                f"the prompt places {len(runs)} image frames ({sum(n for _, n in runs)} image tokens) but the "
-                f"{len(frames)} images given need {sum(frames)} of {fmt.tokens_per_frame} tokens each; put one "
+                f"the prompt places {sum(n for _, n in runs)} image tokens in {len(runs)} runs but the "
+                f"{len(layouts)} images given need {sum(map(sum, needed))} in {sum(map(len, needed))}; put one "
                 f"{fmt.placeholder} per image"
             )
-        return runs
+        found = iter(runs)
+        return [[next(found) for _ in frame] for frame in needed]
 
     @classmethod
-    def locate(cls, ids: Sequence[int], images: Sequence[np.ndarray], vision: VisionModel) -> PromptImages:
-        """The images (each's pixel_values, (frames, 3, H, W)) at their frames' runs in `ids`, in order."""
-        runs = iter(cls.check_runs(ids, [len(f) for f in images], vision.format))
+    def locate(cls, ids: Sequence[int], images: Sequence[np.ndarray], layouts: Sequence[Layout],
+               vision: VisionModel) -> PromptImages:  # fmt: skip
+        """The images (each's pixel_values, (frames, 3, H, W), cut as its layout) at their frames' runs in `ids`."""
+        frames = iter(cls.check_runs(ids, layouts, vision.format))
         digests = tuple(digest(f) for f in images)
         spans = tuple(
-            ImageSpan(*next(runs), image, frame, digests[image])
-            for image, frames in enumerate(images)
-            for frame in range(len(frames))
+            ImageSpan(tuple(next(frames)), image, frame, digests[image])
+            for image, pixels in enumerate(images)
+            for frame in range(len(pixels))
         )
         return cls(spans, tuple(images), digests, vision)
 
@@ -92,7 +98,9 @@ class PromptImages:
         """`ids` as the prefix cache keys them: each image's tokens by the image's content."""
         out = list(ids)
         for span in self.spans:
-            out[span.start : span.end] = span.keys()
+            keys = iter(span.keys())
+            for start, length in span.runs:
+                out[start : start + length] = [next(keys) for _ in range(length)]
         return out
 
     def inside(self, position: int) -> bool:
@@ -112,9 +120,12 @@ class PromptImages:
         spans = [s for s in self.spans if start <= s.start and s.end <= end]
         if not spans:
             return None
-        features = [
-            (s.start - start, self.vision.features(_frame_key(s), self.frames[s.image][s.frame])) for s in spans
-        ]
+        features = []
+        for s in spans:
+            rows, at = self.vision.features(_frame_key(s), self.frames[s.image][s.frame]), 0
+            for run_start, length in s.runs:
+                features.append((run_start - start, rows[at : at + length]))
+                at += length
         blocks = [(s.start, s.end) for s in spans] if self.vision.format.bidirectional else []
         return Placed(features, blocks)
 

@@ -25,7 +25,8 @@ from ..models.gguf_arch import GGUFArch, Meta
 from ..models.mlx_lm_modules import model_module
 from ..models.multimodal import text_config
 from ..models.registry import GEMMA, ArchSpec
-from ..models.siglip import SiglipConfig, SiglipVisionTower, renamed
+from ..models.siglip import SiglipConfig, SiglipVisionTower
+from ..models.tower_weights import renamed
 from ..models.vision import ImageFormat, VisionModel, load_checked
 from ..untrusted import is_int, shown
 
@@ -213,7 +214,7 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
     model = Gemma3Vision(tower, text_config(raw, source)["hidden_size"], image_format)
     load_checked(
         model,
-        renamed(weights, PREFIXES, "vision_tower."),
+        renamed(weights, PREFIXES, "vision_tower.embeddings.patch_embedding.weight"),
         dtype,
         source,
         (raw.get("quantization") or {}).get("mode", "affine"),

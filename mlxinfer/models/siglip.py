@@ -14,6 +14,7 @@ import mlx.nn as nn
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..untrusted import shown
+from .tower_weights import bounded_int
 
 ACTIVATIONS = {"gelu_pytorch_tanh": nn.gelu_approx, "gelu": nn.gelu}
 MAX_SIDE = 4096  # pixels: real towers read 224-896
@@ -40,7 +41,7 @@ class SiglipConfig:
             raise ConfigError(f"{source}: vision_config must be an object, got {shown(raw)}")
         sizes = {"hidden_size": MAX_WIDTH, "intermediate_size": MAX_WIDTH, "num_hidden_layers": MAX_LAYERS,
                  "num_attention_heads": 256, "image_size": MAX_SIDE, "patch_size": MAX_SIDE}  # fmt: skip
-        values = {key: _bounded(raw.get(key), high, f"{source}: vision_config.{key}") for key, high in sizes.items()}
+        values = {key: bounded_int(raw.get(key), high, f"{source}: vision_config.{key}") for key, high in sizes.items()}
         config = cls(**values, layer_norm_eps=float(raw.get("layer_norm_eps", 1e-6)),
                      hidden_act=raw.get("hidden_act", "gelu_pytorch_tanh"))  # fmt: skip
         if raw.get("num_channels", 3) != 3:
@@ -147,33 +148,3 @@ class SiglipVisionTower(nn.Module):
         for layer in self.encoder.layers:
             h = layer(h)
         return self.post_layernorm(h)
-
-
-def tower_weights(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """A tower's tensors as this module names them: PyTorch's convolution (out, in, kh, kw) turned channels last;
-    one already channels last (an MLX port's) is left as it is."""
-    out = dict(weights)
-    name = "embeddings.patch_embedding.weight"
-    conv = out.get(name)
-    if conv is not None and conv.ndim == 4 and conv.shape[1] == 3 and conv.shape[3] != 3:
-        out[name] = conv.transpose(0, 2, 3, 1)
-    return out
-
-
-def renamed(weights: dict[str, mx.array], prefixes: dict[str, str], tower: str) -> dict[str, mx.array]:
-    """A vision half's stored tensors under its module's names: each name's first matching prefix (longest first)
-    replaced by its value, then those under `tower` (the SigLIP tower's) in this module's layout (tower_weights)."""
-    out = {}
-    for name, value in weights.items():
-        prefix = next((p for p in prefixes if name.startswith(p)), "")
-        out[prefixes.get(prefix, "") + name[len(prefix) :]] = value
-    inside = {k.removeprefix(tower): v for k, v in out.items() if k.startswith(tower)}
-    return {k: v for k, v in out.items() if not k.startswith(tower)} | {
-        tower + k: v for k, v in tower_weights(inside).items()
-    }
-
-
-def _bounded(value: Any, high: int, where: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
-        raise ConfigError(f"{where} must be an integer in [1, {high}], got {shown(value)}")
-    return value

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_FRAME_TOKENS = 16_384  # tokens one frame may take (Gemma 3: 256, SmolVLM: 64)
+MAX_FRAME_TOKENS = 16_384  # tokens one frame may take (Gemma 3: 256, SmolVLM: 64, Mistral 3: up to 3,025)
 KEPT_FRAMES = 32  # frames whose embeddings stay in memory (a 256-token Gemma 3 frame is 2.5 MB at hidden 2560)
 
 
@@ -50,6 +50,15 @@ class ImageFormat:
     # The text each placeholder becomes before tokenizing, for an image cut into Layout (rows, cols): the image
     # tokens and their markers (Gemma3Processor's full_image_sequence, SmolVLM's get_image_prompt_string).
     expansion: Callable[[Layout], str]
+    # Where an image's frame is not one run of image tokens (Pixtral ends each row of tokens with [IMG_BREAK]): the
+    # lengths of the runs of its one frame, for its Layout. None: every frame is one run of tokens_per_frame.
+    frame_runs: Callable[[Layout], tuple[int, ...]] | None = None
+
+    def runs(self, layout: Layout) -> list[tuple[int, ...]]:
+        """The run lengths of each frame of an image cut as `layout`."""
+        if self.frame_runs is not None:
+            return [self.frame_runs(layout)]
+        return [(self.tokens_per_frame,)] * layout.frames
 
     def __post_init__(self) -> None:
         # Bounds the prompt text an image expands to before any context check can (a config states it).
@@ -87,6 +96,10 @@ class VisionModel(nn.Module):
             while len(self._kept) > KEPT_FRAMES:
                 self._kept.popitem(last=False)
         return out
+
+    def fitted(self, processor: Processor) -> Processor:
+        """The folder's image processor as this model reads images (Mistral 3 sizes them by merged patches)."""
+        return processor
 
     def has(self, key: tuple[bytes, int]) -> bool:
         """Whether a frame's embeddings are kept (its tower run is done)."""
@@ -145,7 +158,7 @@ def build_vision(checkpoint: Checkpoint, dtype: mx.Dtype, source: str) -> Vision
         log.warning("%s: %s is missing, so images cannot be read", shown_path(checkpoint.folder), PREPROCESSOR_FILE)
         return None
     model = build(checkpoint.config, load_tensors(replace(checkpoint, stored_names=names)), dtype, source)
-    model.processor = processor_from_folder(checkpoint.folder)
+    model.processor = model.fitted(processor_from_folder(checkpoint.folder))
     return model
 
 

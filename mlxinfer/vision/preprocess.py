@@ -24,10 +24,12 @@ RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5
 
 
 class Layout(NamedTuple):
-    """How an image is cut: `rows` x `cols` tiles and the whole image after them, or (0, 0): the whole image alone."""
+    """How an image is cut: `rows` x `cols` tiles and the whole image after them, or (0, 0): the whole image alone.
+    `grid`: where the processor sizes the image by its content (Pixtral), the one frame's (rows, cols) of tokens."""
 
     rows: int = 0
     cols: int = 0
+    grid: tuple[int, int] | None = None
 
     @property
     def frames(self) -> int:
@@ -125,7 +127,7 @@ class SplitProcessor:
             return self.normalized(whole)[None]
         image = _resized(rgb, *self._scaled(rgb.shape[1], rgb.shape[0]), self.resample)
         image = _resized(image, *self._tiled(image.shape[1], image.shape[0]), self.resample)
-        rows, cols = self.layout(rgb.shape[1], rgb.shape[0])
+        rows, cols, _ = self.layout(rgb.shape[1], rgb.shape[0])
         t = self.tile
         tiles = [image[r * t : (r + 1) * t, c * t : (c + 1) * t] for r in range(rows) for c in range(cols)]
         if tiles:
@@ -163,6 +165,40 @@ class SplitProcessor:
         return width, height
 
 
+@dataclass(frozen=True)
+class PatchProcessor:
+    """Pixtral (Mistral 3): one frame per image, at most `longest_edge` a side, each side rounded up to whole `patch`es
+    (the tower's patch times the patches merged into one token: each is a token) and the image stretched to it."""
+
+    longest_edge: int
+    patch: int
+    resample: int = 3
+    normalized: Normalization = Normalization()
+
+    def layout(self, width: int, height: int) -> Layout:
+        """The frame's token grid for an image of this size (its header's), before any pixel is read."""
+        width, height = self._sized(width, height)
+        return Layout(grid=(height // self.patch, width // self.patch))
+
+    def frames(self, rgb: np.ndarray) -> np.ndarray:
+        """float32 (1, 3, height, width), both sides whole patches."""
+        image = _resized(rgb, *self._sized(rgb.shape[1], rgb.shape[0]), self.resample)
+        return self.normalized(image)[None]
+
+    def _sized(self, width: int, height: int) -> tuple[int, int]:
+        """transformers' get_resize_output_image_size (Pixtral): shrunk (floored) to fit `longest_edge`, then each
+        side rounded up to whole patches."""
+        ratio = max(height / self.longest_edge, width / self.longest_edge)
+        if ratio > 1:
+            height, width = max(int(math.floor(height / ratio)), 1), max(int(math.floor(width / ratio)), 1)
+        return math.ceil(width / self.patch) * self.patch, math.ceil(height / self.patch) * self.patch
+
+    @property
+    def most_tokens(self) -> int:
+        """The largest frame's tokens (a square image at longest_edge)."""
+        return math.ceil(self.longest_edge / self.patch) ** 2
+
+
 def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
     """Pillow's resize of 8-bit RGB, as transformers' PIL processors do it (each step back to 8 bits)."""
     from PIL import Image
@@ -172,7 +208,7 @@ def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndar
     return np.asarray(Image.fromarray(rgb, "RGB").resize((width, height), resample=Image.Resampling(resample)))
 
 
-Processor = ImageProcessor | SplitProcessor
+Processor = ImageProcessor | SplitProcessor | PatchProcessor
 
 
 def processor_from_folder(folder: Path) -> Processor:
@@ -181,8 +217,11 @@ def processor_from_folder(folder: Path) -> Processor:
     if not path.is_file():
         raise ConfigError(f"{folder}: {PREPROCESSOR_FILE} is missing; a vision model needs its image processor")
     raw = read_json_object(path, ConfigError)
-    if raw.get("image_processor_type") in SPLITTING:
+    kind = raw.get("image_processor_type")
+    if kind in SPLITTING:
         return _split_processor(raw, str(path))
+    if kind in ("PixtralImageProcessor", "PixtralImageProcessorFast"):
+        return _patch_processor(raw, str(path))
     return ImageProcessor.from_config(raw, str(path))
 
 
@@ -205,6 +244,23 @@ def _split_processor(raw: dict[str, Any], source: str) -> SplitProcessor:
         raise ConfigError(f"{source}: size.longest_edge {longest} asks for more than {MAX_TILES} tiles a side")
     split = raw.get("do_image_splitting", True)
     return SplitProcessor(longest, side, fixed.resample, fixed.normalized, bool(split))
+
+
+def _patch_processor(raw: dict[str, Any], source: str) -> PatchProcessor:
+    """PixtralImageProcessor's settings. Its `patch_size` is the tower's; the model multiplies it by the patches it
+    merges into a token (models/vision.VisionModel.fitted), as PixtralProcessor does."""
+    size, patch = raw.get("size", {"longest_edge": 1024}), raw.get("patch_size", {"height": 16, "width": 16})
+    if not isinstance(size, dict) or "longest_edge" not in size:
+        raise UnsupportedModelError(f"{source}: size must be {{longest_edge}}, got {shown(size)}")
+    if isinstance(patch, dict) and patch.get("height") == patch.get("width"):
+        patch = patch.get("height")
+    longest, side = _side(size["longest_edge"], f"{source}: size.longest_edge"), _side(patch, f"{source}: patch_size")
+    defaults = {"resample": 3, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)}  # PixtralImageProcessor's
+    fixed = ImageProcessor.from_config({**defaults, **raw, "size": {"height": side, "width": side}}, source)
+    return PatchProcessor(longest, side, fixed.resample, fixed.normalized)
+
+
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
 
 def digest(pixels: np.ndarray) -> bytes:
