@@ -204,7 +204,7 @@ def vision_page_server():
 
 
 @pytest.mark.slow
-def test_an_attached_and_a_dropped_image_are_previewed_and_asked_about(vision_page_server, browser):
+def test_an_attached_and_a_dropped_image_are_previewed_and_asked_about(vision_page_server, browser, tmp_path):
     import mlx.core as mx
     from selenium.webdriver.common.by import By
 
@@ -249,6 +249,27 @@ def test_an_attached_and_a_dropped_image_are_previewed_and_asked_about(vision_pa
         base64_png(),
     )
     wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#attachments img")) == 2, timeout=30)
+    # A phone-sized photo (3000 x 2250, 7 MB: its data: URL alone would pass the server's 4 MiB body) is sent as a
+    # 2048-pixel JPEG, and the message with all three images is answered.
+    import numpy as np
+    from PIL import Image
+
+    photo = tmp_path / "photo.jpg"
+    noise = np.random.default_rng(0).integers(0, 256, (2250, 3000, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(photo, quality=95)
+    assert photo.stat().st_size > 4 << 20
+    browser.execute_script("document.getElementById('image-file').hidden = false")
+    browser.find_element(By.ID, "image-file").send_keys(str(photo))
+    browser.execute_script("document.getElementById('image-file').hidden = true")
+    wait_for(lambda: len(browser.find_elements(By.CSS_SELECTOR, "#attachments img")) == 3, timeout=30)
+    sent = browser.execute_script("return attached.map((url) => [url.slice(0, 15), url.length])")
+    assert sent[:2] == [["data:image/png;", len(base64_png()) + 22]] * 2  # small ones go as they are
+    assert sent[2][0] == "data:image/jpeg" and sent[2][1] < 4 << 20
+    third = browser.find_elements(By.CSS_SELECTOR, "#attachments img")[2]
+    assert wait_for(lambda: browser.execute_script("return arguments[0].naturalWidth", third)) == 2048
+    send(browser, "And these?")
+    wait_for(lambda: len([a for a in answers(browser) if a.get_attribute("data-done")]) == 2)
+    assert not browser.find_element(By.ID, "status").text.strip()
 
 
 def mlxinfer_tokenizer():

@@ -436,7 +436,8 @@ def test_serve_refuses_a_taken_port_before_loading(held_port):
 
 @pytest.mark.slow
 def test_serve_says_serving_with_the_real_port_once_it_answers():
-    command = [sys.executable, "-m", "mlxinfer.cli", "serve", str(TINY / "llama_classic"), "--port", "0"]
+    command = [sys.executable, "-m", "mlxinfer.cli", "serve", str(TINY / "llama_classic"), "--port", "0",
+               "--max-body-mb", "1"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -446,6 +447,11 @@ def test_serve_says_serving_with_the_real_port_once_it_answers():
         port = int(found.group(1))
         assert port != 0
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200  # no retry: it is ready
+        large = good_chat(messages=[{"role": "user", "content": "x" * (3 << 19)}])  # 1.5 MiB
+        refused = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=large, timeout=30)
+        assert refused.status_code == 413
+        assert refused.json()["error"]["message"].endswith("(1 MiB); send smaller images, or start the server with "
+                                                           "a larger --max-body-mb")  # fmt: skip
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:

@@ -13,6 +13,13 @@ from ..defaults import DEFAULT_MAX_TOKENS
 from ..engine import MODES, SamplingParams, check_max_tokens, check_startup_mode, check_stops
 from ..errors import SamplingError
 
+dtype_option = click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default=None,
+    help="Compute dtype (default: float32 on CPU, half precision on Apple GPUs).",
+)
+
 
 def speculation_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--speculate and --draft-model, shared by generate, chat and serve."""
@@ -47,8 +54,7 @@ def generation_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--seed", type=int, default=None, help="Same seed, same text."),
         click.option("--stop", multiple=True, help="Stop when this string appears (repeatable)."),
         click.option("--system", default=None, help="System message for chat prompts."),
-        click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
-                     help="Compute dtype (default: float32 on CPU, half precision on Apple GPUs)."),
+        dtype_option,
         click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None,
                      help="Store the KV cache quantized (less memory per token, slightly lower quality)."),
         speculation_options,

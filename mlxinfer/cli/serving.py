@@ -19,7 +19,7 @@ from ..errors import ServerConfigError
 from ..library import record_use
 from ..local_server import find_server, new_token, publish, server_identity, withdraw
 from .common import errors_as_one_line, load_model, recorded_load
-from .options import speculation_options
+from .options import dtype_option, speculation_options
 
 
 @click.command()
@@ -70,7 +70,14 @@ from .options import speculation_options
     help="Open HTTP connections; past it the longest-idle one is closed (or 503).",
 )
 @click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None, help="Store KV caches quantized.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@dtype_option
+@click.option(
+    "--max-body-mb",
+    type=click.IntRange(1, 1024),
+    default=4,
+    show_default=True,
+    help="Largest request body in MiB. Images come as base64 data: URLs, a third larger than the file.",
+)
 @click.option(
     "--keep-alive",
     envvar="MLXINFER_KEEP_ALIVE",
@@ -134,6 +141,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         cors_origins=o["cors_origin"],
         request_timeout_s=o["request_timeout"],
         max_connections=o["max_connections"],
+        max_body_bytes=o["max_body_mb"] << 20,
         scheduler=SchedulerConfig(max_batch=o["max_batch"], max_queue=o["max_queue"], prefill_chunk=o["prefill_chunk"]),
         speculate=o["speculate"],
         draft_model=o["draft_model"],

@@ -264,7 +264,13 @@ async def read_body(request: Request, settings: ServerSettings) -> bytes:
 
 def _too_large(limit: int) -> APIError:
     # The unread rest of the body would otherwise be taken for the next request: close the connection.
-    return APIError(413, f"the request body is larger than {limit} bytes", code="body_too_large", close=True)
+    return APIError(
+        413,
+        f"the request body is larger than {limit} bytes ({limit / 2**20:g} MiB); send smaller images, or start the "
+        "server with a larger --max-body-mb",
+        code="body_too_large",
+        close=True,
+    )
 
 
 async def _receive_by(request: Request, deadline: float, timeout_s: float) -> dict[str, Any]:

@@ -4,6 +4,11 @@
 const $ = (id) => document.getElementById(id);
 const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif", "image/bmp"]; // what the server reads
 const MAX_IMAGE_BYTES = 32 * 2 ** 20; // the server's limit per image
+// A photo larger than this (a side, or a file) is drawn smaller and sent as JPEG: every model here reads images at
+// most 2048 pixels a side (Gemma 3: 896, Mistral 3: 1540), and a phone photo's data: URL alone would pass the
+// server's 4 MiB request body (the conversation sends its images again with each message).
+const MAX_SIDE = 2048;
+const KEEP_BYTES = 2 ** 20;
 let history = [];
 let attached = []; // data: URLs of the images the next message carries
 let modelId = null;
@@ -127,12 +132,34 @@ function attach(files) {
       continue;
     }
     const reader = new FileReader();
-    reader.onload = () => {
-      attached.push(reader.result);
+    reader.onload = async () => {
+      attached.push(await fitted(reader.result, file.size));
       showAttached();
     };
     reader.readAsDataURL(file);
   }
+}
+
+// The image as sent: as it is when small, else at most MAX_SIDE a side as a JPEG, transparency on white (as the
+// server composites it). One the browser cannot draw goes as it is, for the server to name what is wrong with it.
+function fitted(url, bytes) {
+  return new Promise((resolve) => {
+    const img = new Image();
+    img.onload = () => {
+      const scale = Math.min(1, MAX_SIDE / Math.max(img.naturalWidth, img.naturalHeight));
+      if (scale === 1 && bytes <= KEEP_BYTES) return resolve(url);
+      const canvas = document.createElement("canvas");
+      canvas.width = Math.max(1, Math.round(img.naturalWidth * scale));
+      canvas.height = Math.max(1, Math.round(img.naturalHeight * scale));
+      const context = canvas.getContext("2d");
+      context.fillStyle = "#fff";
+      context.fillRect(0, 0, canvas.width, canvas.height);
+      context.drawImage(img, 0, 0, canvas.width, canvas.height);
+      resolve(canvas.toDataURL("image/jpeg", 0.92));
+    };
+    img.onerror = () => resolve(url);
+    img.src = url;
+  });
 }
 
 function showAttached() {
