@@ -6,7 +6,7 @@ which mlx-lm's loader reads too (it drops the image half): the text tensors unde
 half under the family's mlx-vlm names (models/vision.py `exported`), config.json the wrapper's with the converted
 text config nested and the quantization block's per-layer entries named by those paths; the image processor's
 files are copied. Only where mlxinfer reads the family's images (a VISION builder, preprocessor_config.json in the
-folder) and mlx-lm reads the wrapper's layout (Gemma 3, Mistral 3; not SmolVLM, which mlx-lm has no module for);
+folder) and mlx-lm reads the wrapper's layout (Gemma 3 and 4, Mistral 3; not SmolVLM, which mlx-lm has no module for);
 any other vision-language source converts to its text model alone, as before.
 """
 
@@ -74,6 +74,8 @@ def wrapped(source: Any, text: dict[str, Any]) -> dict[str, Any]:
         out["text_config"]["mm_tokens_per_image"] = vision.config["mm_tokens_per_image"]
     if "vocab_size" in text:  # mlx-lm's gemma3 reads it here (its default is Gemma 3's 262,208)
         out["vocab_size"] = text["vocab_size"]
+    if out.get("audio_config") is not None:  # Gemma 4's audio half is never written: the output has none
+        out["audio_config"] = None
     out["torch_dtype"] = text.get("torch_dtype")
     if "quantization" in text:
         block = {(k if k in _QUANTIZATION_KEYS else TEXT_PREFIX + k): v for k, v in text["quantization"].items()}

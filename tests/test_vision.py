@@ -52,7 +52,7 @@ def golden(case: str, key: str, family: str = "gemma3_vision") -> np.ndarray:
 # Each family with images, its fixture's transformers outputs: Gemma 3 (one frame an image, bidirectional within it)
 # SmolVLM (tiles by the image's size, each a frame; causal), also under its v1 name Idefics3, and Mistral 3 (one
 # frame an image, in its own shape; a run of tokens a row). The same cases and images for all.
-FAMILIES = ["gemma3_vision", "smolvlm", "idefics3", "mistral3"]
+FAMILIES = ["gemma3_vision", "smolvlm", "idefics3", "mistral3", "gemma4_vision"]
 FAMILY_GOLDEN = {name: mx.load(str(TINY / name / "golden_image.safetensors")) for name in FAMILIES}
 
 
@@ -96,7 +96,9 @@ def test_logits_of_every_position_match_transformers(family, case, chunk):
     while not run.finished:
         hidden.append(run.step())
     logits = np.array(decoder.head(mx.concatenate(hidden, axis=1))[0])
-    np.testing.assert_allclose(logits, golden(case, "logits", name), atol=1e-4)
+    # The text tests' bound (test_parity.py). Gemma 4's tower agrees with transformers' to 1e-5, which its tiny
+    # random text model turns into up to 2e-4 at the logits; given transformers' image features it agrees to 3e-5.
+    np.testing.assert_allclose(logits, golden(case, "logits", name), atol=1e-3)
 
 
 def test_a_prefill_step_runs_the_tower_over_one_frame_at_most():
@@ -501,21 +503,24 @@ def test_a_quantized_vision_conversion_runs_its_text_in_mlx_lm_and_its_images_he
 
 
 @pytest.mark.slow
-def test_a_converted_mistral3_keeps_its_pixtral_tower_and_mlx_lm_runs_its_text(tmp_path):
+@pytest.mark.parametrize("name", ["mistral3", "gemma4_vision"])
+def test_a_converted_vision_model_keeps_its_float_tower_and_mlx_lm_runs_its_text(tmp_path, name):
+    from mlx.utils import tree_flatten
     from mlxinfer.convert import convert
 
     from tests.test_mlx_lm_roundtrip import mlx_lm_greedy
 
-    source, out = TINY / "mistral3", tmp_path / "8bit"
+    source, out = TINY / name, tmp_path / "8bit"
     convert(source, out, bits=8, dtype="float32", evaluate=False, progress=False)
     ours = mlxinfer.load(out)
     ids = ours.tokenizer.encode("Who wrote the first compiler? She")
     assert mlx_lm_greedy(out, ids, 8) == ours.generate(ids, max_tokens=8).token_ids
-    assert type(ours._loaded.model.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
-    layer = ours.vision.vision_tower.transformer.layers[0]
-    assert type(layer.feed_forward.gate_proj).__name__ == "Linear"  # the tower in float, in mlx-vlm's names:
+    assert ours.chat(messages("portrait"), max_tokens=8).token_ids == golden("portrait", "greedy", name).tolist()
     with safe_open(str(out / "model-00001-of-00001.safetensors"), "numpy") as stored:
-        assert "vision_tower.vision_model.transformer.layers.0.feed_forward.gate_proj.weight" in stored.keys()
+        names = set(stored.keys())
+    tower = [n for n, _ in tree_flatten(ours.vision.parameters())]
+    assert tower and all(ours.vision.exported(n) in names for n in tower)  # mlx-vlm's names, every one in float:
+    assert not any(n.endswith(".scales") for n in tower)
     frames = mx.array(ours.vision.processor.frames(read_image(IMAGES / "hopper_wide.png")))
     np.testing.assert_array_equal(np.array(ours.vision(frames)), np.array(mlxinfer.load(source).vision(frames)))
 
@@ -641,12 +646,12 @@ def test_mistral3_configs_cannot_make_an_image_expand_without_bound():
 
 def test_a_large_pixtral_image_attends_in_blocks_of_queries_as_at_once(monkeypatch):
     # A 1540-pixel image is 12,100 patches: their scores are computed a block of queries at a time.
-    from mlxinfer.models import pixtral
+    from mlxinfer.models import vision_attention
 
     vision = mlxinfer.load(TINY / "mistral3").vision
     pixels = mx.array(vision.processor.frames(read_image(IMAGES / "hopper.jpg")))  # 16 x 14 patches
     whole = vision(pixels)
-    monkeypatch.setattr(pixtral, "QUERY_BLOCK", 7)
+    monkeypatch.setattr(vision_attention, "QUERY_BLOCK", 7)
     np.testing.assert_allclose(np.array(vision(pixels)), np.array(whole), atol=1e-5)
 
 

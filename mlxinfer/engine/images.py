@@ -126,8 +126,9 @@ class PromptImages:
             for run_start, length in s.runs:
                 features.append((run_start - start, rows[at : at + length]))
                 at += length
-        blocks = [(s.start, s.end) for s in spans] if self.vision.format.bidirectional else []
-        return Placed(features, blocks)
+        fmt = self.vision.format
+        blocks = [(s.start, s.end) for s in spans] if fmt.bidirectional else []
+        return Placed(features, blocks, fmt.bidirectional_in)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,19 @@ class Placed:
 
     features: list[tuple[int, mx.array]]
     blocks: list[tuple[int, int]]
+    kinds: tuple[str, ...] | None = None  # the layer types the blocks hold in (None: all)
+
+    def blocks_for(self, kind: str) -> list[tuple[int, int]]:
+        """The bidirectional blocks of a `kind` layer."""
+        return self.blocks if self.kinds is None or kind in self.kinds else []
+
+    def token_mask(self, length: int) -> mx.array:
+        """(length,) bool: which of the chunk's tokens are images'."""
+        at = mx.arange(length)
+        mask = mx.zeros((length,), dtype=mx.bool_)
+        for offset, rows in self.features:
+            mask = mask | ((at >= offset) & (at < offset + rows.shape[0]))
+        return mask
 
     def place(self, h: mx.array) -> mx.array:
         """`h` (1, chunk, hidden) with each image's embeddings in its tokens' places."""

@@ -1,4 +1,5 @@
-"""Gemma 4's text model (Gemma4ForCausalLM; also the text half of model_type "gemma4", see models/multimodal.py).
+"""Gemma 4's text model (Gemma4ForCausalLM; also the text half of model_type "gemma4", see models/multimodal.py),
+and the image half of "gemma4" (Gemma4ForConditionalGeneration: models/gemma4_vision.py's tower and an embedder).
 
 Config rules, read the way transformers' Gemma4TextConfig does: global (full-attention) layers may have their
 own head_dim and kv-head count: transformers 5.24 writes them as `per_layer_config` ({layer index: overrides}),
@@ -17,6 +18,11 @@ What transformers' Gemma4TextModel computes beyond a plain decoder, and how it i
 - Per-layer-type head_dim and kv heads, as check_gemma4 resolves them.
 mlx-lm's blocks already match transformers otherwise (norms, scale-free v norm, attention scale 1, proportional
 RoPE, the MoE block, layer_scalar); its backbone `__call__` is not used.
+
+Images (Gemma4Model.forward): an image's tokens are read as the pad token (their per-layer inputs too), then take
+the embedder's output; the per-layer inputs' projection reads the embeddings with the images in place. Where the
+text config says use_bidirectional_attention "vision" (the larger models), an image's tokens see each other both
+ways in the sliding layers only. The processor keeps the image's shape, scaled to its token budget.
 """
 
 from __future__ import annotations
@@ -25,15 +31,21 @@ from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..formats.safetensors_header import MAX_DIM
 from ..models.config import FULL, SLIDING, ModelConfig
 from ..models.config_rules import MAX_EXPERTS
 from ..models.decoder import DecoderLM
+from ..models.gemma4_vision import Gemma4VisionConfig, Gemma4VisionTower
 from ..models.mlx_lm_modules import model_module
+from ..models.multimodal import text_config
 from ..models.registry import GEMMA, ArchSpec
+from ..models.tower_weights import renamed
+from ..models.vision import ImageFormat, Layout, VisionModel, load_checked
 from ..untrusted import is_finite_number, is_int, shown
+from ..vision import BudgetProcessor, Processor
 
 # Gemma4TextConfig's defaults where mlx-lm's gemma4_text has other ones (or none).
 GEMMA4_DEFAULTS: dict[str, Any] = {
@@ -206,13 +218,24 @@ def adapt(model: DecoderLM, config: ModelConfig) -> None:
     model.model.layers = layers
     model.__class__ = Gemma4LM  # a DecoderLM whose `embed` also computes the per-layer inputs
     model.pass_state = state
+    model.pad_token_id = config.args.get("pad_token_id") or 0
 
 
 class Gemma4LM(DecoderLM):
     pass_state: PassState
+    pad_token_id: int
 
     def embed(self, tokens: mx.array) -> mx.array:
+        return self.embed_with(tokens, None)
+
+    def embed_with(self, tokens: mx.array, images: Any) -> mx.array:
+        """As Gemma4Model.forward: image tokens read as the pad token, their embeddings then the images'; the
+        per-layer inputs from those ids and from the embeddings with the images in place."""
+        if images is not None:
+            tokens = mx.where(images.token_mask(tokens.shape[1])[None], self.pad_token_id, tokens)
         h = super().embed(tokens)  # scaled by sqrt(hidden_size)
+        if images is not None:
+            h = images.place(h)
         backbone = self.model
         self.pass_state.kv.clear()
         if backbone.hidden_size_per_layer_input:
@@ -259,6 +282,89 @@ class SharedKVAttention(_gemma4.Attention):
             k, v = cache.update_and_fetch(k, v)
         out = _base.scaled_dot_product_attention(q, k, v, cache=cache, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)), None, None
+
+
+# ---- Gemma 4's image half (model_type "gemma4") ----
+# Stored prefixes (transformers', mlx-vlm's) -> this module's names; the audio half is never read.
+IMAGE_PREFIXES = {"model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                  "model.embed_vision.": "embed_vision.", "embed_vision.": "embed_vision."}  # fmt: skip
+BOI, IMAGE, EOI = "<|image>", "<|image|>", "<image|>"  # Gemma 4's tokenizer's boi_token, image_token, eoi_token
+MOST_TOKENS = 1120  # the largest budget Gemma4ImageProcessor names
+
+
+class Embedder(nn.Module):
+    """Gemma4MultimodalEmbedder: an RMS norm without scale, then a projection to the text width."""
+
+    def __init__(self, width: int, text_width: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.embedding_projection = nn.Linear(width, text_width, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.embedding_projection(mx.fast.rms_norm(x, None, self.eps))
+
+
+class Gemma4Vision(VisionModel):
+    converts_whole = True  # mlx-lm's gemma4 module reads the wrapper's layout (and drops the image half)
+
+    def __init__(self, tower: Gemma4VisionConfig, text_width: int, image_format: ImageFormat):
+        super().__init__()
+        self.vision_tower = Gemma4VisionTower(tower)
+        self.embed_vision = Embedder(tower.hidden_size, text_width, tower.rms_norm_eps)
+        self.format = image_format
+        self._patches = MOST_TOKENS * tower.pooling_kernel_size**2  # the processor's budget, once fitted
+
+    def fitted(self, processor: Processor) -> Processor:
+        """Gemma4ImageProcessor, its patches and pooling the tower's."""
+        config = self.vision_tower.config
+        if not isinstance(processor, BudgetProcessor):
+            raise UnsupportedModelError(f"Gemma 4 reads images with Gemma4ImageProcessor, not {processor!r}")
+        if (processor.patch, processor.pooling) != (config.patch_size, config.pooling_kernel_size):
+            raise ConfigError(
+                f"preprocessor_config.json: patch_size {processor.patch} and pooling_kernel_size "
+                f"{processor.pooling} must be config.json's vision_config ({config.patch_size}, "
+                f"{config.pooling_kernel_size})"
+            )
+        self._patches = processor.max_soft_tokens * processor.pooling**2
+        return processor
+
+    def activation_bytes(self, frames: int) -> int:
+        return frames * self.vision_tower.config.activation_bytes(self._patches, self._dtype.size)
+
+    @property
+    def _dtype(self) -> mx.Dtype:
+        return self.embed_vision.embedding_projection.weight.dtype
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        """One image's pixel_values (1, 3, H, W) -> (1, tokens, text hidden), tokens row by row."""
+        return self.embed_vision(self.vision_tower(pixels[0]).astype(self._dtype))[None]
+
+
+def _tokens(layout: Layout) -> int:
+    if layout.grid is None:
+        raise ConfigError("Gemma 4 sizes images by their content; its processor must give a grid of tokens")
+    return layout.grid[0] * layout.grid[1]
+
+
+def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, source: str) -> Gemma4Vision:
+    """Gemma4ForConditionalGeneration's image half from its config.json and tensors (the audio half skipped)."""
+    tower = Gemma4VisionConfig.from_dict(raw.get("vision_config"), source)
+    token = raw.get("image_token_id", 258_880)
+    if not is_int(token) or token < 0:
+        raise ConfigError(f"{source}: image_token_id must be a non-negative integer, got {shown(token)}")
+    text = text_config(raw, source)
+    both_ways = text.get("use_bidirectional_attention") == "vision"  # the larger models': sliding layers only
+    image_format = ImageFormat(IMAGE, token, MOST_TOKENS, bidirectional=both_ways,
+                               expansion=lambda layout: BOI + IMAGE * _tokens(layout) + EOI,
+                               frame_runs=lambda layout: (_tokens(layout),), bidirectional_in=(SLIDING,))  # fmt: skip
+    model = Gemma4Vision(tower, text["hidden_size"], image_format)
+    kept = {k: v for k, v in weights.items() if k.startswith(tuple(IMAGE_PREFIXES))}
+    load_checked(model, renamed(kept, IMAGE_PREFIXES, ""), dtype, source,
+                 (raw.get("quantization") or {}).get("mode", "affine"))  # fmt: skip
+    return model
+
+
+VISION = {"gemma4": vision}
 
 
 def mlx_lm_form(config: ModelConfig) -> dict[str, Any]:

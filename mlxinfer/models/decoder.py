@@ -39,10 +39,16 @@ class Layout:
 class Placed(Protocol):
     """Images placed in one prefill chunk (engine/images.py): their embeddings and their bidirectional blocks."""
 
-    blocks: Sequence[tuple[int, int]]  # absolute [start, end) positions whose tokens see each other both ways
+    def blocks_for(self, kind: str) -> Sequence[tuple[int, int]]:
+        """Absolute [start, end) positions whose tokens see each other both ways in a `kind` layer."""
+        ...
 
     def place(self, h: mx.array) -> mx.array:
         """`h` (1, chunk, hidden) with the images' embeddings in their tokens' places."""
+        ...
+
+    def token_mask(self, length: int) -> mx.array:
+        """(length,) bool: which of the chunk's tokens are images'."""
         ...
 
 
@@ -67,9 +73,7 @@ class DecoderLM(nn.Module):
 
     def hidden(self, tokens: mx.array, cache: Sequence[Any] | None = None, images: Placed | None = None) -> mx.array:
         """Final-norm hidden states, shape (B, L, hidden); `images` (one row) replace their tokens' embeddings."""
-        h = self.embed(tokens)
-        if images is not None:
-            h = images.place(h)
+        h = self.embed_with(tokens, images)
         if self.stage is not None:  # a later rank: the previous rank's hidden states, shaped like these
             h = self.stage.receive(h)
         caches = cache if cache is not None else [None] * len(self.layers)
@@ -81,7 +85,8 @@ class DecoderLM(nn.Module):
             if kind not in masks and kind in ATTENTION:
                 # A window's cache returns keys from its `start`, which a long write moves forward.
                 start = layer_cache.key_start(h.shape[1]) if layer_cache is not None else 0
-                masks[kind] = self.mask(h.shape[1], offset, kind, padding, start, images.blocks if images else ())
+                blocks = images.blocks_for(kind) if images else ()
+                masks[kind] = self.mask(h.shape[1], offset, kind, padding, start, blocks)
         for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
             # Recurrent layers need no mask: each row is prefilled alone and keeps its own state.
             h = layer(h, masks.get(kind), layer_cache)
@@ -94,6 +99,11 @@ class DecoderLM(nn.Module):
         """Each layer's type and, for a sliding layer, its window: what `cache.make_cache` builds from."""
         window = self.layout.sliding_window
         return tuple((kind, window if kind == SLIDING else None) for kind in self.layout.layer_types)
+
+    def embed_with(self, tokens: mx.array, images: Placed | None) -> mx.array:
+        """Input embeddings of `tokens`, the images' in their tokens' places."""
+        h = self.embed(tokens)
+        return h if images is None else images.place(h)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Input embeddings of `tokens`, scaled where the architecture does."""

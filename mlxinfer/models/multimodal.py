@@ -4,7 +4,7 @@ Gemma 3 (`gemma3`, Gemma3ForConditionalGeneration) and Qwen3.5 (`qwen3_5`,
 Qwen3_5ForConditionalGeneration) keep a complete decoder under text_config and
 `language_model` tensor prefixes; with text-only prompts the full model computes
 exactly that decoder. The image half is models/vision.py's, for the families whose
-file has a VISION builder (Gemma 3); for the others the vision tensors are never read
+file has a VISION builder (Gemma 3 and 4, SmolVLM, Mistral 3); for the others the vision tensors are never read
 (MLX maps tensors lazily and they are dropped unevaluated), and one log line says so.
 """
 

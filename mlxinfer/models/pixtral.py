@@ -16,11 +16,11 @@ import mlx.nn as nn
 from ..errors import ConfigError, UnsupportedModelError
 from ..untrusted import is_finite_number, shown
 from .tower_weights import bounded_int
+from .vision_attention import blocked_attention, scores_bytes
 
 ACTIVATIONS = {"gelu": nn.gelu, "silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}
 MAX_WIDTH = 8192  # hidden and MLP sizes: Mistral Small 3's tower is 1024 / 4096
 MAX_LAYERS = 64
-QUERY_BLOCK = 1024  # queries whose attention scores are held at once: a 1540-pixel image is 12,100 patches
 
 
 @dataclass(frozen=True)
@@ -62,10 +62,12 @@ class PixtralConfig:
 
     def activation_bytes(self, patches: int, dtype_size: int) -> int:
         """The most the tower holds beyond its weights for an image of `patches` patches: one block of queries'
-        attention scores and their softmax (float32, every head), about eight hidden-wide arrays a patch and the
+        attention scores and their softmax (vision_attention.py), about eight hidden-wide arrays a patch and the
         gated MLP's three widest (siglip.SiglipConfig.activation_bytes's count, with the queries in blocks)."""
-        scores = 2 * self.num_attention_heads * min(patches, QUERY_BLOCK) * patches * 4
-        return scores + patches * (8 * self.hidden_size + 3 * self.intermediate_size) * dtype_size
+        return (
+            scores_bytes(self.num_attention_heads, patches)
+            + patches * (8 * self.hidden_size + 3 * self.intermediate_size) * dtype_size
+        )
 
 
 def rope_angles(config: PixtralConfig, rows: int, cols: int) -> mx.array:
@@ -101,12 +103,7 @@ class Attention(nn.Module):
 
         q = _rotated(heads(self.q_proj(x)), cos, sin).astype(x.dtype)
         k = _rotated(heads(self.k_proj(x)), cos, sin).astype(x.dtype)
-        v = heads(self.v_proj(x))
-        blocks = [  # queries in blocks: a large image's scores would not fit at once on a CPU
-            mx.fast.scaled_dot_product_attention(q[None, :, i : i + QUERY_BLOCK], k[None], v[None], scale=self.scale)
-            for i in range(0, n, QUERY_BLOCK)
-        ]
-        out = mx.concatenate(blocks, axis=2)[0] if len(blocks) > 1 else blocks[0][0]
+        out = blocked_attention(q, k, heads(self.v_proj(x)), self.scale)
         return self.o_proj(out.transpose(1, 0, 2).reshape(n, width))
 
 

@@ -53,6 +53,8 @@ class ImageFormat:
     # Where an image's frame is not one run of image tokens (Pixtral ends each row of tokens with [IMG_BREAK]): the
     # lengths of the runs of its one frame, for its Layout. None: every frame is one run of tokens_per_frame.
     frame_runs: Callable[[Layout], tuple[int, ...]] | None = None
+    # Where `bidirectional` holds only in some layer types (Gemma 4: its sliding layers), those; None: in all.
+    bidirectional_in: tuple[str, ...] | None = None
 
     def runs(self, layout: Layout) -> list[tuple[int, ...]]:
         """The run lengths of each frame of an image cut as `layout`."""

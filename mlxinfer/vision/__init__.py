@@ -22,6 +22,7 @@ from .images import (
 )
 from .preprocess import (
     PREPROCESSOR_FILE,
+    BudgetProcessor,
     ImageProcessor,
     Layout,
     PatchProcessor,
@@ -38,6 +39,7 @@ __all__ = [
     "MAX_IMAGE_PIXELS",
     "MAX_IMAGES",
     "PREPROCESSOR_FILE",
+    "BudgetProcessor",
     "ImageProcessor",
     "Layout",
     "PatchProcessor",

@@ -199,6 +199,47 @@ class PatchProcessor:
         return math.ceil(self.longest_edge / self.patch) ** 2
 
 
+@dataclass(frozen=True)
+class BudgetProcessor:
+    """Gemma 4: one frame per image, its shape kept and scaled (up or down) to the most patches within
+    `max_soft_tokens` tokens (each token a pooling x pooling block of patches), each side whole blocks."""
+
+    patch: int
+    pooling: int
+    max_soft_tokens: int
+    resample: int = 3
+    normalized: Normalization = Normalization(1 / 255, None, None)
+
+    def layout(self, width: int, height: int) -> Layout:
+        """The frame's token grid for an image of this size (its header's), before any pixel is read."""
+        height, width = self._sized(height, width)
+        side = self.patch * self.pooling
+        return Layout(grid=(height // side, width // side))
+
+    def frames(self, rgb: np.ndarray) -> np.ndarray:
+        """float32 (1, 3, height, width), both sides whole blocks of patches."""
+        height, width = self._sized(rgb.shape[0], rgb.shape[1])
+        return self.normalized(_resized(rgb, width, height, self.resample))[None]
+
+    def _sized(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' get_aspect_ratio_preserving_size (Gemma 4): (height, width)."""
+        budget = self.max_soft_tokens * self.pooling**2 * self.patch**2  # pixels
+        factor = math.sqrt(budget / (height * width))
+        side = self.pooling * self.patch
+        target_height = int(math.floor(factor * height / side)) * side
+        target_width = int(math.floor(factor * width / side)) * side
+        longest = self.max_soft_tokens * side  # a one-token-high strip's length
+        if target_height == 0:
+            target_height, target_width = side, min(int(math.floor(width / height)) * side, longest)
+        elif target_width == 0:
+            target_width, target_height = side, min(int(math.floor(height / width)) * side, longest)
+        return target_height, target_width
+
+    @property
+    def most_tokens(self) -> int:
+        return self.max_soft_tokens
+
+
 def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
     """Pillow's resize of 8-bit RGB, as transformers' PIL processors do it (each step back to 8 bits)."""
     from PIL import Image
@@ -208,7 +249,7 @@ def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndar
     return np.asarray(Image.fromarray(rgb, "RGB").resize((width, height), resample=Image.Resampling(resample)))
 
 
-Processor = ImageProcessor | SplitProcessor | PatchProcessor
+Processor = ImageProcessor | SplitProcessor | PatchProcessor | BudgetProcessor
 
 
 def processor_from_folder(folder: Path) -> Processor:
@@ -222,6 +263,8 @@ def processor_from_folder(folder: Path) -> Processor:
         return _split_processor(raw, str(path))
     if kind in ("PixtralImageProcessor", "PixtralImageProcessorFast"):
         return _patch_processor(raw, str(path))
+    if kind in ("Gemma4ImageProcessor", "Gemma4ImageProcessorFast"):
+        return _budget_processor(raw, str(path))
     return ImageProcessor.from_config(raw, str(path))
 
 
@@ -258,6 +301,24 @@ def _patch_processor(raw: dict[str, Any], source: str) -> PatchProcessor:
     defaults = {"resample": 3, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)}  # PixtralImageProcessor's
     fixed = ImageProcessor.from_config({**defaults, **raw, "size": {"height": side, "width": side}}, source)
     return PatchProcessor(longest, side, fixed.resample, fixed.normalized)
+
+
+SOFT_TOKENS = (70, 140, 280, 560, 1120)  # Gemma4ImageProcessor's budgets
+
+
+def _budget_processor(raw: dict[str, Any], source: str) -> BudgetProcessor:
+    """Gemma4ImageProcessor's settings: patch_size, pooling_kernel_size, max_soft_tokens (one of five budgets, which
+    bound the pixels of any image: 1120 tokens of 3 x 3 patches of 16 pixels are 2.6 megapixels)."""
+    budget = raw.get("max_soft_tokens", 280)
+    if budget not in SOFT_TOKENS or isinstance(budget, bool):
+        raise ConfigError(f"{source}: max_soft_tokens must be one of {list(SOFT_TOKENS)}, got {shown(budget)}")
+    patch = _side(raw.get("patch_size", 16), f"{source}: patch_size")
+    pooling = _side(raw.get("pooling_kernel_size", 3), f"{source}: pooling_kernel_size")
+    if budget * (pooling * patch) ** 2 > MAX_SIDE**2:  # the pixels every image is scaled to
+        raise ConfigError(f"{source}: max_soft_tokens of pooling_kernel_size² patches would pass {MAX_SIDE}² pixels")
+    defaults = {"resample": 3, "do_normalize": False}  # Gemma4ImageProcessor's: [0, 1] pixels
+    fixed = ImageProcessor.from_config({**defaults, **raw, "size": {"height": patch, "width": patch}}, source)
+    return BudgetProcessor(patch, pooling, budget, fixed.resample, fixed.normalized)
 
 
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
