@@ -15,11 +15,16 @@ QUERY_BLOCK = 1024  # queries whose attention scores are held at once
 def blocked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     """(heads, n, dim) queries against (kv heads, n, dim) keys and values -> (heads, n, dim)."""
     n = q.shape[1]
-    blocks = [
-        mx.fast.scaled_dot_product_attention(q[None, :, i : i + QUERY_BLOCK], k[None], v[None], scale=scale)[0]
-        for i in range(0, n, QUERY_BLOCK)
-    ]
-    return mx.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0]
+    if n <= QUERY_BLOCK:
+        return mx.fast.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0]
+    blocks = []
+    for i in range(0, n, QUERY_BLOCK):
+        block = mx.fast.scaled_dot_product_attention(q[None, :, i : i + QUERY_BLOCK], k[None], v[None], scale=scale)
+        # Evaluated one by one: left lazy, the CPU's unfused attention computed every block's scores before any
+        # softmax, and a 5,329-patch Pixtral image held them all (2.3 GiB measured against 1.1 predicted).
+        mx.eval(block)
+        blocks.append(block[0])
+    return mx.concatenate(blocks, axis=1)
 
 
 def scores_bytes(heads: int, patches: int) -> int:
