@@ -644,6 +644,23 @@ def test_mistral3_configs_cannot_make_an_image_expand_without_bound():
         mistral3_vision(too_large, {}, mx.float32, "config.json")
 
 
+def test_gemma4_configs_bound_an_images_patches_before_any_is_read():
+    from dataclasses import replace
+
+    from mlxinfer.errors import ConfigError
+    from mlxinfer.vision.preprocess import _budget_processor
+
+    vision = mlxinfer.load(TINY / "gemma4_vision").vision  # 70 tokens of 2 x 2 patches: 140 patches a side at most
+    assert vision.processor.layout(10_000, 10).grid == (1, 70)  # the longest strip the budget allows
+    with pytest.raises(ConfigError, match="position_embedding_size 160 is shorter than the 280 patches"):
+        vision.fitted(replace(vision.processor, max_soft_tokens=140, pooling=2))
+    for budget in (100, True, "280"):
+        with pytest.raises(ConfigError, match="max_soft_tokens must be one of"):
+            _budget_processor({"max_soft_tokens": budget}, "preprocessor_config.json")
+    with pytest.raises(ConfigError, match="would pass 4096² pixels"):
+        _budget_processor({"max_soft_tokens": 1120, "patch_size": 64, "pooling_kernel_size": 3}, "p")
+
+
 def test_a_large_pixtral_image_attends_in_blocks_of_queries_as_at_once(monkeypatch):
     # A 1540-pixel image is 12,100 patches: their scores are computed a block of queries at a time.
     from mlxinfer.models import vision_attention

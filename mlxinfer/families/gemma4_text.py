@@ -325,6 +325,12 @@ class Gemma4Vision(VisionModel):
                 f"{processor.pooling} must be config.json's vision_config ({config.patch_size}, "
                 f"{config.pooling_kernel_size})"
             )
+        strip = processor.max_soft_tokens * processor.pooling  # patches along a one-token-high image
+        if strip > config.position_embedding_size:
+            raise ConfigError(
+                f"config.json: vision_config.position_embedding_size {config.position_embedding_size} is shorter "
+                f"than the {strip} patches a side preprocessor_config.json's budget allows"
+            )
         self._patches = processor.max_soft_tokens * processor.pooling**2
         return processor
 
