@@ -72,6 +72,8 @@ class DecodeBatch:
         self.cache: list[Cache] | None = None
         self._queued: mx.array | None = None  # the next step's tokens, already computing
         self._queued_logits: mx.array | None = None  # under a grammar: the next step's logits, still to be masked
+        self._row_shifts: list[int] = []
+        self.shifts: mx.array | None = None
 
     @property
     def pending(self) -> bool:
@@ -83,12 +85,27 @@ class DecodeBatch:
         assert not self.pending, "take the queued step before a row joins"
         self.cache = add_row(self.cache, cache)
         self.rows.append(sequence)
+        self._set_shifts([*self._row_shifts, _rope_shift(sequence)])
+
+    def _set_shifts(self, shifts: list[int]) -> None:
+        """Each row's M-RoPE shift (what its images moved its positions by), and as the model takes them: None
+        where every row's is 0."""
+        self._row_shifts = shifts
+        self.shifts = mx.array(shifts) if any(shifts) else None
+
+    def _model(self, fed: mx.array) -> mx.array:
+        """The logits of `fed` (rows x positions), each row at its positions."""
+        shifts = self.shifts
+        if shifts is None:
+            return self.model(fed, self.cache)
+        return self.model.head(self.model.hidden(fed, self.cache, None, shifts))
 
     def leave(self, rows: list[int]) -> None:
         if rows:
             self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
             gone = set(rows)
             self.rows = [s for i, s in enumerate(self.rows) if i not in gone]
+            self._set_shifts([shift for i, shift in enumerate(self._row_shifts) if i not in gone])
             self._queued = self._queued_logits = None  # computed for rows that changed (only ever one, now gone)
 
     @property
@@ -126,13 +143,13 @@ class DecodeBatch:
 
     def _forward(self, tokens: mx.array) -> mx.array:
         """Start computing the logits that follow `tokens` (one per row, maybe not evaluated yet)."""
-        logits = self.model(tokens.astype(mx.uint32).reshape(-1, 1), self.cache)[:, -1]
+        logits = self._model(tokens.astype(mx.uint32).reshape(-1, 1))[:, -1]
         mx.async_eval(logits)
         return logits
 
     def _launch(self, tokens: mx.array) -> mx.array:
         """Start computing the tokens that follow `tokens` (one per row, maybe not evaluated yet)."""
-        logits = self.model(tokens.astype(mx.uint32).reshape(-1, 1), self.cache)[:, -1]
+        logits = self._model(tokens.astype(mx.uint32).reshape(-1, 1))[:, -1]
         picked = mx.stack([s.sampler(logits[i]) for i, s in enumerate(self.rows)])
         mx.async_eval(picked)
         return picked
@@ -149,14 +166,14 @@ class DecodeBatch:
         assert self.cache is not None and not self.pending
         at = mark(self.cache)
         fed = mx.array([[s.token, *d.tokens] for s, d in zip(self.rows, drafts)], dtype=mx.uint32)
-        logits = self.model(fed, self.cache)
+        logits = self._model(fed)
         rows = enumerate(zip(self.rows, drafts, masks))
         out = [s.sampler.verify(logits[i], d.tokens, d.probs, m) for i, (s, d, m) in rows]
         kept = min(len(tokens) for tokens in out)
         out = [tokens[:kept] for tokens in out]
         held = rewind(self.cache, at, at.length + kept)
         if held < at.length + kept:  # recurrent layers went back to their state before the pass: feed them again
-            self.model.hidden(fed[:, : at.length + kept - held], self.cache)
+            self.model.hidden(fed[:, : at.length + kept - held], self.cache, None, self.shifts)
             mx.eval([c.arrays for c in self.cache])
         for sequence, tokens in zip(self.rows, out):
             sequence.sampler.observe(mx.array(tokens))
@@ -164,3 +181,9 @@ class DecodeBatch:
 
     def clear(self) -> None:
         self.rows, self.cache, self._queued, self._queued_logits = [], None, None, None
+        self._set_shifts([])
+
+
+def _rope_shift(sequence: Running) -> int:
+    images = sequence.job.images
+    return images.rope_shift(len(sequence.job.prompt_ids)) if images is not None else 0

@@ -37,6 +37,14 @@ class ImageSpan:
     image: int
     frame: int
     digest: bytes
+    grid: tuple[int, int] | None = None  # its (rows, cols) of tokens, where the processor sizes it by content
+
+    @property
+    def saved(self) -> int:
+        """What M-RoPE moves the text after this frame back by: its tokens less its longer side (models/mrope.py)."""
+        assert self.grid is not None, "M-RoPE needs each image's grid of tokens"
+        rows, cols = self.grid
+        return rows * cols - max(rows, cols)
 
     @property
     def start(self) -> int:
@@ -82,7 +90,7 @@ class PromptImages:
         frames = iter(cls.check_runs(ids, layouts, vision.format))
         digests = tuple(digest(f) for f in images)
         spans = tuple(
-            ImageSpan(tuple(next(frames)), image, frame, digests[image])
+            ImageSpan(tuple(next(frames)), image, frame, digests[image], layouts[image].grid)
             for image, pixels in enumerate(images)
             for frame in range(len(pixels))
         )
@@ -102,6 +110,26 @@ class PromptImages:
             for start, length in span.runs:
                 out[start : start + length] = [next(keys) for _ in range(length)]
         return out
+
+    def rope_shift(self, position: int) -> int:
+        """How far M-RoPE puts the token at `position` (not inside an image) before its index: minus what the images
+        before it saved. 0 for a model whose images take one position a token."""
+        if not self.vision.format.grid_positions:
+            return 0
+        return -sum(span.saved for span in self.spans if span.end <= position)
+
+    def positions(self, start: int, end: int) -> mx.array:
+        """(3, end - start) M-RoPE positions of the prompt's tokens [start, end), which cut no image: text at its
+        index less what the images before it saved (in all three), an image's tokens at (s, s + row, s + col) from
+        the position s its first token takes."""
+        out = np.broadcast_to(np.arange(start, end) + self.rope_shift(start), (3, end - start)).copy()
+        for span in (s for s in self.spans if start <= s.start < end):
+            at, (rows, cols) = span.start + self.rope_shift(span.start), span.grid or (0, 0)
+            cell = np.arange(rows * cols)
+            out[:, span.start - start : span.end - start] = [np.full(rows * cols, at), at + cell // cols,
+                                                            at + cell % cols]  # fmt: skip
+            out[:, span.end - start :] -= span.saved
+        return mx.array(out)
 
     def inside(self, position: int) -> bool:
         """Whether `position` falls strictly within an image (a chunk may neither end nor resume there)."""
@@ -128,7 +156,8 @@ class PromptImages:
                 at += length
         fmt = self.vision.format
         blocks = [(s.start, s.end) for s in spans] if fmt.bidirectional else []
-        return Placed(features, blocks, fmt.bidirectional_in)
+        positions = self.positions(start, end) if fmt.grid_positions else None
+        return Placed(features, blocks, fmt.bidirectional_in, positions)
 
 
 @dataclass(frozen=True)
@@ -138,6 +167,7 @@ class Placed:
     features: list[tuple[int, mx.array]]
     blocks: list[tuple[int, int]]
     kinds: tuple[str, ...] | None = None  # the layer types the blocks hold in (None: all)
+    positions: mx.array | None = None  # (3, chunk) M-RoPE positions (PromptImages.positions), where the model reads them
 
     def blocks_for(self, kind: str) -> list[tuple[int, int]]:
         """The bidirectional blocks of a `kind` layer."""

@@ -84,11 +84,12 @@ class Prefill:
         """Run the next chunk; returns its hidden states, shape (1, chunk, hidden)."""
         stop = next((p for p in self.stops if p > self.position), self.base + self.ids.size)
         end = min(self.done + self.chunk, self.ids.size, stop - self.base)
-        placed = None
+        placed, shift = None, None
         if self.images is not None:
             end = self.images.chunk_end(self.position, self.base + end) - self.base
             placed = self.images.placed(self.position, self.base + end)
-        hidden = self.model.hidden(self.ids[None, self.done : end], self.cache, placed)
+            shift = self.images.rope_shift(self.position) or None
+        hidden = self.model.hidden(self.ids[None, self.done : end], self.cache, placed, shift)
         self.done = end
         if getattr(self.model, "stage", None) is not None:
             # A pipeline rank sends its output on and sums the last rank's within the pass's output, which the

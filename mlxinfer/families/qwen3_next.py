@@ -26,6 +26,8 @@ from ..models.config_rules import check_experts, expert_count, positive_int
 from ..models.decoder import DecoderLM
 from ..models.mlx_lm_modules import model_module
 from ..models.moe_weights import QWEN, to_switch_layout
+from ..models.mrope import MRoPE, mrope_sections
+from ..models.qwen_vision import qwen_vision
 from ..models.registry import ArchSpec
 from ..untrusted import is_int, listed, shown
 
@@ -153,8 +155,14 @@ def adapt(model: DecoderLM, config: ModelConfig) -> None:
             raise UnsupportedModelError(f"{config.source}: layer {i} was built as {built}; layer_types says {kind}")
         if not layer.is_linear:
             attn = layer.self_attn
+            dims = int(attn.head_dim * args["partial_rotary_factor"])
+            sections = mrope_sections(args, dims // 2, config.source)
+            if sections is not None:  # Qwen3.5: images' tokens take 2-D positions (text alone rotates as plain RoPE)
+                model.mrope = model.mrope or MRoPE(dims, args["rope_theta"], sections)
+                attn.rope = model.mrope
+                continue
             attn.rope = initialize_rope(
-                int(attn.head_dim * args["partial_rotary_factor"]),
+                dims,
                 base=args["rope_theta"],
                 traditional=False,
                 scaling_config=args.get("rope_scaling"),
@@ -272,3 +280,4 @@ SPECS = {
         **_LINEAR_HYBRID,
     ),
 }
+VISION = {"qwen3_5": qwen_vision, "qwen3_5_moe": qwen_vision}

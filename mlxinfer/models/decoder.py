@@ -20,6 +20,7 @@ import mlx.nn as nn
 from .config import ATTENTION, SLIDING, ModelConfig
 from .fallback import build_fallback
 from .mlx_lm_modules import model_module
+from .mrope import MRoPE
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,12 @@ class Placed(Protocol):
         """(length,) bool: which of the chunk's tokens are images'."""
         ...
 
+    @property
+    def positions(self) -> mx.array | None:
+        """(3, chunk) time, row and column positions of the chunk's tokens, for M-RoPE (models/mrope.py); None
+        where the model's images take one position a token."""
+        ...
+
 
 class DecoderLM(nn.Module):
     """A causal LM: embeddings -> blocks -> norm -> head, with per-layer masks."""
@@ -59,6 +66,7 @@ class DecoderLM(nn.Module):
     batchable = True  # rows of any length decode together (per-row masks)
     stage = None  # a pipeline rank's place (models/shard.py): its layers only, hidden states to and fro
     sharded = False  # split over the ranks of an mx.distributed group (pipeline or tensor, models/shard.py)
+    mrope: MRoPE | None = None  # the attention layers' RoPE where it reads image positions (Qwen3.5, Qwen3-VL)
 
     def __init__(self, backbone: nn.Module, lm_head: nn.Module | None, layout: Layout):
         super().__init__()
@@ -71,8 +79,21 @@ class DecoderLM(nn.Module):
     def layers(self) -> list[nn.Module]:
         return self.model.layers
 
-    def hidden(self, tokens: mx.array, cache: Sequence[Any] | None = None, images: Placed | None = None) -> mx.array:
-        """Final-norm hidden states, shape (B, L, hidden); `images` (one row) replace their tokens' embeddings."""
+    def hidden(
+        self,
+        tokens: mx.array,
+        cache: Sequence[Any] | None = None,
+        images: Placed | None = None,
+        shifts: int | mx.array | None = None,
+    ) -> mx.array:
+        """Final-norm hidden states, shape (B, L, hidden); `images` (one row) replace their tokens' embeddings.
+        `shifts`: what each row's images moved its RoPE positions by (an M-RoPE model's; None: nothing)."""
+        if self.mrope is None:
+            return self._hidden(tokens, cache, images)
+        with self.mrope.around(images.positions if images is not None else None, shifts):
+            return self._hidden(tokens, cache, images)
+
+    def _hidden(self, tokens: mx.array, cache: Sequence[Any] | None, images: Placed | None) -> mx.array:
         h = self.embed_with(tokens, images)
         if self.stage is not None:  # a later rank: the previous rank's hidden states, shaped like these
             h = self.stage.receive(h)

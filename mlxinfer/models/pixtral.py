@@ -16,7 +16,7 @@ import mlx.nn as nn
 from ..errors import ConfigError, UnsupportedModelError
 from ..untrusted import is_finite_number, shown
 from .tower_weights import bounded_int
-from .vision_attention import blocked_attention, scores_bytes
+from .vision_attention import blocked_attention, rotated, scores_bytes
 
 ACTIVATIONS = {"gelu": nn.gelu, "silu": nn.silu, "gelu_pytorch_tanh": nn.gelu_approx}
 MAX_WIDTH = 8192  # hidden and MLP sizes: Mistral Small 3's tower is 1024 / 4096
@@ -81,13 +81,6 @@ def rope_angles(config: PixtralConfig, rows: int, cols: int) -> mx.array:
     return mx.concatenate([by_row, by_col], axis=-1).reshape(rows * cols, dim // 2)
 
 
-def _rotated(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
-    """rotate_half RoPE over the whole head: x (heads, n, dim), cos / sin (n, dim)."""
-    half = x.shape[-1] // 2
-    turned = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + turned * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: PixtralConfig):
         super().__init__()
@@ -101,8 +94,8 @@ class Attention(nn.Module):
         def heads(t: mx.array) -> mx.array:
             return t.reshape(n, self.heads, -1).transpose(1, 0, 2)
 
-        q = _rotated(heads(self.q_proj(x)), cos, sin).astype(x.dtype)
-        k = _rotated(heads(self.k_proj(x)), cos, sin).astype(x.dtype)
+        q = rotated(heads(self.q_proj(x)), cos, sin).astype(x.dtype)
+        k = rotated(heads(self.k_proj(x)), cos, sin).astype(x.dtype)
         out = blocked_attention(q, k, heads(self.v_proj(x)), self.scale)
         return self.o_proj(out.transpose(1, 0, 2).reshape(n, width))
 

@@ -55,6 +55,9 @@ class ImageFormat:
     frame_runs: Callable[[Layout], tuple[int, ...]] | None = None
     # Where `bidirectional` holds only in some layer types (Gemma 4: its sliding layers), those; None: in all.
     bidirectional_in: tuple[str, ...] | None = None
+    # An image's tokens take (time, row, column) positions from where it starts, and the text after it goes on from
+    # there plus the longer side of its Layout.grid (Qwen's M-RoPE, models/mrope.py); else one position a token.
+    grid_positions: bool = False
 
     def runs(self, layout: Layout) -> list[tuple[int, ...]]:
         """The run lengths of each frame of an image cut as `layout`."""

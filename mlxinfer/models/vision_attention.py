@@ -30,3 +30,11 @@ def blocked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx
 def scores_bytes(heads: int, patches: int) -> int:
     """What one layer's attention scores and their softmax hold at most (float32, every head, one block)."""
     return 2 * heads * min(patches, QUERY_BLOCK) * patches * 4
+
+
+def rotated(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """rotate_half RoPE over the whole head: x (heads, n, dim), cos / sin (n, dim) (a 2-D tower's row and column
+    angles: Pixtral's, Qwen's)."""
+    half = x.shape[-1] // 2
+    turned = mx.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + turned * sin

@@ -14,12 +14,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError, ImageError, UnsupportedModelError
 from ..untrusted import is_finite_number, read_json_object, shown
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_SIDE = 4096  # a processor's target side; real ones use 224-1540
 MAX_TILES = 8  # tiles a side a splitting processor may cut (SmolVLM: 4, Idefics3: 4)
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}  # PIL's codes
 
 
@@ -240,6 +241,56 @@ class BudgetProcessor:
         return self.max_soft_tokens
 
 
+@dataclass(frozen=True)
+class PixelRangeProcessor:
+    """Qwen2-VL's (Qwen3-VL, Qwen3.5): one frame per image, its shape kept, its pixels brought within [min_pixels,
+    max_pixels], each side whole tokens of `patch` x `merge` pixels."""
+
+    min_pixels: int
+    max_pixels: int
+    patch: int
+    merge: int
+    resample: int = 3
+    normalized: Normalization = Normalization(1 / 255, CLIP_MEAN, CLIP_STD)
+
+    def layout(self, width: int, height: int) -> Layout:
+        """The frame's token grid for an image of this size (its header's), before any pixel is read. ImageError
+        past most_tokens (a strip so thin that a side stays one token however far the other shrinks)."""
+        height, width = self._sized(height, width)
+        side = self.patch * self.merge
+        rows, cols = height // side, width // side
+        if rows * cols > self.most_tokens:
+            raise ImageError(
+                f"an image this long and thin would take {rows * cols} tokens, more than {self.most_tokens}; crop it"
+            )
+        return Layout(grid=(rows, cols))
+
+    def frames(self, rgb: np.ndarray) -> np.ndarray:
+        """float32 (1, 3, height, width), both sides whole tokens."""
+        height, width = self._sized(rgb.shape[0], rgb.shape[1])
+        return self.normalized(_resized(rgb, width, height, self.resample))[None]
+
+    def _sized(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' smart_resize (Qwen2-VL): (height, width). Python's round, as there (halves to even)."""
+        if max(height, width) > 200 * min(height, width):
+            raise ImageError(f"an image of {width} x {height} pixels is over 200 times longer than wide; crop it")
+        factor = self.patch * self.merge
+        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens an image may take: max_pixels of whole tokens."""
+        return self.max_pixels // (self.patch * self.merge) ** 2
+
+
 def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
     """Pillow's resize of 8-bit RGB, as transformers' PIL processors do it (each step back to 8 bits)."""
     from PIL import Image
@@ -249,7 +300,7 @@ def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndar
     return np.asarray(Image.fromarray(rgb, "RGB").resize((width, height), resample=Image.Resampling(resample)))
 
 
-Processor = ImageProcessor | SplitProcessor | PatchProcessor | BudgetProcessor
+Processor = ImageProcessor | SplitProcessor | PatchProcessor | BudgetProcessor | PixelRangeProcessor
 
 
 def processor_from_folder(folder: Path) -> Processor:
@@ -265,6 +316,8 @@ def processor_from_folder(folder: Path) -> Processor:
         return _patch_processor(raw, str(path))
     if kind in ("Gemma4ImageProcessor", "Gemma4ImageProcessorFast"):
         return _budget_processor(raw, str(path))
+    if kind in ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"):
+        return _pixel_range_processor(raw, str(path))
     return ImageProcessor.from_config(raw, str(path))
 
 
@@ -321,7 +374,24 @@ def _budget_processor(raw: dict[str, Any], source: str) -> BudgetProcessor:
     return BudgetProcessor(patch, pooling, budget, fixed.resample, fixed.normalized)
 
 
-CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+def _pixel_range_processor(raw: dict[str, Any], source: str) -> PixelRangeProcessor:
+    """Qwen2VLImageProcessor's settings: size {shortest_edge, longest_edge} (in pixels, not sides; older files say
+    min_pixels / max_pixels), patch_size, merge_size. max_pixels at most MAX_SIDE² bounds every image's pixels."""
+    size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
+    low = raw.get("min_pixels", size.get("shortest_edge", 56 * 56))
+    high = raw.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280))
+    for value, key in ((low, "size.shortest_edge"), (high, "size.longest_edge")):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIDE**2:
+            raise ConfigError(f"{source}: {key} (pixels) must be an integer in [1, {MAX_SIDE**2}], got {shown(value)}")
+    if low > high:
+        raise ConfigError(f"{source}: size.shortest_edge {low} is above size.longest_edge {high}")
+    patch = _side(raw.get("patch_size", 14), f"{source}: patch_size")
+    merge = _side(raw.get("merge_size", 2), f"{source}: merge_size")
+    defaults = {"resample": 3, "image_mean": list(CLIP_MEAN), "image_std": list(CLIP_STD)}  # Qwen2VLImageProcessor's
+    fixed = ImageProcessor.from_config({**defaults, **raw, "size": {"height": patch, "width": patch}}, source)
+    return PixelRangeProcessor(low, high, patch, merge, fixed.resample, fixed.normalized)
+
+
 
 
 def digest(pixels: np.ndarray) -> bytes:
