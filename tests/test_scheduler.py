@@ -358,11 +358,11 @@ def test_a_failing_step_ends_its_requests_and_the_scheduler_goes_on(tiny_llama, 
     real = type(decoder).hidden
     calls = {"n": 0}
 
-    def flaky(self, tokens, cache=None, images=None):
+    def flaky(self, tokens, cache=None, images=None, shifts=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("device lost")
-        return real(self, tokens, cache, images)
+        return real(self, tokens, cache, images, shifts)
 
     monkeypatch.setattr(type(decoder), "hidden", flaky)
     broken = Collector()

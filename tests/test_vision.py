@@ -50,9 +50,10 @@ def golden(case: str, key: str, family: str = "gemma3_vision") -> np.ndarray:
 
 
 # Each family with images, its fixture's transformers outputs: Gemma 3 (one frame an image, bidirectional within it)
-# SmolVLM (tiles by the image's size, each a frame; causal), also under its v1 name Idefics3, and Mistral 3 (one
-# frame an image, in its own shape; a run of tokens a row). The same cases and images for all.
-FAMILIES = ["gemma3_vision", "smolvlm", "idefics3", "mistral3", "gemma4_vision"]
+# SmolVLM (tiles by the image's size, each a frame; causal), also under its v1 name Idefics3, Mistral 3 (one
+# frame an image, in its own shape; a run of tokens a row), Gemma 4 (bidirectional in its sliding layers) and Qwen3.5
+# (sized by pixels; M-RoPE: image tokens at 2-D positions). The same cases and images for all.
+FAMILIES = ["gemma3_vision", "smolvlm", "idefics3", "mistral3", "gemma4_vision", "qwen3_5_vision"]
 FAMILY_GOLDEN = {name: mx.load(str(TINY / name / "golden_image.safetensors")) for name in FAMILIES}
 
 
@@ -64,6 +65,11 @@ def family(request) -> tuple[str, mlxinfer.Model]:
 @pytest.fixture(scope="module")
 def gemma() -> mlxinfer.Model:
     return mlxinfer.load(MODEL, prefix_cache_bytes=64 << 20)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> mlxinfer.Model:
+    return mlxinfer.load(TINY / "qwen3_5_vision", prefix_cache_bytes=64 << 20)
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -185,10 +191,35 @@ def test_structured_output_and_speculation_work_on_image_requests(gemma):
     assert (chosen.text, chosen.finish_reason) == ("a woman", "stop") and plain.text != "a woman"
 
 
-def test_rows_with_and_without_images_decode_in_one_batch_as_each_alone(gemma, scheduler_for):
+def test_qwen_image_tokens_take_the_positions_transformers_gives_them(qwen):
+    # Each image's tokens at (start, start + row, start + col), the text after it from its start plus its longer
+    # side: the portrait (8 x 7 tokens) moves what follows back by 48, the two images by 44 and 2.
+    for case in CASES:
+        ids, images = encode_chat(qwen.tokenizer, qwen.vision, messages(case), qwen.context_tokens)
+        expected = golden(case, "positions", "qwen3_5_vision")
+        np.testing.assert_array_equal(np.array(images.positions(0, len(ids))), expected)
+        after = images.spans[0].end  # a chunk that starts past the first image
+        np.testing.assert_array_equal(np.array(images.positions(after, len(ids))), expected[:, after:])
+        # Decoding goes on where transformers' rope_deltas put it: one past the largest position.
+        assert len(ids) + images.rope_shift(len(ids)) == expected.max() + 1
+
+
+def test_a_qwen_follow_up_resumes_past_its_images_at_their_shifted_positions(qwen):
+    first = qwen.chat(messages("two"), max_tokens=4)
+    follow_up = [*messages("two"), {"role": "assistant", "content": first.text}, {"role": "user", "content": "Why?"}]
+    resumed = qwen.chat(follow_up, max_tokens=8)
+    ids = golden("two", "input_ids", "qwen3_5_vision").tolist()
+    assert resumed.stats.cached_tokens >= ids.index(258) + 1  # past the first turn, images and all
+    assert resumed.token_ids == qwen.chat(follow_up, max_tokens=8, use_cache=False).token_ids
+
+
+@pytest.mark.parametrize("name", ["gemma3_vision", "qwen3_5_vision"])
+def test_rows_with_and_without_images_decode_in_one_batch_as_each_alone(name, scheduler_for, request):
+    # Qwen3.5's rows decode at positions their images shifted, each its own (the portrait's by -48, the two's by -46).
     from mlxinfer.engine import Job
     from tests.test_scheduler import Collector, batch_sizes
 
+    gemma = request.getfixturevalue("gemma" if name == "gemma3_vision" else "qwen")
     asks = [messages("portrait"), [{"role": "user", "content": "Who is this?"}], messages("two")]
     alone = [gemma.chat(m, max_tokens=8, use_cache=False).token_ids for m in asks]
     scheduler = scheduler_for(gemma, max_batch=3, prefill_chunk=16)
@@ -202,7 +233,9 @@ def test_rows_with_and_without_images_decode_in_one_batch_as_each_alone(gemma, s
     assert [gemma.tokenizer.encode("".join(c.texts), add_special_tokens=False) for c in together] == [
         gemma.tokenizer.encode(gemma.tokenizer.decode(ids), add_special_tokens=False) for ids in alone
     ]
-    assert alone[0] == golden("portrait", "greedy").tolist() and alone[2] == golden("two", "greedy").tolist()
+    assert (
+        alone[0] == golden("portrait", "greedy", name).tolist() and alone[2] == golden("two", "greedy", name).tolist()
+    )
 
 
 def test_the_towers_activations_are_counted_before_a_request_starts(gemma, scheduler_for, monkeypatch):
@@ -662,6 +695,31 @@ def test_gemma4_configs_bound_an_images_patches_before_any_is_read():
             _budget_processor({"max_soft_tokens": budget}, "preprocessor_config.json")
     with pytest.raises(ConfigError, match="would pass 4096² pixels"):
         _budget_processor({"max_soft_tokens": 1120, "patch_size": 64, "pooling_kernel_size": 3}, "p")
+
+
+def test_qwen_configs_bound_an_images_tokens_before_any_is_read(qwen):
+    from dataclasses import replace
+
+    from mlxinfer.errors import ConfigError
+    from mlxinfer.vision.preprocess import _pixel_range_processor
+
+    processor = qwen.vision.processor  # at most 4096 pixels of 8-pixel tokens: 64 tokens
+    assert processor.layout(10_000, 10_000).grid == (8, 8) and qwen.vision.format.tokens_per_frame == 64
+    with pytest.raises(ImageError, match="over 200 times longer than wide"):
+        processor.layout(10, 2001)
+    # 200:1 passes transformers' check, but its short side stays one token as the long one shrinks: 113 tokens.
+    with pytest.raises(ImageError, match="would take 113 tokens, more than 64"):
+        processor.layout(1600, 8)
+    with pytest.raises(ConfigError, match=r"size.longest_edge \(pixels\) must be an integer in \[1, 16777216\]"):
+        _pixel_range_processor({"size": {"shortest_edge": 1, "longest_edge": 4097**2}}, "preprocessor_config.json")
+    with pytest.raises(ConfigError, match="shortest_edge 512 is above size.longest_edge 256"):
+        _pixel_range_processor({"min_pixels": 512, "max_pixels": 256}, "preprocessor_config.json")
+    with pytest.raises(ConfigError, match="patch_size 8 and merge_size 2 must be config.json's"):
+        qwen.vision.fitted(replace(processor, patch=8))
+    # 16.7 megapixels (Qwen3-VL's) of this tower's 8-pixel tokens: 262,144 tokens an image, past what a frame may take.
+    with pytest.raises(ConfigError, match="an image frame of 262144 tokens"):
+        qwen.vision.fitted(replace(processor, max_pixels=4096**2))
+    assert qwen.vision.format.tokens_per_frame == 64
 
 
 def test_a_large_pixtral_image_attends_in_blocks_of_queries_as_at_once(monkeypatch):

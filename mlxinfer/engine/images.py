@@ -41,7 +41,7 @@ class ImageSpan:
 
     @property
     def saved(self) -> int:
-        """What M-RoPE moves the text after this frame back by: its tokens less its longer side (models/mrope.py)."""
+        """What M-RoPE moves the text after this frame back by: its tokens less its longer side."""
         assert self.grid is not None, "M-RoPE needs each image's grid of tokens"
         rows, cols = self.grid
         return rows * cols - max(rows, cols)
@@ -167,7 +167,9 @@ class Placed:
     features: list[tuple[int, mx.array]]
     blocks: list[tuple[int, int]]
     kinds: tuple[str, ...] | None = None  # the layer types the blocks hold in (None: all)
-    positions: mx.array | None = None  # (3, chunk) M-RoPE positions (PromptImages.positions), where the model reads them
+    positions: mx.array | None = (
+        None  # (3, chunk) M-RoPE positions (PromptImages.positions), where the model reads them
+    )
 
     def blocks_for(self, kind: str) -> list[tuple[int, int]]:
         """The bidirectional blocks of a `kind` layer."""

@@ -11,9 +11,11 @@ of the normalized config. Reference: transformers' configuration_qwen3_next.py a
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -26,10 +28,14 @@ from ..models.config_rules import check_experts, expert_count, positive_int
 from ..models.decoder import DecoderLM
 from ..models.mlx_lm_modules import model_module
 from ..models.moe_weights import QWEN, to_switch_layout
-from ..models.mrope import MRoPE, mrope_sections
-from ..models.qwen_vision import qwen_vision
+from ..models.multimodal import text_config
+from ..models.qwen_vision import QwenVisionConfig, QwenVisionTower
 from ..models.registry import ArchSpec
+from ..models.shared_layers import MRoPE, mrope_sections
+from ..models.tower_weights import bounded_int, renamed
+from ..models.vision import ImageFormat, VisionModel, load_checked
 from ..untrusted import is_int, listed, shown
+from ..vision import Layout, PixelRangeProcessor, Processor
 
 LINEAR = "linear_attention"
 MAX_EXPERTS = 16_384  # the largest real MoE models route among a few hundred
@@ -280,4 +286,100 @@ SPECS = {
         **_LINEAR_HYBRID,
     ),
 }
+
+# ---- Images (Qwen3.5): the tower of models/qwen_vision.py, its merger the projector ----
+
+
+class QwenVision(VisionModel):
+    """Qwen3.5's and Qwen3-VL's image half: the tower with its mergers (the projector is the merger)."""
+
+    def __init__(self, config: QwenVisionConfig, temporal_patch: int, image_format: ImageFormat):
+        super().__init__()
+        self.visual = QwenVisionTower(config, temporal_patch)
+        self.format = image_format
+
+    def fitted(self, processor: Processor) -> Processor:
+        """Qwen2VLImageProcessor, its patches and merged blocks the tower's; the format then allows its largest
+        image's tokens."""
+        config = self.visual.config
+        if not isinstance(processor, PixelRangeProcessor):
+            raise UnsupportedModelError(
+                f"Qwen's vision models read images with Qwen2VLImageProcessor, not {processor!r}"
+            )
+        if (processor.patch, processor.merge) != (config.patch_size, config.spatial_merge_size):
+            raise ConfigError(
+                f"preprocessor_config.json: patch_size {processor.patch} and merge_size {processor.merge} must be "
+                f"config.json's vision_config patch_size {config.patch_size} and spatial_merge_size "
+                f"{config.spatial_merge_size}"
+            )
+        self.format = replace(self.format, tokens_per_frame=processor.most_tokens)
+        return processor
+
+    def exported(self, name: str) -> str:
+        return "vision_tower." + name.removeprefix("visual.")  # mlx-vlm's name for the tower
+
+    def activation_bytes(self, frames: int) -> int:
+        patches = self.format.tokens_per_frame * self.visual.config.spatial_merge_size**2
+        return frames * self.visual.config.activation_bytes(patches, self._dtype.size)
+
+    @property
+    def _dtype(self) -> mx.Dtype:
+        return self.visual.merger.linear_fc1.weight.dtype
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        """One image's pixel_values (1, 3, H, W) -> (1, tokens, text hidden), tokens row by row."""
+        tokens, _ = self.visual(pixels[0].astype(self._dtype))
+        return tokens[None]
+
+
+_PREFIXES = {"model.visual.": "visual.", "visual.": "visual.", "vision_tower.": "visual."}
+_CONV = "visual.patch_embed.proj.weight"
+
+
+def qwen_vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, source: str) -> QwenVision:
+    """Qwen3_5ForConditionalGeneration's (and Qwen3VLForConditionalGeneration's) image half from its config.json and
+    tensors: the placeholder its chat template writes becomes one <|image_pad|> a token between the markers."""
+    config = QwenVisionConfig.from_dict(raw.get("vision_config"), source)
+    temporal = bounded_int((raw.get("vision_config") or {}).get("temporal_patch_size", 2), 16,
+                           f"{source}: vision_config.temporal_patch_size")  # fmt: skip
+    ids = {k: raw.get(k, default) for k, default in (("image_token_id", 151_655), ("vision_start_token_id", 151_652),
+                                                      ("vision_end_token_id", 151_653))}  # fmt: skip
+    bad = next((k for k, v in ids.items() if not is_int(v) or v < 0), None)
+    if bad is not None:
+        raise ConfigError(f"{source}: {bad} must be a non-negative integer, got {shown(ids[bad])}")
+    text_width = text_config(raw, source)["hidden_size"]
+    if config.out_hidden_size != text_width:
+        raise ConfigError(
+            f"{source}: vision_config.out_hidden_size {config.out_hidden_size} must be the text model's hidden_size "
+            f"{text_width}"
+        )
+    image_format = ImageFormat(
+        placeholder="<|vision_start|><|image_pad|><|vision_end|>",
+        image_token_id=ids["image_token_id"],
+        tokens_per_frame=1,  # until fitted to the processor, whose max_pixels bound an image's tokens
+        bidirectional=False,
+        expansion=_expansion,
+        frame_runs=lambda layout: (math.prod(_grid(layout)),),
+        grid_positions=True,
+    )
+    model = QwenVision(config, temporal, image_format)
+    tensors = renamed(weights, _PREFIXES, "")
+    conv = tensors.get(_CONV)
+    if conv is not None and conv.ndim == 5 and conv.shape[1] == 3 and conv.shape[-1] != 3:
+        tensors[_CONV] = conv.transpose(0, 2, 3, 4, 1)  # PyTorch's (out, in, t, kh, kw) -> MLX's channels last
+    load_checked(model, tensors, dtype, source, (raw.get("quantization") or {}).get("mode", "affine"))
+    return model
+
+
+def _expansion(layout: Layout) -> str:
+    """Qwen3VLProcessor's: one <|image_pad|> a token of the image's grid, between the markers."""
+    return "<|vision_start|>" + "<|image_pad|>" * math.prod(_grid(layout)) + "<|vision_end|>"
+
+
+def _grid(layout: Layout) -> tuple[int, int]:
+    if layout.grid is None:
+        raise ConfigError("Qwen's vision models size images by their content; the processor must give a grid")
+    return layout.grid
+
+
 VISION = {"qwen3_5": qwen_vision, "qwen3_5_moe": qwen_vision}

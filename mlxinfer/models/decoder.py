@@ -20,7 +20,7 @@ import mlx.nn as nn
 from .config import ATTENTION, SLIDING, ModelConfig
 from .fallback import build_fallback
 from .mlx_lm_modules import model_module
-from .mrope import MRoPE
+from .shared_layers import MRoPE
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Placed(Protocol):
 
     @property
     def positions(self) -> mx.array | None:
-        """(3, chunk) time, row and column positions of the chunk's tokens, for M-RoPE (models/mrope.py); None
+        """(3, chunk) time, row and column positions of the chunk's tokens, for M-RoPE (models/shared_layers.py); None
         where the model's images take one position a token."""
         ...
 

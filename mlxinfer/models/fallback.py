@@ -74,7 +74,9 @@ class Unverified:
     verified = False
     batchable = False  # mlx-lm's masks have no per-row left padding in our batches
 
-    def hidden(self, tokens: mx.array, cache: list[Any] | None = None, images: Any = None, shifts: Any = None) -> mx.array:
+    def hidden(
+        self, tokens: mx.array, cache: list[Any] | None = None, images: Any = None, shifts: Any = None
+    ) -> mx.array:
         """The logits themselves: mlx-lm's head may scale or cap them in ways only its __call__ knows. (No vision
         tower loads for these families, so `images` and `shifts` are always None.)"""
         return super().__call__(tokens, cache=cache)

@@ -56,7 +56,7 @@ class ImageFormat:
     # Where `bidirectional` holds only in some layer types (Gemma 4: its sliding layers), those; None: in all.
     bidirectional_in: tuple[str, ...] | None = None
     # An image's tokens take (time, row, column) positions from where it starts, and the text after it goes on from
-    # there plus the longer side of its Layout.grid (Qwen's M-RoPE, models/mrope.py); else one position a token.
+    # there plus the longer side of its Layout.grid (Qwen's M-RoPE, models/shared_layers.py); else one position a token.
     grid_positions: bool = False
 
     def runs(self, layout: Layout) -> list[tuple[int, ...]]:

@@ -392,8 +392,6 @@ def _pixel_range_processor(raw: dict[str, Any], source: str) -> PixelRangeProces
     return PixelRangeProcessor(low, high, patch, merge, fixed.resample, fixed.normalized)
 
 
-
-
 def digest(pixels: np.ndarray) -> bytes:
     """The content hash of an image's pixel_values: equal for equal inputs to the vision tower, whatever file,
     format or request they came from."""
