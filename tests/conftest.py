@@ -28,6 +28,7 @@ ARCHITECTURES = [
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_vl",
+    "qwen3_vl",
     "gemma3_vl",
     "gpt_oss",
     "granitemoehybrid",

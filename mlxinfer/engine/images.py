@@ -157,7 +157,7 @@ class PromptImages:
         fmt = self.vision.format
         blocks = [(s.start, s.end) for s in spans] if fmt.bidirectional else []
         positions = self.positions(start, end) if fmt.grid_positions else None
-        return Placed(features, blocks, fmt.bidirectional_in, positions)
+        return Placed(features, blocks, fmt.bidirectional_in, positions, self.vision.deep_layers)
 
 
 @dataclass(frozen=True)
@@ -167,9 +167,10 @@ class Placed:
     features: list[tuple[int, mx.array]]
     blocks: list[tuple[int, int]]
     kinds: tuple[str, ...] | None = None  # the layer types the blocks hold in (None: all)
-    positions: mx.array | None = (
-        None  # (3, chunk) M-RoPE positions (PromptImages.positions), where the model reads them
-    )
+    positions: mx.array | None = None  # (3, chunk) M-RoPE positions (PromptImages.positions), for such models
+    # Qwen3-VL's deepstack: each frame's embeddings hold, after the tokens' own, one more hidden-wide set per layer
+    # to add after that layer (VisionModel.deep_layers).
+    deep_layers: int = 0
 
     def blocks_for(self, kind: str) -> list[tuple[int, int]]:
         """The bidirectional blocks of a `kind` layer."""
@@ -185,11 +186,21 @@ class Placed:
 
     def place(self, h: mx.array) -> mx.array:
         """`h` (1, chunk, hidden) with each image's embeddings in its tokens' places."""
-        parts, at = [], 0
+        parts, at, width = [], 0, h.shape[-1]
         for offset, rows in self.features:
-            parts += [h[:, at:offset], rows[None].astype(h.dtype)]
+            parts += [h[:, at:offset], rows[None, :, :width].astype(h.dtype)]
             at = offset + rows.shape[0]
         return mx.concatenate([*parts, h[:, at:]], axis=1)
+
+    def deepened(self, layer: int, h: mx.array) -> mx.array:
+        """`h` (1, chunk, hidden) after layer `layer` (< deep_layers), each image's deepstack features for that layer
+        added at its tokens (transformers' Qwen3VLTextModel._deepstack_process)."""
+        parts, at, width = [], 0, h.shape[-1]
+        low = width * (layer + 1)
+        for offset, rows in self.features:
+            parts += [mx.zeros((1, offset - at, width), h.dtype), rows[None, :, low : low + width].astype(h.dtype)]
+            at = offset + rows.shape[0]
+        return h + mx.concatenate([*parts, mx.zeros((1, h.shape[1] - at, width), h.dtype)], axis=1)
 
 
 def _frame_key(span: ImageSpan) -> tuple[bytes, int]:

@@ -31,7 +31,7 @@ from ..models.moe_weights import QWEN, to_switch_layout
 from ..models.multimodal import text_config
 from ..models.qwen_vision import QwenVisionConfig, QwenVisionTower
 from ..models.registry import ArchSpec
-from ..models.shared_layers import MRoPE, mrope_sections
+from ..models.shared_layers import shared_mrope
 from ..models.tower_weights import bounded_int, renamed
 from ..models.vision import ImageFormat, VisionModel, load_checked
 from ..untrusted import is_int, listed, shown
@@ -162,10 +162,9 @@ def adapt(model: DecoderLM, config: ModelConfig) -> None:
         if not layer.is_linear:
             attn = layer.self_attn
             dims = int(attn.head_dim * args["partial_rotary_factor"])
-            sections = mrope_sections(args, dims // 2, config.source)
-            if sections is not None:  # Qwen3.5: images' tokens take 2-D positions (text alone rotates as plain RoPE)
-                model.mrope = model.mrope or MRoPE(dims, args["rope_theta"], sections)
-                attn.rope = model.mrope
+            mrope = shared_mrope(model, args, dims, config.source)
+            if mrope is not None:  # Qwen3.5: images' tokens take 2-D positions (text alone rotates as plain RoPE)
+                attn.rope = mrope
                 continue
             attn.rope = initialize_rope(
                 dims,
@@ -297,6 +296,7 @@ class QwenVision(VisionModel):
         super().__init__()
         self.visual = QwenVisionTower(config, temporal_patch)
         self.format = image_format
+        self.deep_layers = len(config.deepstack)
 
     def fitted(self, processor: Processor) -> Processor:
         """Qwen2VLImageProcessor, its patches and merged blocks the tower's; the format then allows its largest
@@ -327,9 +327,10 @@ class QwenVision(VisionModel):
         return self.visual.merger.linear_fc1.weight.dtype
 
     def __call__(self, pixels: mx.array) -> mx.array:
-        """One image's pixel_values (1, 3, H, W) -> (1, tokens, text hidden), tokens row by row."""
-        tokens, _ = self.visual(pixels[0].astype(self._dtype))
-        return tokens[None]
+        """One image's pixel_values (1, 3, H, W) -> (1, tokens, text hidden), tokens row by row; with deepstack,
+        each token's features for the first layers follow its own (1, tokens, (1 + deep_layers) * text hidden)."""
+        tokens, deep = self.visual(pixels[0].astype(self._dtype))
+        return mx.concatenate([tokens, *deep], axis=-1)[None]
 
 
 _PREFIXES = {"model.visual.": "visual.", "visual.": "visual.", "vision_tower.": "visual."}

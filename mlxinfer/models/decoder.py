@@ -53,6 +53,15 @@ class Placed(Protocol):
         ...
 
     @property
+    def deep_layers(self) -> int:
+        """The first layers after which deepstack features add to the image tokens' hidden states (Qwen3-VL)."""
+        ...
+
+    def deepened(self, layer: int, h: mx.array) -> mx.array:
+        """`h` (1, chunk, hidden) after layer `layer`, the images' deepstack features for it added at their tokens."""
+        ...
+
+    @property
     def positions(self) -> mx.array | None:
         """(3, chunk) time, row and column positions of the chunk's tokens, for M-RoPE (models/shared_layers.py); None
         where the model's images take one position a token."""
@@ -108,9 +117,12 @@ class DecoderLM(nn.Module):
                 start = layer_cache.key_start(h.shape[1]) if layer_cache is not None else 0
                 blocks = images.blocks_for(kind) if images else ()
                 masks[kind] = self.mask(h.shape[1], offset, kind, padding, start, blocks)
-        for layer, kind, layer_cache in zip(self.layers, self.layout.layer_types, caches):
+        deep = images.deep_layers if images is not None else 0
+        for i, (layer, kind, layer_cache) in enumerate(zip(self.layers, self.layout.layer_types, caches)):
             # Recurrent layers need no mask: each row is prefilled alone and keeps its own state.
             h = layer(h, masks.get(kind), layer_cache)
+            if i < deep:
+                h = images.deepened(i, h)
         if self.stage is not None:
             h = self.stage.finish(h)
         return getattr(self.model, self.layout.final_norm)(h)

@@ -4,8 +4,8 @@ Gemma 3 (`gemma3`, Gemma3ForConditionalGeneration) and Qwen3.5 (`qwen3_5`,
 Qwen3_5ForConditionalGeneration) keep a complete decoder under text_config and
 `language_model` tensor prefixes; with text-only prompts the full model computes
 exactly that decoder. The image half is models/vision.py's, for the families whose
-file has a VISION builder (Gemma 3 and 4, SmolVLM, Mistral 3); for the others the vision tensors are never read
-(MLX maps tensors lazily and they are dropped unevaluated), and one log line says so.
+file has a VISION builder (Gemma 3 and 4, SmolVLM, Mistral 3, Qwen3.5, Qwen3-VL); for the others the vision
+tensors are never read (MLX maps tensors lazily and they are dropped unevaluated), and one log line says so.
 """
 
 from __future__ import annotations
@@ -97,6 +97,13 @@ WRAPPERS: dict[str, Wrapper] = {
     ),
     "qwen3_5_moe": Wrapper(
         "qwen3_5_moe_text",
+        tied_by_default=False,
+        text_prefixes=_LANGUAGE_MODEL,
+        vision_prefixes=_QWEN_VISUAL,
+        flat_text=True,
+    ),
+    "qwen3_vl": Wrapper(
+        "qwen3_vl_text",
         tied_by_default=False,
         text_prefixes=_LANGUAGE_MODEL,
         vision_prefixes=_QWEN_VISUAL,

@@ -28,6 +28,7 @@ SHARED_FILES = {
     "olmo2": "olmo3",  # OLMo 3 is OLMo 2 with sliding layers
     "qwen3_5_text": "qwen3_next",  # Qwen3.5: Qwen3-Next's Gated DeltaNet hybrid without experts
     "qwen3_5_moe_text": "qwen3_next",  # and with Qwen3.5's experts
+    "qwen3_vl_text": "qwen3",  # Qwen3-VL's text model: Qwen3 with M-RoPE
     "glm4_moe": "deepseek_v3",  # GLM-4.5 routes as DeepSeek-V3 does (the same router and checks)
 }
 

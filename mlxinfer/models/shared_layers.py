@@ -94,21 +94,37 @@ class MRoPE:
         return mx.concatenate([*(t.astype(x.dtype) for t in turned), x[..., self.dims :]], axis=-1)
 
 
-def mrope_sections(args: dict[str, Any], half: int, source: str) -> tuple[int, int, int] | None:
+def mrope_sections(
+    args: dict[str, Any], half: int, source: str, default: tuple[int, int, int] | None = None
+) -> tuple[int, int, int] | None:
     """The text config's mrope_section (rope_parameters, or rope_scaling in older configs), checked to cover the
-    rotated half `half`; None where the config has none (a text model rotated by one position)."""
+    rotated half `half`; `default` where the config has none (None: a text model rotated by one position)."""
     for key in ("rope_parameters", "rope_scaling"):
         params = args.get(key)
         if isinstance(params, dict) and "mrope_section" in params:
             sections = params["mrope_section"]
             break
     else:
+        sections = list(default) if default is not None else None
+    if sections is None:
         return None
     if not (isinstance(sections, list) and len(sections) == 3 and all(is_int(s) and s >= 0 for s in sections)):
         raise ConfigError(f"{source}: mrope_section must be 3 non-negative integers, got {shown(sections)}")
     if sum(sections) != half:
         raise ConfigError(f"{source}: mrope_section {sections} must add up to the rotated frequencies, {half}")
     return tuple(sections)  # type: ignore[return-value]
+
+
+def shared_mrope(model: DecoderLM, args: dict[str, Any], dims: int, source: str,
+                 default: tuple[int, int, int] | None = None) -> MRoPE | None:  # fmt: skip
+    """The model's one M-RoPE (made on first call, for `dims` rotated features), which every attention layer
+    shares; None where the config states no mrope_section and there is no `default`."""
+    sections = mrope_sections(args, dims // 2, source, default)
+    if sections is None:
+        return None
+    if model.mrope is None:
+        model.mrope = MRoPE(dims, args["rope_theta"], sections)
+    return model.mrope
 
 
 class ScaledRMSNorm(nn.RMSNorm):

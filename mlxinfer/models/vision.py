@@ -81,6 +81,9 @@ class VisionModel(nn.Module):
     # `convert` keeps the image half (convert/vision_half.py) only where mlx-lm can still load the output's text
     # model (it has a module for the wrapper, as for Gemma 3); others convert to their text model alone.
     converts_whole = False
+    # Text layers after which the image tokens' hidden states get more of the tower's features (Qwen3-VL's
+    # deepstack): the embeddings then hold, after each token's own, one more hidden-wide set per such layer.
+    deep_layers = 0
 
     def __init__(self) -> None:
         super().__init__()
