@@ -97,7 +97,7 @@ class FolderSource:
         # (convert/vision_half.py); otherwise it converts to its text model (the tower skipped, with one line).
         whole = open_folder(folder)
         self.vision = VisionHalf.of(whole)
-        why = "the output holds the text model alone (convert keeps images for Gemma 3 only)"
+        why = "the output holds the text model alone (convert keeps the image half where mlxinfer reads its images)"
         checkpoint: Checkpoint = text_checkpoint(whole, self.vision is not None, why)
         self.folder = folder
         self.description = description or str(folder)

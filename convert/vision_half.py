@@ -70,6 +70,11 @@ def wrapped(source: Any, text: dict[str, Any]) -> dict[str, Any]:
     drop = ("quantization", "quantization_config", "torch_dtype")
     out = {k: v for k, v in vision.config.items() if k not in drop}  # the wrapper's architectures kept
     out["text_config"] = {k: v for k, v in text.items() if k not in (*drop, "architectures")}
+    # A family's mlx-lm form may rename the text model_type to the wrapper's (Qwen3.5: qwen3_5, read flat); nested,
+    # it stays the source's (mlx-lm's wrapper modules read text_config whatever it says).
+    source_text = vision.config.get("text_config")
+    if isinstance(source_text, dict) and "model_type" in source_text:
+        out["text_config"]["model_type"] = source_text["model_type"]
     if "mm_tokens_per_image" in vision.config:  # mlx-vlm's Gemma 3 reads it from text_config (else 256)
         out["text_config"]["mm_tokens_per_image"] = vision.config["mm_tokens_per_image"]
     if "vocab_size" in text:  # mlx-lm's gemma3 reads it here (its default is Gemma 3's 262,208)

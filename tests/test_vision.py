@@ -537,15 +537,18 @@ def test_a_quantized_vision_conversion_runs_its_text_in_mlx_lm_and_its_images_he
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mistral3", "gemma4_vision"])
-def test_a_converted_vision_model_keeps_its_float_tower_and_mlx_lm_runs_its_text(tmp_path, name):
+# Qwen3.5's tiny Gated DeltaNet model moves its logits by up to 2.9 at 8 bits (its text-only fixture by 0.9), past
+# its greedy margins: it converts unquantized, so its answer about the image is transformers' exactly.
+@pytest.mark.parametrize(("name", "bits"), [("mistral3", 8), ("gemma4_vision", 8), ("qwen3_5_vision", 16),
+                                            ("qwen3_vl_vision", 8)])  # fmt: skip
+def test_a_converted_vision_model_keeps_its_float_tower_and_mlx_lm_runs_its_text(tmp_path, name, bits):
     from mlx.utils import tree_flatten
     from mlxinfer.convert import convert
 
     from tests.test_mlx_lm_roundtrip import mlx_lm_greedy
 
-    source, out = TINY / name, tmp_path / "8bit"
-    convert(source, out, bits=8, dtype="float32", evaluate=False, progress=False)
+    source, out = TINY / name, tmp_path / "converted"
+    convert(source, out, bits=bits, dtype="float32", evaluate=False, progress=False)
     ours = mlxinfer.load(out)
     ids = ours.tokenizer.encode("Who wrote the first compiler? She")
     assert mlx_lm_greedy(out, ids, 8) == ours.generate(ids, max_tokens=8).token_ids

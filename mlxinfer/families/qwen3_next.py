@@ -247,6 +247,12 @@ def _stack_experts(weights: dict[str, mx.array], num_experts: int) -> dict[str, 
     return weights
 
 
+def _mlx_lm_form(module: str, config: ModelConfig) -> dict[str, Any]:
+    """mlx-lm's qwen3_5 modules read a flat text config, and place full attention by the interval alone (default 4,
+    whatever layer_types says)."""
+    return {"model_type": module, "full_attention_interval": config.args["full_attention_interval"]}
+
+
 _LINEAR_HYBRID = dict(
     sliding="declared",
     gated_queries=True,
@@ -273,7 +279,7 @@ SPECS = {
         check_config=check_qwen3_5_text,
         adapt=adapt,
         hf_class="Qwen3_5ForCausalLM",
-        mlx_lm_form=lambda config: {"model_type": "qwen3_5"},  # its qwen3_5 reads a flat text config
+        mlx_lm_form=partial(_mlx_lm_form, "qwen3_5"),
         **_LINEAR_HYBRID,
     ),
     "qwen3_5_moe_text": ArchSpec(
@@ -281,7 +287,7 @@ SPECS = {
         defaults=QWEN3_5_MOE_DEFAULTS,
         check_config=check_qwen3_5_moe,
         adapt=adapt_moe,
-        mlx_lm_form=lambda config: {"model_type": "qwen3_5_moe"},  # no qwen3_5_moe_text in mlx-lm either
+        mlx_lm_form=partial(_mlx_lm_form, "qwen3_5_moe"),  # no qwen3_5_moe_text in mlx-lm either
         **_LINEAR_HYBRID,
     ),
 }
@@ -291,6 +297,8 @@ SPECS = {
 
 class QwenVision(VisionModel):
     """Qwen3.5's and Qwen3-VL's image half: the tower with its mergers (the projector is the merger)."""
+
+    converts_whole = True  # mlx-lm's qwen3_5 and qwen3_vl modules read the wrapper's layout (and drop the tower)
 
     def __init__(self, config: QwenVisionConfig, temporal_patch: int, image_format: ImageFormat):
         super().__init__()
