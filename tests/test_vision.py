@@ -214,6 +214,19 @@ def test_a_qwen_follow_up_resumes_past_its_images_at_their_shifted_positions(qwe
     assert resumed.token_ids == qwen.chat(follow_up, max_tokens=8, use_cache=False).token_ids
 
 
+def test_qwen_verifies_drafts_at_its_image_shifted_positions():
+    # The draft model reads the image tokens as text (no tower of its own), so it drafts wrong often: each rejection
+    # rewinds the target's recurrent layers and feeds them again, at the row's shifted positions.
+    model = mlxinfer.load(TINY / "qwen3_5_vision", draft_model=TINY / "qwen3_5_vision", prefix_cache_bytes=0)
+    drafted = model.chat(messages("two"), max_tokens=24, speculate="draft", use_cache=False)
+    plain = model.chat(messages("two"), max_tokens=24, speculate="off", use_cache=False)
+    assert (
+        drafted.token_ids == plain.token_ids
+        and drafted.token_ids[:8] == golden("two", "greedy", "qwen3_5_vision").tolist()
+    )
+    assert drafted.stats.drafted_tokens > drafted.stats.accepted_tokens > 0
+
+
 @pytest.mark.parametrize("name", ["gemma3_vision", "qwen3_5_vision"])
 def test_rows_with_and_without_images_decode_in_one_batch_as_each_alone(name, scheduler_for, request):
     # Qwen3.5's rows decode at positions their images shifted, each its own (the portrait's by -48, the two's by -46).
