@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from mlxinfer.models.gemma4_vision import Gemma4VisionConfig, Gemma4VisionTower
 from mlxinfer.models.pixtral import PixtralConfig, PixtralVisionTower
+from mlxinfer.models.qwen_vision import QwenVisionConfig, QwenVisionTower
 from mlxinfer.models.siglip import SiglipConfig, SiglipVisionTower
 
 
@@ -55,11 +56,20 @@ def _gemma4(config: Gemma4VisionConfig, rows: int, cols: int) -> Case:
                 lambda tower, size: config.activation_bytes(patches, size))  # fmt: skip
 
 
+def _qwen(config: QwenVisionConfig, side: int) -> Case:
+    patches = (side // config.patch_size) ** 2
+    return Case(f"Qwen3-VL {config.hidden_size}x{config.depth} at {side} px ({patches} patches)",
+                lambda: QwenVisionTower(config, 2), (side, side),
+                lambda tower, size: config.activation_bytes(patches, size))  # fmt: skip
+
+
 CASES = [
     _siglip(SiglipConfig(768, 3072, 12, 12, 512, 16)),  # SmolVLM-256M
     _siglip(SiglipConfig(1152, 4304, 27, 16, 896, 14)),  # Gemma 3 4B-27B
     _gemma4(Gemma4VisionConfig(768, 3072, 16, 12, 12, 64, 16, 3, 10240), 42, 60),  # 280 tokens, 14 x 20
     _pixtral(PixtralConfig(1024, 4096, 24, 16, 14, hidden_act="silu"), 1022),  # Mistral Small 3.1
+    # Qwen3-VL-2B's tower (deepstack after blocks 5, 11, 17) at 1,024 pixels a side: 4,096 patches, 1,024 tokens.
+    _qwen(QwenVisionConfig(24, 1024, 4096, 16, 16, 2, 2048, 48, deepstack=(5, 11, 17)), 1024),
 ]
 
 
