@@ -196,6 +196,20 @@ def test_qwen3_next_classic_and_rope_parameters_forms_normalize_the_same():
         assert a.args[key] == b.args[key], key
 
 
+def test_qwen3_vl_hub_and_transformers_5_forms_keep_the_same_mrope_sections():
+    # The Hub's Qwen3-VL configs (transformers 4.57) put the sections in rope_scaling, whose "default" type is no
+    # scaling at all; transformers 5 writes rope_parameters. Both keep them for M-RoPE.
+    tf5 = config("qwen3_vl")
+    text = tf5["text_config"]
+    rope = text["rope_parameters"]
+    hub_text = {k: v for k, v in text.items() if k != "rope_parameters"}
+    hub_text |= {"rope_theta": rope["rope_theta"], "rope_scaling": {"mrope_interleaved": True,
+                 "mrope_section": rope["mrope_section"], "rope_type": "default"}}  # fmt: skip
+    a, b = normalize_config(tf5), normalize_config({**tf5, "text_config": hub_text})
+    assert a.args["mrope_section"] == b.args["mrope_section"] == [4, 2, 2]
+    assert a.args["rope_theta"] == b.args["rope_theta"] == 10000.0 and a.args["rope_scaling"] is b.args["rope_scaling"]
+
+
 def test_partial_rotary_defaults_to_a_quarter_for_qwen3_next_and_stays_refused_elsewhere():
     raw = config("qwen3_5")
     raw["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}  # transformers' default: 0.25

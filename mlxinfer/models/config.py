@@ -361,6 +361,11 @@ def _rope_args(args: dict[str, Any], source: str, spec: ArchSpec) -> dict[str, A
             out["partial_rotary_factor"] = rope_value(params, "partial_rotary_factor", 1.0, source)
     else:
         out["rope_scaling"] = rope_scaling(args.get("rope_scaling"), source, spec, args)
+    # Qwen's M-RoPE sections ride in either form's RoPE object (Qwen3-VL's Hub configs: rope_scaling, whose default
+    # type reads as no scaling); kept under their own key for models/shared_layers.mrope_sections.
+    stated = params if params is not None else args.get("rope_scaling")
+    if isinstance(stated, dict) and "mrope_section" in stated:
+        out["mrope_section"] = stated["mrope_section"]
     if out.get("partial_rotary_factor", args.get("partial_rotary_factor", 1.0)) != 1.0 and not spec.partial_rotary:
         families = ", ".join(sorted(t for t, s in ARCHITECTURES.items() if s.partial_rotary))
         raise UnsupportedModelError(f"{source}: partial_rotary_factor is only supported for {families}")

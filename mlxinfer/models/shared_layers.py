@@ -97,15 +97,10 @@ class MRoPE:
 def mrope_sections(
     args: dict[str, Any], half: int, source: str, default: tuple[int, int, int] | None = None
 ) -> tuple[int, int, int] | None:
-    """The text config's mrope_section (rope_parameters, or rope_scaling in older configs), checked to cover the
-    rotated half `half`; `default` where the config has none (None: a text model rotated by one position)."""
-    for key in ("rope_parameters", "rope_scaling"):
-        params = args.get(key)
-        if isinstance(params, dict) and "mrope_section" in params:
-            sections = params["mrope_section"]
-            break
-    else:
-        sections = list(default) if default is not None else None
+    """The text config's mrope_section (from rope_parameters or rope_scaling: models/config.py keeps it), checked
+    to cover the rotated half `half`; `default` where the config has none (None: a text model rotated by one
+    position)."""
+    sections = args.get("mrope_section", list(default) if default is not None else None)
     if sections is None:
         return None
     if not (isinstance(sections, list) and len(sections) == 3 and all(is_int(s) and s >= 0 for s in sections)):
