@@ -51,9 +51,9 @@ def golden(case: str, key: str, family: str = "gemma3_vision") -> np.ndarray:
 
 # Each family with images, its fixture's transformers outputs: Gemma 3 (one frame an image, bidirectional within it)
 # SmolVLM (tiles by the image's size, each a frame; causal), also under its v1 name Idefics3, Mistral 3 (one
-# frame an image, in its own shape; a run of tokens a row), Gemma 4 (bidirectional in its sliding layers) and Qwen3.5
-# (sized by pixels; M-RoPE: image tokens at 2-D positions; also with its MoE text model) and Qwen3-VL (the same, and deepstack features added in
-# its first two layers). The same cases and images for all.
+# frame an image, in its own shape; a run of tokens a row), Gemma 4 (bidirectional in its sliding layers), Qwen3.5
+# (sized by pixels; M-RoPE: image tokens at 2-D positions; also with its MoE text model) and Qwen3-VL (the same, and
+# deepstack features added in its first two layers). The same cases and images for all.
 FAMILIES = ["gemma3_vision", "smolvlm", "idefics3", "mistral3", "gemma4_vision", "qwen3_5_vision", "qwen3_5_moe_vision",
             "qwen3_vl_vision"]  # fmt: skip
 FAMILY_GOLDEN = {name: mx.load(str(TINY / name / "golden_image.safetensors")) for name in FAMILIES}
