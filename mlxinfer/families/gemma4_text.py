@@ -362,7 +362,7 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
     both_ways = text.get("use_bidirectional_attention") == "vision"  # the larger models': sliding layers only
     image_format = ImageFormat(IMAGE, token, MOST_TOKENS, bidirectional=both_ways,
                                expansion=lambda layout: BOI + IMAGE * _tokens(layout) + EOI,
-                               frame_runs=lambda layout: (_tokens(layout),), bidirectional_in=(SLIDING,))  # fmt: skip
+                               frame_runs=lambda layout: [(_tokens(layout),)], bidirectional_in=(SLIDING,))  # fmt: skip
     model = Gemma4Vision(tower, text["hidden_size"], image_format)
     kept = {k: v for k, v in weights.items() if k.startswith(tuple(IMAGE_PREFIXES))}
     load_checked(model, renamed(kept, IMAGE_PREFIXES, ""), dtype, source,

@@ -230,10 +230,10 @@ def _mistral3_expansion(layout: Layout) -> str:
     return ("[IMG]" * cols + "[IMG_BREAK]") * (rows - 1) + "[IMG]" * cols + "[IMG_END]"
 
 
-def _mistral3_runs(layout: Layout) -> tuple[int, ...]:
-    """The frame's runs of [IMG]: one a row, the breaks between them text."""
+def _mistral3_runs(layout: Layout) -> list[tuple[int, ...]]:
+    """The one frame's runs of [IMG]: one a row, the breaks between them text."""
     rows, cols = _rows_of_tokens(layout)
-    return (cols,) * rows
+    return [(cols,) * rows]
 
 
 def mistral3_vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, source: str) -> Mistral3Vision:

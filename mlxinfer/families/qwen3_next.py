@@ -368,7 +368,7 @@ def qwen_vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dty
         tokens_per_frame=1,  # until fitted to the processor, whose max_pixels bound an image's tokens
         bidirectional=False,
         expansion=_expansion,
-        frame_runs=lambda layout: (math.prod(_grid(layout)),),
+        frame_runs=lambda layout: [(math.prod(_grid(layout)),)],
         grid_positions=True,
     )
     model = QwenVision(config, temporal, image_format)

@@ -66,6 +66,12 @@ _SMOLVLM = Wrapper(
     text_prefixes=(("model.text_model.", "model."),),
     vision_prefixes=("model.vision_model.", "model.connector.", "vision_model.", "connector."),
 )
+_LFM2_VL = Wrapper(
+    "lfm2",
+    tied_by_default=True,  # Lfm2VlConfig's default
+    text_prefixes=_LANGUAGE_MODEL,
+    vision_prefixes=_TOWER_AND_PROJECTOR,
+)
 WRAPPERS: dict[str, Wrapper] = {
     "gemma3": Wrapper(
         "gemma3_text",
@@ -131,6 +137,8 @@ WRAPPERS: dict[str, Wrapper] = {
             "embed_audio.",
         ),
     ),
+    "lfm2_vl": _LFM2_VL,
+    "lfm2-vl": _LFM2_VL,  # the Hub's LFM2-VL configs spell it so (mlx-lm's module too)
     "smolvlm": _SMOLVLM,
     # Idefics3ForConditionalGeneration: SmolVLM's model under its first name (SmolVLM v1 checkpoints say it).
     "idefics3": _SMOLVLM,

@@ -2,15 +2,19 @@
 
 Gemma 3's tower; SmolVLM / Idefics3 and PaliGemma use the same one. Patches are cut by a strided convolution,
 given learned positions, run through pre-norm encoder layers with full (unmasked) attention, and normed once more.
+SigLIP2's NaFlex tower (LFM2-VL's) reads a frame of any size: its patches go through a linear layer and its square
+grid of learned positions is resized to the frame's patches (bilinear, antialiased), the same layers after that.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..errors import ConfigError, UnsupportedModelError
 from ..untrusted import shown
@@ -60,12 +64,13 @@ class SiglipConfig:
     def patches_per_side(self) -> int:
         return self.image_size // self.patch_size
 
-    def activation_bytes(self, frames: int, dtype_size: int) -> int:
-        """The most the tower holds beyond its weights while `frames` frames run through it together: one layer's
-        attention scores and their softmax (float32, every head: what a CPU's attention materializes), about eight
-        hidden-wide arrays a token (the residual, the norm, queries, keys, values, attention out, projections) and
-        the MLP's two widest, for every frame. Measured on SmolVLM-256M's tower here: 129 MiB a frame, this 144."""
-        n = self.patches_per_side**2
+    def activation_bytes(self, frames: int, dtype_size: int, patches: int | None = None) -> int:
+        """The most the tower holds beyond its weights while `frames` frames (of `patches` patches; default: the
+        image's) run through it together: one layer's attention scores and their softmax (float32, every head: what
+        a CPU's attention materializes), about eight hidden-wide arrays a token (the residual, the norm, queries, keys,
+        values, attention out, projections) and the MLP's two widest, for every frame. Measured on SmolVLM-256M's
+        tower here: 129 MiB a frame, this 144."""
+        n = self.patches_per_side**2 if patches is None else patches
         scores = 2 * self.num_attention_heads * n * n * 4
         per_token = (8 * self.hidden_size + 2 * self.intermediate_size) * dtype_size
         return frames * (scores + n * per_token)
@@ -148,3 +153,60 @@ class SiglipVisionTower(nn.Module):
         for layer in self.encoder.layers:
             h = layer(h)
         return self.post_layernorm(h)
+
+
+class NaflexEmbeddings(nn.Module):
+    """Siglip2VisionEmbeddings: patches (each patch x patch x RGB, row by row) through a linear layer, plus the learned
+    grid of positions (`patches_per_side` a side) resized to the frame's patches."""
+
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        self.patch = config.patch_size
+        self.patch_embedding = nn.Linear(3 * config.patch_size**2, config.hidden_size)
+        self.position_embedding = nn.Embedding(config.patches_per_side**2, config.hidden_size)
+
+    def __call__(self, pixels: mx.array) -> tuple[mx.array, int, int]:
+        """(3, H, W) -> (patches, hidden), and the frame's rows and columns of patches."""
+        p, (_, height, width) = self.patch, pixels.shape
+        rows, cols = height // p, width // p
+        patches = pixels.reshape(3, rows, p, cols, p).transpose(1, 3, 2, 4, 0).reshape(rows * cols, p * p * 3)
+        return self.patch_embedding(patches) + self._positions(rows, cols), rows, cols
+
+    def _positions(self, rows: int, cols: int) -> mx.array:
+        """(rows * cols, hidden): the grid resized along each axis in turn (resizing is linear, so this is the
+        two-axis resize transformers computes at once)."""
+        table = self.position_embedding.weight
+        side, width = math.isqrt(table.shape[0]), table.shape[1]
+        by_row = mx.array(_antialiased(rows, side)) @ table.astype(mx.float32).reshape(side, side * width)
+        grid = by_row.reshape(rows, side, width).swapaxes(1, 2) @ mx.array(_antialiased(cols, side)).T
+        return grid.swapaxes(1, 2).reshape(rows * cols, width).astype(table.dtype)
+
+
+def _antialiased(size: int, side: int) -> np.ndarray:
+    """(size, side) weights resizing a `side`-long axis to `size` points: F.interpolate(mode="bilinear",
+    align_corners=False, antialias=True), as Siglip2VisionEmbeddings.resize_positional_embeddings writes it out (in
+    float32, as there): a triangle as wide as the step when shrinking, each row's weights summing to one."""
+    scale = np.float32(side) / np.float32(size)
+    support = max(scale, np.float32(1))
+    center = (np.arange(size, dtype=np.float32) + np.float32(0.5)) * scale - np.float32(0.5)
+    weights = np.clip(1 - np.abs(np.arange(side, dtype=np.float32)[None] - center[:, None]) / support, 0, None)
+    return (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
+
+
+class NaflexTower(nn.Module):
+    """SigLIP2's NaFlex tower without its head (Siglip2VisionModel): one frame (3, H, W), whole patches a side ->
+    (rows, cols, hidden), post-normed."""
+
+    def __init__(self, config: SiglipConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = NaflexEmbeddings(config)
+        self.encoder = Encoder(config)
+        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        h, rows, cols = self.embeddings(pixels)
+        h = h[None]
+        for layer in self.encoder.layers:
+            h = layer(h)
+        return self.post_layernorm(h[0]).reshape(rows, cols, -1)

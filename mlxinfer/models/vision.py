@@ -50,9 +50,10 @@ class ImageFormat:
     # The text each placeholder becomes before tokenizing, for an image cut into Layout (rows, cols): the image
     # tokens and their markers (Gemma3Processor's full_image_sequence, SmolVLM's get_image_prompt_string).
     expansion: Callable[[Layout], str]
-    # Where an image's frame is not one run of image tokens (Pixtral ends each row of tokens with [IMG_BREAK]): the
-    # lengths of the runs of its one frame, for its Layout. None: every frame is one run of tokens_per_frame.
-    frame_runs: Callable[[Layout], tuple[int, ...]] | None = None
+    # Where an image's frames are not each one run of tokens_per_frame (Pixtral ends each row of tokens with
+    # [IMG_BREAK]; Qwen's and LFM2-VL's frames take tokens by their size): the lengths of each frame's runs, for its
+    # Layout. None: every frame is one run of tokens_per_frame.
+    frame_runs: Callable[[Layout], list[tuple[int, ...]]] | None = None
     # Where `bidirectional` holds only in some layer types (Gemma 4: its sliding layers), those; None: in all.
     bidirectional_in: tuple[str, ...] | None = None
     # An image's tokens take (time, row, column) positions from where it starts, and the text after it goes on from
@@ -62,7 +63,7 @@ class ImageFormat:
     def runs(self, layout: Layout) -> list[tuple[int, ...]]:
         """The run lengths of each frame of an image cut as `layout`."""
         if self.frame_runs is not None:
-            return [self.frame_runs(layout)]
+            return self.frame_runs(layout)
         return [(self.tokens_per_frame,)] * layout.frames
 
     def __post_init__(self) -> None:

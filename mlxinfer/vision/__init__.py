@@ -29,6 +29,7 @@ from .preprocess import (
     PixelRangeProcessor,
     Processor,
     SplitProcessor,
+    TileProcessor,
     digest,
     processor_from_folder,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "PixelRangeProcessor",
     "Processor",
     "SplitProcessor",
+    "TileProcessor",
     "Limits",
     "Opened",
     "base64_bytes",

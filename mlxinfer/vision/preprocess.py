@@ -291,6 +291,95 @@ class PixelRangeProcessor:
         return self.max_pixels // (self.patch * self.merge) ** 2
 
 
+@dataclass(frozen=True)
+class TileProcessor:
+    """LFM2-VL's (Lfm2VlImageProcessor): an image brought within [min_tokens, max_tokens] tokens of `patch` x `merge`
+    pixels, its shape kept, is one frame; one past `tolerance` times the most pixels is cut into `tile`-pixel tiles
+    (min_tiles to max_tiles, the grid nearest its shape) followed by that frame as a thumbnail. Frames differ in size:
+    `frames` gives a list."""
+
+    patch: int
+    merge: int
+    min_tokens: int
+    max_tokens: int
+    tile: int
+    min_tiles: int
+    max_tiles: int
+    tolerance: float
+    split: bool = True
+    resample: int = 2
+    normalized: Normalization = Normalization()
+
+    def layout(self, width: int, height: int) -> Layout:
+        """Tiles (rows, cols; 0 where the image is one frame) and the whole frame's token grid, from its size.
+        ImageError past max_tokens (a strip so thin that a side stays one token however far the other shrinks)."""
+        rows, cols = self._tiles(height, width)
+        frame_height, frame_width = self._sized(height, width)
+        side = self.patch * self.merge
+        tokens = (frame_height // side) * (frame_width // side)
+        if tokens > self.max_tokens:
+            raise ImageError(
+                f"an image this long and thin would take {tokens} tokens, more than {self.max_tokens}; crop it"
+            )
+        return Layout(rows, cols, grid=(frame_height // side, frame_width // side))
+
+    def frames(self, rgb: np.ndarray) -> list[np.ndarray]:
+        """float32 (3, H, W) frames: the tiles row by row, then the whole image (or the whole image alone)."""
+        height, width = rgb.shape[:2]
+        rows, cols = self._tiles(height, width)
+        frames = []
+        if rows:
+            grid = _resized(rgb, cols * self.tile, rows * self.tile, self.resample)
+            t = self.tile
+            frames = [self.normalized(grid[r * t : (r + 1) * t, c * t : (c + 1) * t]) for r in range(rows)
+                      for c in range(cols)]  # fmt: skip
+        frame_height, frame_width = self._sized(height, width)
+        return [*frames, self.normalized(_resized(rgb, frame_width, frame_height, self.resample))]
+
+    @property
+    def tile_tokens(self) -> int:
+        return math.ceil(self.tile // self.patch / self.merge) ** 2
+
+    def _sized(self, height: int, width: int) -> tuple[int, int]:
+        """Lfm2VlImageProcessor.smart_resize: (height, width), each side whole tokens (Python's round: halves to
+        even, as there)."""
+        factor = self.patch * self.merge
+        low, high = self.min_tokens * factor**2, self.max_tokens * factor**2
+        h_bar, w_bar = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+        if h_bar * w_bar > high:
+            beta = math.sqrt(height * width / high)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < low:
+            beta = math.sqrt(low / (height * width))
+            h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def _tiles(self, height: int, width: int) -> tuple[int, int]:
+        """(rows, cols) of tiles, (0, 0) where the image is not cut: _is_image_too_large, then _get_grid_layout."""
+        factor = self.patch * self.merge
+        h_bar = max(self.patch, round(height / factor) * factor)
+        w_bar = max(self.patch, round(width / factor) * factor)
+        if not self.split or h_bar * w_bar <= self.max_tokens * factor**2 * self.tolerance:
+            return 0, 0
+        cols, rows = _closest_grid(width / height, width * height, self.tile, self.min_tiles, self.max_tiles)
+        return rows, cols
+
+
+def _closest_grid(aspect: float, area: int, tile: int, low: int, high: int) -> tuple[int, int]:
+    """find_closest_aspect_ratio over transformers' candidate grids (smallest first): (cols, rows)."""
+    grids = sorted({(w, h) for n in range(low, high + 1) for w in range(1, n + 1) for h in range(1, n + 1)
+                    if low <= w * h <= high}, key=lambda g: g[0] * g[1])  # fmt: skip
+    best, best_diff = (1, 1), float("inf")
+    for w, h in grids:
+        diff = abs(aspect - w / h)
+        if diff < best_diff:
+            best, best_diff = (w, h), diff
+        elif diff == best_diff and area > 0.5 * tile * tile * w * h:
+            best = (w, h)
+    return best
+
+
 def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndarray:
     """Pillow's resize of 8-bit RGB, as transformers' PIL processors do it (each step back to 8 bits)."""
     from PIL import Image
@@ -300,7 +389,7 @@ def _resized(rgb: np.ndarray, width: int, height: int, resample: int) -> np.ndar
     return np.asarray(Image.fromarray(rgb, "RGB").resize((width, height), resample=Image.Resampling(resample)))
 
 
-Processor = ImageProcessor | SplitProcessor | PatchProcessor | BudgetProcessor | PixelRangeProcessor
+Processor = ImageProcessor | SplitProcessor | PatchProcessor | BudgetProcessor | PixelRangeProcessor | TileProcessor
 
 
 def processor_from_folder(folder: Path) -> Processor:
@@ -318,6 +407,8 @@ def processor_from_folder(folder: Path) -> Processor:
         return _budget_processor(raw, str(path))
     if kind in ("Qwen2VLImageProcessor", "Qwen2VLImageProcessorFast"):
         return _pixel_range_processor(raw, str(path))
+    if kind in ("Lfm2VlImageProcessor", "Lfm2VlImageProcessorFast"):
+        return _tile_processor(raw, str(path))
     return ImageProcessor.from_config(raw, str(path))
 
 
@@ -392,9 +483,45 @@ def _pixel_range_processor(raw: dict[str, Any], source: str) -> PixelRangeProces
     return PixelRangeProcessor(low, high, patch, merge, fixed.resample, fixed.normalized)
 
 
-def digest(pixels: np.ndarray) -> bytes:
-    """The content hash of an image's pixel_values: equal for equal inputs to the vision tower, whatever file,
-    format or request they came from."""
+MAX_TOKENS = 16_384  # an LFM2-VL frame's: max_image_tokens is 256 in every released model
+
+
+def _tile_processor(raw: dict[str, Any], source: str) -> TileProcessor:
+    """Lfm2VlImageProcessor's settings (its defaults where absent). Tiles and tokens are bounded: at most 64 tiles of
+    at most MAX_SIDE pixels, at most MAX_TOKENS tokens a frame."""
+    settings = {"encoder_patch_size": 16, "downsample_factor": 2, "min_image_tokens": 64, "max_image_tokens": 256,
+                "tile_size": 512, "min_tiles": 2, "max_tiles": 10}  # fmt: skip
+    highs = {"min_image_tokens": MAX_TOKENS, "max_image_tokens": MAX_TOKENS, "min_tiles": 64, "max_tiles": 64}
+    values = {}
+    for key, default in settings.items():
+        value = raw.get(key, default)
+        high = highs.get(key, MAX_SIDE)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+            raise ConfigError(f"{source}: {key} must be an integer in [1, {high}], got {shown(value)}")
+        values[key] = value
+    tolerance = raw.get("max_pixels_tolerance", 2.0)
+    if not is_finite_number(tolerance) or not 0 < tolerance <= 64:
+        raise ConfigError(f"{source}: max_pixels_tolerance must be a number in (0, 64], got {shown(tolerance)}")
+    split = bool(raw.get("do_image_splitting", True))
+    if values["min_image_tokens"] > values["max_image_tokens"] or (split and values["min_tiles"] > values["max_tiles"]):
+        raise ConfigError(f"{source}: min_image_tokens and min_tiles must not pass their max_")
+    if split and (not raw.get("use_thumbnail", True) or values["min_tiles"] < 2):
+        raise UnsupportedModelError(f"{source}: splitting without a thumbnail, or into one tile, is not supported")
+    defaults = {"resample": 2}  # Lfm2VlImageProcessor's (bilinear), mean and std 0.5
+    fixed = ImageProcessor.from_config({**defaults, **raw, "size": {"height": 1, "width": 1}}, source)
+    return TileProcessor(values["encoder_patch_size"], values["downsample_factor"], values["min_image_tokens"],
+                         values["max_image_tokens"], values["tile_size"], values["min_tiles"], values["max_tiles"],
+                         float(tolerance), split, fixed.resample, fixed.normalized)  # fmt: skip
+
+
+def digest(pixels: np.ndarray | list[np.ndarray]) -> bytes:
+    """The content hash of an image's pixel_values (one array of frames, or a list of frames of different sizes):
+    equal for equal inputs to the vision tower, whatever file, format or request they came from."""
+    if not isinstance(pixels, np.ndarray):
+        h = hashlib.sha256(b"frames")
+        for frame in pixels:
+            h.update(digest(frame))
+        return h.digest()
     h = hashlib.sha256(repr((pixels.shape, str(pixels.dtype))).encode())
     h.update(np.ascontiguousarray(pixels).data)
     return h.digest()
