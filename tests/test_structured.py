@@ -410,3 +410,41 @@ def test_the_batch_mask_equals_llguidance_own_mask_per_row(model):
         reference = np.frombuffer(rows[i].matcher.compute_logit_bias(), dtype=np.uint8)[:size] > 0
         assert (allowed[i] == reference).all(), i
         assert 0 < allowed[i].sum() < size
+
+
+def next_bytes(model: mlxinfer.Model, grammar: Grammar, text: str) -> set[str]:
+    """What the grammar lets follow `text` (the tokenizer is byte-level: a token id below 256 is that byte), and
+    "EOS" where it may end there."""
+    constraint = constrain(model, grammar)
+    for byte in text.encode():
+        constraint.advance(byte)
+    allowed = np.flatnonzero(np.array(allowed_tokens([constraint], model.config.vocab_size)[0]))
+    return {chr(t) for t in allowed if t < 128} | ({"EOS"} if set(allowed) & set(model.eos_token_ids) else set())
+
+
+def test_json_numbers_stop_at_16_digits_and_10_decimals(model):
+    # The default model answered {"population_millions":1111111111... until max_tokens: any number of digits fit.
+    city = {"type": "object", "properties": {"people": {"type": "integer"}, "share": {"type": "number"}},
+            "required": ["people", "share"]}  # fmt: skip
+    digits = set("0123456789")
+    assert next_bytes(model, json_schema(city), '{"people":' + "9" * 15) >= digits
+    assert next_bytes(model, json_schema(city), '{"people":' + "9" * 16) == {","}  # share is required
+    assert next_bytes(model, json_schema(city), '{"people":1,"share":-0.' + "5" * 9) >= digits - {"0"}  # no trailing 0
+    assert next_bytes(model, json_schema(city), '{"people":1,"share":-0.' + "5" * 10) == {",", "}"}
+    # A schema's own bounds stand: wider ones (19 digits) still reach, a narrower one still holds.
+    wide = json_schema({"type": "integer", "maximum": 10**18, "minimum": 0})
+    assert next_bytes(model, wide, "9" * 16) >= digits and "-" not in next_bytes(model, wide, "")
+    assert next_bytes(model, json_schema({"type": "number", "maximum": 5, "minimum": 0}), "5") == {".", "EOS"}
+
+
+def test_number_bounds_are_added_only_where_the_schema_sets_none():
+    from mlxinfer.grammar.spec import MAX_INTEGER, bounded_numbers
+
+    schema = {"type": "object", "properties": {"n": {"type": ["integer", "null"]}, "x": {"type": "number",
+              "exclusiveMinimum": 0, "multipleOf": 0.5}, "s": {"type": "string"}}}  # fmt: skip
+    out = bounded_numbers(schema)
+    assert out["properties"]["n"] == {"type": ["integer", "null"], "minimum": -MAX_INTEGER, "maximum": MAX_INTEGER}
+    assert out["properties"]["x"] == {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.5,
+                                      "maximum": MAX_INTEGER}  # fmt: skip
+    assert out["properties"]["s"] == {"type": "string"} and schema["properties"]["n"] == {"type": ["integer", "null"]}
+    assert bounded_numbers({"type": "number", "minimum": -1e20}) == {"type": "number", "minimum": -1e20}

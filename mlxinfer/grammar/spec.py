@@ -42,7 +42,7 @@ def json_schema(schema: Any, where: str = "schema") -> Grammar:
     Example:
         >>> json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
     """
-    schema = schema_of(schema, where)
+    schema = bounded_numbers(schema_of(schema, where))
     return Grammar(
         "json_schema", _bounded(llguidance.LLMatcher.grammar_from_json_schema(schema, _COMPACT_JSON), where), where
     )
@@ -127,6 +127,36 @@ def closed_objects(schema: Any) -> Any:
     if closed.get("type") == "object" and "properties" in closed:
         closed.setdefault("additionalProperties", False)
     return closed
+
+
+# A number's digits, where the schema sets no bounds of its own: llama.cpp's schema grammar allows 16 before the
+# point and 16 after. llguidance takes the first as bounds and the second as a multipleOf, which it can write only
+# down to 1e-10 (a finer one's reciprocal is no whole float); exponents are then not written at all.
+MAX_INTEGER = 10**16 - 1
+NUMBER_STEP = 1e-10
+_LOWER, _UPPER = ("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")
+
+
+def bounded_numbers(schema: Any) -> Any:
+    """`schema` with every integer and number schema held to at most 16 digits before the point (and a number to 10
+    after it), each bound only where the schema sets none (its own bounds stand; where they pass 16 digits, nothing
+    is added). A tiny model asked for a number otherwise writes digits until max_tokens."""
+    if isinstance(schema, list):
+        return [bounded_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: bounded_numbers(value) for key, value in schema.items()}
+    types = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    own = [out[k] for k in (*_LOWER, *_UPPER) if isinstance(out.get(k), (int, float)) and not isinstance(out[k], bool)]
+    if ("integer" not in types and "number" not in types) or any(abs(v) > MAX_INTEGER for v in own):
+        return out
+    if not any(k in out for k in _LOWER):
+        out["minimum"] = -MAX_INTEGER
+    if not any(k in out for k in _UPPER):
+        out["maximum"] = MAX_INTEGER
+    if "number" in types and "multipleOf" not in out:
+        out["multipleOf"] = NUMBER_STEP
+    return out
 
 
 def _bounded(text: str, where: str) -> str:
