@@ -167,3 +167,27 @@ def test_embeddings_run_beside_a_generation_without_disturbing_it(server, client
             vectors = np.array([item.embedding for item in future.result().data])
             np.testing.assert_allclose(vectors, expected, atol=1e-6)
         assert generation.result().choices[0].text == alone.choices[0].text
+
+
+def test_ollama_client_embeds_as_v1_does_and_truncates_past_the_context(server, tiny_llama):
+    import ollama
+
+    client = ollama.Client(host=server.url, timeout=120)
+    llama = server.ids["llama"]
+    reply = client.embed(model=llama, input=["a", "hello there"])
+    reference = post(server, model=llama, input=["a", "hello there"], encoding_format="float").json()["data"]
+    assert reply.embeddings == [item["embedding"] for item in reference] and reply.model == llama
+    assert reply.prompt_eval_count == sum(len(tiny_llama.tokenizer.encode(t)) for t in ("a", "hello there"))
+    assert client.embed(model=llama, input="a").embeddings == reply.embeddings[:1]
+    # Ollama truncates an input past the context by default (its first tokens kept); asked not to, it refuses.
+    context = tiny_llama.context_tokens
+    long = "ab " * context
+    kept = tiny_llama.tokenizer.encode(long)[:context]
+    np.testing.assert_allclose(client.embed(model=llama, input=long).embeddings[0], tiny_llama.embed([kept])[0],
+                               atol=1e-6)  # fmt: skip
+    with pytest.raises(ollama.ResponseError, match=f"the model's context is {context} tokens") as refused:
+        client.embed(model=llama, input=long, truncate=False)
+    assert refused.value.status_code == 400
+    with pytest.raises(ollama.ResponseError, match="cannot give embeddings"):
+        client.embed(model=server.ids["starcoder2"], input="a")
+    assert client.embed(model=llama, input="still here").embeddings

@@ -1,17 +1,22 @@
-"""OpenAI's /v1/embeddings: a model's final hidden states, pooled and unit length (engine/embed.py).
+"""OpenAI's /v1/embeddings and Ollama's /api/embed: a model's final hidden states, pooled and unit length
+(engine/embed.py).
 
-Follows https://platform.openai.com/docs/api-reference/embeddings/create, plus `pooling` ("mean", the
-default, or "last"). The body is parsed and its texts tokenized (plain encode, no chat template) on the
-prepare workers; the forward passes run on a device thread, one request at a time, so neither the event
-loop nor a scheduler's thread waits on them. A client that leaves mid-request does not stop its passes:
-they run to the end (bounded by the limits below) and the answer is dropped.
+Follows https://platform.openai.com/docs/api-reference/embeddings/create, plus `pooling` ("mean", the default, or
+"last"); Ollama's body (`input`, `truncate`, `dimensions`; its `options` tune llama.cpp and are ignored, as there)
+answers in its shape (`embeddings`, durations in nanoseconds, errors as {"error": message}). The body is parsed
+and its texts tokenized (plain encode, no chat template) on the prepare workers; the forward passes run on a device
+thread, one request at a time, so neither the event loop nor a scheduler's thread waits on them. A client that
+leaves mid-request does not stop its passes: they run to the end (bounded by the limits below) and the answer is
+dropped.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -30,6 +35,7 @@ from ..errors import APIError
 from ..limits import WorkGate
 from ..model_pool import ServedModel
 from ..schema import parse_json
+from .ollama import NS, ollama_errors
 
 MAX_INPUTS = 256  # per request (OpenAI allows 2048; each of ours is a forward pass of its own)
 MAX_TOTAL_TOKENS = 32768  # per request, all inputs together
@@ -43,37 +49,64 @@ class EmbeddingRequest:
     encoding_format: str
     dimensions: int | None
     pooling: str
+    truncate: bool = False  # an input past the context keeps its first tokens (Ollama's), else it is refused
 
 
 def routes(api: API) -> list[Route]:
     passes = WorkGate(1, api.settings.prepare_queue)  # one request's forward passes at a time, the rest wait
 
-    async def embeddings(request: Request) -> Response:
-        raw = await read_body(request, api.settings)
-        trusted = api.trusted(request)
+    def handler(parsed: Callable[[bytes], EmbeddingRequest], reply: Callable[..., Response]) -> Callable:
+        async def embeddings(request: Request) -> Response:
+            raw = await read_body(request, api.settings)
+            trusted, started = api.trusted(request), time.perf_counter()
 
-        def everything() -> tuple[EmbeddingRequest, ServedModel | None, list[list[int]] | None]:
-            body = parse(raw)
-            served = api.models.acquire_loaded(body.model, trusted)  # held: never unloaded under its passes
+            def everything() -> tuple[EmbeddingRequest, ServedModel | None, list[list[int]] | None]:
+                body = parsed(raw)
+                served = api.models.acquire_loaded(body.model, trusted)  # held: never unloaded under its passes
+                try:
+                    return body, served, None if served is None else prepare(served.model, body)
+                except BaseException:
+                    if served is not None:
+                        api.models.release(served)
+                    raise
+
+            body, served, ids = await api.preparing.run(everything)
             try:
-                return body, served, None if served is None else prepare(served.model, body)
-            except BaseException:
+                if served is None:  # a model that must load first loads outside the gate, as core.API's
+                    served = await run_in_threadpool(api.models.acquire, body.model, trusted)
+                if ids is None:
+                    ids = await api.preparing.run(prepare, served.model, body, admitted=True)
+                return await passes.run(reply, served, ids, body, started)
+            finally:
                 if served is not None:
                     api.models.release(served)
-                raise
 
-        body, served, ids = await api.preparing.run(everything)
-        try:
-            if served is None:  # a model that must load first loads outside the gate, as core.API's
-                served = await run_in_threadpool(api.models.acquire, body.model, trusted)
-            if ids is None:
-                ids = await api.preparing.run(prepare, served.model, body, admitted=True)
-            return await passes.run(_answer, api, served, ids, body)
-        finally:
-            if served is not None:
-                api.models.release(served)
+        return embeddings
 
-    return [Route("/v1/embeddings", api.counted("embeddings", embeddings), methods=["POST"])]
+    return [
+        Route("/v1/embeddings", api.counted("embeddings", handler(parse, _answer)), methods=["POST"]),
+        Route(
+            "/api/embed",
+            api.counted("ollama_embed", ollama_errors(handler(parse_ollama, _ollama_answer))),
+            methods=["POST"],
+        ),  # fmt: skip
+    ]
+
+
+def parse_ollama(raw: bytes) -> EmbeddingRequest:
+    """Ollama's /api/embed body as the OpenAI one: `input` a string or a list of strings, `truncate` (default true:
+    an input past the context keeps its first tokens), `dimensions`. Errors name Ollama's fields."""
+    body = parse_json(raw)
+    if not isinstance(body.get("input"), (str, list)):
+        raise APIError(400, f"input must be a string or a list of strings, got {shown(body.get('input'))}", "input")
+    inputs = [body["input"]] if isinstance(body["input"], str) else body["input"]
+    if not all(isinstance(text, str) for text in inputs):
+        raise APIError(400, "input must be a string or a list of strings", "input")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise APIError(400, f"truncate must be true or false, got {shown(truncate)}", "truncate")
+    openai = {"model": body.get("model"), "input": inputs, "dimensions": body.get("dimensions")}
+    return replace(parse(json.dumps(openai).encode()), truncate=truncate)
 
 
 def parse(raw: bytes) -> EmbeddingRequest:
@@ -127,11 +160,15 @@ def prepare(model: Model, body: EmbeddingRequest) -> list[list[int]]:
     context, total, ids = model.context_tokens, 0, []
     for index, item in enumerate(body.items):
         if isinstance(item, str) and len(item) > context * MAX_CHARS_PER_TOKEN:  # cannot fit: not worth encoding
-            raise _too_long(index, f"{len(item)} characters", context)
+            if not body.truncate:
+                raise _too_long(index, f"{len(item)} characters", context)
+            item = item[: context * MAX_CHARS_PER_TOKEN]  # more than `context` tokens still: cut below
         try:
             one = _ids_of(model, item, index)
         except SamplingError as e:
             raise APIError(400, str(e), "input") from None
+        if len(one) > context and body.truncate:
+            one = one[:context]
         if len(one) > context:
             raise _too_long(index, f"{len(one)} tokens", context)
         total += len(one)
@@ -161,22 +198,9 @@ def _too_long(index: int, size: str, context: int) -> APIError:
     return APIError(400, message, "input", "context_length_exceeded")
 
 
-def _answer(api: API, served: ServedModel, ids: list[list[int]], body: EmbeddingRequest) -> Response:
+def _answer(served: ServedModel, ids: list[list[int]], body: EmbeddingRequest, started: float) -> Response:
     """Run the passes on a device thread and render the reply (on the calling worker, never the event loop)."""
-    model = served.model
-    try:
-        work = partial(
-            embed,
-            model.runtime.decoder,
-            ids,
-            body.pooling,
-            vocab_size=model.config.vocab_size,
-            kv_bits=model.kv_bits,
-            alongside_generation=True,
-        )
-        vectors = call_on_device_thread(work, "mlxinfer-embed")
-    except EmbeddingError as e:
-        raise APIError(400, str(e), "model", "model_not_supported") from None
+    vectors = _vectors(served, ids, body)
     data = [
         {"object": "embedding", "index": i, "embedding": _encoded(vector, body.encoding_format)}
         for i, vector in enumerate(vectors)
@@ -189,6 +213,35 @@ def _answer(api: API, served: ServedModel, ids: list[list[int]], body: Embedding
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
     return Response(json.dumps(reply), media_type="application/json")
+
+
+def _ollama_answer(served: ServedModel, ids: list[list[int]], body: EmbeddingRequest, started: float) -> Response:
+    vectors = _vectors(served, ids, body)
+    reply = {
+        "model": served.id,
+        "embeddings": [vector.tolist() for vector in vectors],
+        "total_duration": int((time.perf_counter() - started) * NS),
+        "load_duration": 0,
+        "prompt_eval_count": sum(map(len, ids)),
+    }
+    return Response(json.dumps(reply), media_type="application/json")
+
+
+def _vectors(served: ServedModel, ids: list[list[int]], body: EmbeddingRequest) -> list[np.ndarray]:
+    model = served.model
+    try:
+        work = partial(
+            embed,
+            model.runtime.decoder,
+            ids,
+            body.pooling,
+            vocab_size=model.config.vocab_size,
+            kv_bits=model.kv_bits,
+            alongside_generation=True,
+        )
+        return call_on_device_thread(work, "mlxinfer-embed")
+    except EmbeddingError as e:
+        raise APIError(400, str(e), "model", "model_not_supported") from None
 
 
 def _encoded(vector: np.ndarray, encoding: str) -> Any:

@@ -1,4 +1,5 @@
-"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version) over the same engine.
+"""Ollama's API (/api/chat, /api/generate, /api/tags, /api/ps, /api/show, /api/version) over the same engine
+(/api/embed is with the embeddings, routes/embeddings.py).
 
 Each request is translated into an OpenAI-shaped body and checked by schema.py, so every limit is the
 OpenAI routes'; answers go back in Ollama's shapes: NDJSON lines, durations in nanoseconds, errors as
@@ -61,7 +62,7 @@ def routes(api: API) -> list[Route]:
         async def run(request: Request) -> Response:
             return await handler(api, request)
 
-        return Route(path, api.counted(name, _ollama_errors(run)), methods=[method])
+        return Route(path, api.counted(name, ollama_errors(run)), methods=[method])
 
     return [
         route("/api/chat", "ollama_chat", chat, "POST"),
@@ -81,7 +82,7 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse({"error": error.message}, status_code=error.status, headers=error.headers())
 
 
-def _ollama_errors(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
+def ollama_errors(handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
     """Every refusal in Ollama's shape, naming Ollama's fields; also those core.API renders in OpenAI's shape
     (`API.whole`'s error events)."""
 
