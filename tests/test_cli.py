@@ -81,3 +81,72 @@ def test_a_failing_turn_does_not_end_the_chat(tmp_path):
     result = run("chat", str(folder), "--system", "be brief", "--max-tokens", "2", input="hello\n/exit\n")
     assert result.exit_code == 0, result.output
     assert "System role not supported" in result.stderr
+
+
+def test_chat_commands_say_what_they_did_and_never_reach_the_model(tmp_path):
+    saved, kept = tmp_path / "chat.json", tmp_path / "kept.json"
+    kept.write_text("mine")
+    session = "\n".join(["/help", "/system", "/system Answer in French.", "hello", f"/save {saved}", f"/save {kept}",
+                         "/nonsense", "/reset", "hi", "/bye", "never sent"]) + "\n"  # fmt: skip
+    result = run("chat", MODEL, "--max-tokens", "3", input=session)
+    assert result.exit_code == 0, result.output
+    err = result.stderr
+    assert "/system TEXT" in err and "/save FILE" in err  # /help
+    assert "No system prompt; /system TEXT sets one." in err and "Set the system prompt" in err
+    assert f"Saved 3 messages to {saved}." in err and f"{kept} exists" in err and kept.read_text() == "mine"
+    assert json.loads(saved.read_text())["messages"][0] == {"role": "system", "content": "Answer in French."}
+    assert "Unknown command /nonsense; /help lists the commands." in err
+    assert "Cleared the conversation (the system prompt stays)." in err and err.rstrip().endswith("Bye.")
+    prompts = [int(line.split()[0]) for line in err.splitlines() if "prompt tokens" in line]
+    assert len(prompts) == 2  # "hello" and "hi": no command went to the model, nothing after /bye
+
+
+def test_ctrl_c_at_the_prompt_says_how_to_quit_and_goes_on(monkeypatch, capsys):
+    from click import termui
+
+    from mlxinfer.cli.generation import _read_line
+
+    typed = iter([KeyboardInterrupt, "hi"])
+
+    def prompt(text):
+        item = next(typed)
+        if item is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return item
+
+    monkeypatch.setattr(termui, "visible_prompt_func", prompt)
+    assert _read_line() == "hi"
+    assert "(Ctrl-C stops an answer; /bye or Ctrl-D quits.)" in capsys.readouterr().err
+
+
+def test_chat_attaches_an_image_to_the_next_message():
+    from safetensors.numpy import load_file
+
+    photo = TINY.parent / "images" / "hopper.jpg"
+    session = f"/image {photo.parent / 'missing.jpg'}\n/image {photo}\nWho is this?\n/bye\n"
+    result = run("chat", str(TINY / "gemma3_vision"), "--max-tokens", "8", input=session)
+    assert result.exit_code == 0, result.output
+    assert "missing.jpg" in result.stderr and "Attached hopper.jpg; your next message asks about it." in result.stderr
+    golden = load_file(TINY / "gemma3_vision" / "golden_image.safetensors")  # transformers' prompt for it
+    prompts = [int(line.split()[0]) for line in result.stderr.splitlines() if "prompt tokens" in line]
+    assert prompts == [len(golden["portrait.input_ids"])]
+
+
+def test_a_stop_through_a_server_says_the_counts_did_not_come(capsys):
+    from mlxinfer.cli.generation import _stream_answer
+    from mlxinfer.engine import GenerationStats
+    from mlxinfer.resident_client import RemoteModel
+
+    class Stopped:  # a server's stream cut by Ctrl-C after one chunk: its usage never arrived
+        stats = GenerationStats(total_s=1.5)
+
+        def __iter__(self):
+            yield "Hel"
+            raise KeyboardInterrupt
+
+    remote = RemoteModel.__new__(RemoteModel)
+    remote.stream = lambda history, chat, **options: Stopped()
+    assert _stream_answer(remote, [], {}) == "Hel"
+    err = capsys.readouterr().err
+    assert "stopped after 1.50 s; the server counts tokens only for a finished answer" in err
+    assert "0 prompt tokens" not in err

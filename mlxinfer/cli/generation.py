@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click import termui
 
 from ..api import Model
 from ..engine import structure_of
@@ -104,43 +105,117 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
     MODEL: a model folder, a .gguf file, or none for the default SmolLM2-135M-Instruct.
 
     \b
-    Commands: /image FILE attaches an image to your next message (a model that reads images), /reset clears the
-    conversation, /exit (or Ctrl-D) quits. Ctrl-C stops the current answer.
+    Commands (/help lists them): /image FILE attaches an image to your next message (a model that reads images),
+    /system TEXT sets the system prompt, /reset clears the conversation, /save FILE writes it as JSON, /bye (or
+    /exit, Ctrl-D) quits. Ctrl-C stops the current answer.
     """
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
     speculation = take_speculation(options)
     local = options.pop("local")
     generation = checked_generation(options)  # before the load: a bad flag should not cost one
     llm = _model_for(model, local, dtype, quiet=False, kv_bits=kv_bits, **speculation)
-    history, attached = _messages(None, system), []
+    session = _Session(system)
     name = llm.path.name if isinstance(llm, Model) else llm.name or "the server's model"
-    click.echo(f"Chatting with {name}. /reset clears, /exit quits.", err=True)
+    click.echo(f"Chatting with {name}. /help lists the commands, /bye quits.", err=True)
     while True:
-        try:
-            line = click.prompt(">>>", prompt_suffix=" ", default="", show_default=False)
-        except (EOFError, click.Abort):
-            click.echo(err=True)
+        line = _read_line()
+        if line is None or (line.strip().startswith("/") and not session.command(line.strip())):
+            click.echo("Bye.", err=True)
             return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            history, attached = _messages(None, system), []
-            click.echo("Cleared the conversation.", err=True)
+        if not line.strip() or line.strip().startswith("/"):
             continue
-        if line.strip().startswith("/image"):
-            attached += _attach(line.strip()[len("/image") :].strip())
-            continue
-        if not line.strip():
-            continue
-        history += _messages(line, None, attached)
-        attached = []
+        session.history += _messages(line, None, session.attached)
+        session.attached = []
         try:
-            answer = _stream_answer(llm, history, generation)
+            answer = _stream_answer(llm, session.history, generation)
         except MlxInferError as e:  # one bad turn (a template refusal, say) does not end the chat
             click.secho(f"Error: {e}", err=True, fg="red")
-            history.pop()
+            session.history.pop()
             continue
-        history.append({"role": "assistant", "content": answer})
+        session.history.append({"role": "assistant", "content": answer})
+
+
+COMMANDS = {
+    "/help": "list these commands",
+    "/image FILE": "attach an image to your next message",
+    "/system TEXT": "set the system prompt (alone: show it)",
+    "/reset": "clear the conversation (the system prompt stays)",
+    "/save FILE": "write the conversation to FILE as JSON (a new file)",
+    "/bye": "quit (also /exit, /quit, Ctrl-D)",
+}
+
+
+class _Session:
+    """The chat's conversation, its system prompt and the images attached to the next message."""
+
+    def __init__(self, system: str | None):
+        self.system = system
+        self.history = _messages(None, system)
+        self.attached: list[str] = []
+
+    def command(self, line: str) -> bool:
+        """Run a /command, saying what it did; False to quit."""
+        word, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if word in ("/bye", "/exit", "/quit"):
+            return False
+        if word in ("/help", "/?"):
+            click.echo("\n".join(f"  {name:<14} {what}" for name, what in COMMANDS.items()), err=True)
+        elif word in ("/reset", "/clear"):
+            self.history, self.attached = _messages(None, self.system), []
+            kept = " (the system prompt stays)" if self.system else ""
+            click.echo(f"Cleared the conversation{kept}.", err=True)
+        elif word == "/image":
+            self.attached += _attach(rest)
+        elif word == "/system":
+            self._set_system(rest)
+        elif word == "/save":
+            _save(self.history, rest)
+        else:
+            click.secho(f"Unknown command {word}; /help lists the commands.", err=True, fg="red")
+        return True
+
+    def _set_system(self, text: str) -> None:
+        if not text:
+            click.echo(f"System prompt: {self.system}" if self.system else "No system prompt; /system TEXT sets one.",
+                       err=True)  # fmt: skip
+            return
+        self.system = text
+        turns = [m for m in self.history if m["role"] != "system"]
+        self.history = [{"role": "system", "content": text}, *turns]
+        click.echo("Set the system prompt; it applies from your next message.", err=True)
+
+
+def _read_line() -> str | None:
+    """The next line typed at the prompt; None at the end of input (Ctrl-D). Ctrl-C at the prompt only says how
+    to quit (it stops answers; typed here, it would end the chat with nothing said)."""
+    while True:
+        click.echo(">>>", nl=False)
+        try:
+            return termui.visible_prompt_func(" ")  # looked up now: click's test runner replaces it
+        except EOFError:
+            click.echo(err=True)
+            return None
+        except KeyboardInterrupt:
+            click.echo("\n(Ctrl-C stops an answer; /bye or Ctrl-D quits.)", err=True)
+
+
+def _save(history: list[dict[str, Any]], path: str) -> None:
+    """`/save FILE`: the conversation as JSON in a new file (an existing one is never overwritten)."""
+    if not path:
+        click.secho("Usage: /save FILE", err=True, fg="red")
+        return
+    target = Path(path).expanduser()
+    try:
+        with target.open("x", encoding="utf-8") as out:
+            json.dump({"messages": history}, out, ensure_ascii=False, indent=2)
+    except FileExistsError:
+        click.secho(f"Error: {target} exists; /save writes a new file: name another", err=True, fg="red")
+        return
+    except OSError as e:
+        click.secho(f"Error: cannot write {target}: {e.strerror or e}", err=True, fg="red")
+        return
+    click.echo(f"Saved {len(history)} messages to {target}.", err=True)
 
 
 def _model_for(model: str | None, local: bool, dtype: str | None, quiet: bool, **options: Any) -> Model | RemoteModel:
@@ -170,14 +245,21 @@ def _model_facts(llm: Model | RemoteModel) -> dict[str, Any]:
 def _stream_answer(llm: Model | RemoteModel, history: list[dict[str, str]], options: dict[str, Any]) -> str:
     run = llm.stream(history, chat=True, **options)
     parts: list[str] = []
+    stopped = False
     try:
         for chunk in run:
             parts.append(chunk)
             click.echo(chunk, nl=False)
     except KeyboardInterrupt:
         click.echo(" [stopped]", nl=False)
+        stopped = True
     click.echo()
-    click.secho(run.stats.summary(), err=True, dim=True)
+    if stopped and isinstance(llm, RemoteModel) and not run.stats.prompt_tokens:
+        # A server sends its token counts with the answer's end, which a stop cuts off: say so, not zeros.
+        click.secho(f"stopped after {run.stats.total_s:.2f} s; the server counts tokens only for a finished answer",
+                    err=True, dim=True)  # fmt: skip
+    else:
+        click.secho(run.stats.summary(), err=True, dim=True)
     return "".join(parts)
 
 
