@@ -54,3 +54,5 @@ def test_convert_notebook(smol_hf, default_cache, monkeypatch, tmp_path):
     text = outputs(notebook)
     assert "Quantization quality" in text and "4-bit:" in text and "8-bit:" in text
     assert any("image/png" in o.get("data", {}) for c in notebook.cells for o in c.get("outputs", []))
+    removed = Path(text.split("Removed ")[1].split()[0])  # the conversions' temporary folder, gone at the end
+    assert removed.name.startswith("mlxinfer-convert-") and not removed.exists()
