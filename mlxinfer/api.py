@@ -36,6 +36,7 @@ from .engine import (
     warm_alone,
 )
 from .errors import SamplingError, TokenizerError
+from .library import located
 from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
@@ -502,7 +503,8 @@ def load(
     speculate: str = "auto",
     cpu_weights: str | None = None,
 ) -> Model:
-    """Load a model folder or .gguf file; with no path, the default model (fetched once).
+    """Load a model folder or .gguf file, or a model by the name `mlxinfer ls` shows; with no path, the default
+    model (fetched once).
 
     `prefix_cache_bytes` caps the prompt-prefix cache (default: from the memory planner; 0 turns it off).
     `kv_bits` 8 or 4 stores the KV cache quantized (about 2x / 3.5x less memory per token than 16 bits).
@@ -516,6 +518,7 @@ def load(
     Example:
         >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
     """
-    loaded = load_model(path if path is not None else default_model_path(), dtype=dtype, cpu_weights=cpu_weights)
-    draft = load_model(draft_model, dtype=dtype, cpu_weights=cpu_weights) if draft_model is not None else None
+    loaded = load_model(located(path) if path is not None else default_model_path(), dtype=dtype,
+                        cpu_weights=cpu_weights)  # fmt: skip
+    draft = load_model(located(draft_model), dtype=dtype, cpu_weights=cpu_weights) if draft_model is not None else None
     return Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits, draft=draft, speculate=speculate)

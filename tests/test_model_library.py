@@ -630,3 +630,30 @@ def test_chat_template_of_a_folder_and_a_gguf_file(dirs, tmp_path, monkeypatch):
     monkeypatch.setattr(show, "MAX_TEMPLATE_BYTES", 8)  # bounded: a larger template is not read
     assert library.chat_template(gguf_with_template(tmp_path / "t.gguf", "x" * 9)) is None
     assert library.chat_template(folder) is None  # the .jinja file is too large
+
+
+# -- names in every command, and `run` -----------------------------------------------------------------
+
+
+def test_a_name_from_ls_works_in_generate_and_chat_without_a_server(dirs):
+    shutil.copytree(SOURCE, dirs.models / "tiny-chat", ignore=shutil.ignore_patterns("golden.safetensors"))
+    assert "tiny-chat" in run("ls").output
+    by_name = run("generate", "tiny-chat", "-p", "hi", "--max-tokens", "3", "--local", "--json")
+    by_path = run("generate", str(dirs.models / "tiny-chat"), "-p", "hi", "--max-tokens", "3", "--local", "--json")
+    assert by_name.exit_code == 0, by_name.output
+    assert json.loads(by_name.stdout)["text"] == json.loads(by_path.stdout)["text"]
+    chat = run("chat", "tiny-chat", "--max-tokens", "2", "--local", input="hi\n/bye\n")
+    assert chat.exit_code == 0 and "Chatting with tiny-chat" in chat.stderr
+    assert mlxinfer.load("tiny-chat").path == dirs.models / "tiny-chat"  # the Python API takes the name too
+
+
+def test_run_pulls_a_hub_id_that_is_not_here_then_chats(hub_for, dirs):
+    hub_for()
+    result = run("run", REPO, "--yes", "--max-tokens", "2", "--local", input="hi\n/bye\n")
+    assert result.exit_code == 0, result.output
+    assert f"pulled {REPO} into {dirs.models / 'tiny-llama'}" in result.output
+    assert "Chatting with tiny-llama" in result.stderr and "2 generated" in result.stderr
+    again = run("run", "tiny-llama", "--max-tokens", "2", "--local", input="hi\n/bye\n")  # here now: no pull
+    assert again.exit_code == 0 and "pulled" not in again.output
+    missing = run("run", "no-such-model", "--local")
+    assert missing.exit_code == 1 and "no-such-model: no model by that name here" in missing.stderr

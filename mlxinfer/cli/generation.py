@@ -13,14 +13,15 @@ from click import termui
 
 from ..api import Model
 from ..engine import structure_of
-from ..errors import GrammarError, ImageError, MlxInferError
+from ..errors import GrammarError, ImageError, MlxInferError, ModelNotFoundError
 from ..grammar import MAX_GRAMMAR_CHARS
-from ..library import record_use
+from ..library import located, models_dir, record_use
 from ..local_server import find_server, server_identity
 from ..resident_client import RemoteModel, model_field
 from ..untrusted import read_json_object
 from ..vision import file_data_url
 from .common import errors_as_one_line, load_model
+from .library import pull
 from .options import checked_generation, generation_options, take_speculation
 
 
@@ -133,6 +134,28 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
             session.history.pop()
             continue
         session.history.append({"role": "assistant", "content": answer})
+
+
+@click.command("run")
+@generation_options
+@click.option("--yes", "-y", is_flag=True, help="Pull without asking when MODEL is a Hub id not here yet.")
+@click.pass_context
+@errors_as_one_line
+def run_model(ctx: click.Context, model: str | None, yes: bool, **options: Any) -> None:
+    """Chat with a model by its name, pulling it from the Hugging Face Hub first when it is not here.
+
+    MODEL: a name `mlxinfer ls` shows, a Hub id (org/name; pulled into the models folder when neither the
+    models folder nor the Hugging Face cache has it), a model folder or a .gguf file; none for the default
+    SmolLM2-135M-Instruct. Then as `mlxinfer chat` (the same options and commands).
+    """
+    if model and not located(model).exists():
+        if model.count("/") != 1:
+            raise ModelNotFoundError(
+                f"{model}: no model by that name here; `mlxinfer ls` lists them, and a Hub id (org/name) is pulled"
+            )
+        ctx.invoke(pull, hub_id=model, yes=yes)
+        model = str(models_dir() / model.rsplit("/", 1)[-1])
+    ctx.invoke(chat, model=model, **options)
 
 
 COMMANDS = {

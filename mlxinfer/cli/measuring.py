@@ -9,6 +9,7 @@ import click
 
 from ..api import MAX_CHARS_PER_TOKEN
 from ..default_model import default_model_path
+from ..library import located
 from ..models import load_tokenizer
 from .common import errors_as_one_line, load_model
 
@@ -34,7 +35,7 @@ def bench(model: str | None, compare: bool, as_json: bool, **sizes: int | None) 
     from ..speed.report import markdown
     from ..speed.suite import Settings, run_suite
 
-    path = Path(model).expanduser() if model else default_model_path()
+    path = located(model) if model else default_model_path()
     if compare and path.suffix == ".gguf":
         raise click.ClickException(f"{path.name}: mlx-lm cannot load GGUF files; compare on a model folder")
     settings = Settings.for_backend()

@@ -6,7 +6,7 @@ chat template."""
 
 from .catalog import disk_bytes, local_models, models_dir
 from .hf_cache import hf_cache_dir
-from .listing import add_model, find_model, list_models, remove_model
+from .listing import add_model, find_model, list_models, located, remove_model
 from .local_model import ADDED, CACHE, LocalModel, describe
 from .show import chat_template, details
 from .state import record_use
@@ -24,6 +24,7 @@ __all__ = [
     "hf_cache_dir",
     "list_models",
     "local_models",
+    "located",
     "models_dir",
     "record_use",
     "remove_model",

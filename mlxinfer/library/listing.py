@@ -61,6 +61,17 @@ def find_model(name: str) -> LocalModel | None:
     return None
 
 
+def located(model: str | Path) -> Path:
+    """`model` as a path where one exists there, else the path of the model `mlxinfer ls` lists by that name (a
+    folder in the models folder, an org/name in the Hugging Face cache, an added file), else `model` as a path (the
+    loader then says it is none): what lets every command take a name as well as a path."""
+    path = Path(model).expanduser()
+    if path.exists() or not isinstance(model, str):
+        return path
+    found = find_model(model)
+    return found.path if found is not None else path
+
+
 def add_model(path: Path) -> LocalModel:
     """Register a GGUF file or model folder the user points at; it is listed from then on (never moved or copied)."""
     path = resolved(Path(path).expanduser())
