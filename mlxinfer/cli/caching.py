@@ -9,7 +9,7 @@ import click
 from ..api import MAX_CHARS_PER_TOKEN
 from ..cache import clear_prefixes, list_prefixes
 from ..display import mib, plural
-from ..library import disk_bytes, local_models, models_dir
+from ..library import disk_bytes, local_models, model_name, models_dir
 from ..paths import cache_dir
 from ..untrusted import shown_path
 from .common import errors_as_one_line, load_model
@@ -96,7 +96,9 @@ def _list_models() -> None:
     for path in models:
         size, complete = disk_bytes(path)
         total += size
-        click.echo(f"{path.name:<40} {('' if complete else 'over ') + mib(size):>19}  {path}")
+        click.echo(
+            f"{model_name(path):<40} {('' if complete else 'over ') + mib(size):>19}  {path}"
+        )  # as `ls` names it
     if not models:
         click.echo(
             f"no models yet in {where}: `mlxinfer chat` fetches the default one; "

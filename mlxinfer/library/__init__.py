@@ -4,7 +4,7 @@ catalog: models in a folder and their size · hf_cache: the Hugging Face hub cac
 last uses (two small JSON files) · local_model: what one model is · listing: ls, find, add, rm · show: details and
 chat template."""
 
-from .catalog import disk_bytes, local_models, models_dir
+from .catalog import disk_bytes, local_models, model_name, models_dir
 from .hf_cache import hf_cache_dir
 from .listing import add_model, find_model, list_models, located, remove_model
 from .local_model import ADDED, CACHE, LocalModel, describe
@@ -25,6 +25,7 @@ __all__ = [
     "list_models",
     "local_models",
     "located",
+    "model_name",
     "models_dir",
     "record_use",
     "remove_model",
