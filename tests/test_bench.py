@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -303,3 +304,30 @@ def test_kquant_bench_compares_each_weights_mode_with_the_gguf_packages_values(t
     assert rows["quantized"][4].endswith("MiB") and float(rows["quantized"][3].rstrip("x")) > 0
     # Q8_0 is held as its own codes: the logits equal the gguf package's dequantized model's.
     assert float(rows["quantized"][6]) < 1e-4 and rows["quantized"][8].startswith("100%"), rows["quantized"]
+
+
+@pytest.mark.slow
+def test_a_configuration_reports_its_progress_and_time_left_as_it_runs():
+    from mlxinfer.speed.measure import RunSpec
+    from mlxinfer.speed.runner import run_one
+
+    heard: list[str] = []
+    spec = RunSpec("mlxinfer", str(MODEL), "float", "default", None, list(range(3, 11)), decode_tokens=3, runs=2)
+    result = run_one(spec, 600, heard.append)
+    assert result.warm_runs == 2 and heard[0].startswith("loaded in ") and len(heard) == 3
+    assert re.fullmatch(r"run 1 of 2: [0-9.]+ tok/s, about [0-9]+ s left", heard[1])
+    assert heard[2].startswith("run 2 of 2: ")
+
+
+def test_mlx_lms_quantized_default_on_a_cpu_says_why_it_is_slow(monkeypatch):
+    import mlx.core as mx
+
+    from mlxinfer.speed import runner
+    from mlxinfer.speed.measure import RunSpec
+
+    spec = RunSpec("mlx-lm", str(MODEL), "4-bit", "default", None, [3], decode_tokens=1)
+    monkeypatch.setattr(runner.mx, "default_device", lambda: mx.cpu)
+    assert "without BLAS on a CPU" in runner.slow_note(spec)
+    assert runner.slow_note(RunSpec("mlx-lm", str(MODEL), "4-bit", "matched", None, [3], decode_tokens=1)) == ""
+    monkeypatch.setattr(runner.mx, "default_device", lambda: mx.gpu)
+    assert runner.slow_note(spec) == ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,16 +74,22 @@ class Measurement:
         return asdict(self)
 
 
-def measure(spec: RunSpec) -> Measurement:
-    """Run `spec` in this process (use a fresh process per spec for honest memory figures)."""
+def measure(spec: RunSpec, report: Callable[[str], None] = lambda line: None) -> Measurement:
+    """Run `spec` in this process (use a fresh process per spec for honest memory figures); `report` hears where
+    it is and how long the rest should take, after the load and after each run."""
     start = time.perf_counter()
     engine = ENGINES[spec.engine](Path(spec.model), spec.dtype)
     load_s = time.perf_counter() - start
+    report(f"loaded in {load_s:.0f} s; a first run of {spec.decode_tokens} tokens")
     mx.reset_peak_memory()
     cold = _one_run(engine, spec)
     warm = []
     spent = 0.0
     while len(warm) < spec.runs and (not warm or spent + warm[-1]["total_s"] <= spec.budget_s):
+        last = warm[-1] if warm else cold
+        left = min(spec.runs - len(warm), max(1, int(spec.budget_s // max(last["total_s"], 1e-9))))
+        report(f"run {len(warm) + 1} of {spec.runs}: {spec.decode_tokens / last['total_s']:.1f} tok/s, "
+               f"about {left * last['total_s']:.0f} s left")  # fmt: skip
         warm.append(_one_run(engine, spec))
         spent += warm[-1]["total_s"]
     model_step = engine.model_step_s(spec.prompt_ids, spec.overhead_steps)
