@@ -193,16 +193,13 @@ def _antialiased(size: int, side: int) -> np.ndarray:
     return (weights / weights.sum(-1, keepdims=True)).astype(np.float32)
 
 
-class NaflexTower(nn.Module):
+class NaflexTower(SiglipVisionTower):
     """SigLIP2's NaFlex tower without its head (Siglip2VisionModel): one frame (3, H, W), whole patches a side ->
-    (rows, cols, hidden), post-normed."""
+    (rows, cols, hidden), post-normed. SigLIP's layers, NaFlex's embeddings."""
 
     def __init__(self, config: SiglipConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.embeddings = NaflexEmbeddings(config)
-        self.encoder = Encoder(config)
-        self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def __call__(self, pixels: mx.array) -> mx.array:
         h, rows, cols = self.embeddings(pixels)
