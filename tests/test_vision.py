@@ -805,6 +805,9 @@ def test_lfm2_vl_configs_bound_an_images_frames_before_any_is_read():
         _tile_processor({"min_image_tokens": 300}, "preprocessor_config.json")
     with pytest.raises(UnsupportedModelError, match="without a thumbnail"):
         _tile_processor({"use_thumbnail": False}, "preprocessor_config.json")
+    for huge in ({"tile_size": 4096, "max_tiles": 2}, {"encoder_patch_size": 1024, "max_image_tokens": 64}):
+        with pytest.raises(ConfigError, match="would pass 4096² pixels"):
+            _tile_processor(huge, "preprocessor_config.json")
     with pytest.raises(ConfigError, match="encoder_patch_size 8 and downsample_factor 2 must be config.json's"):
         vision.fitted(replace(vision.processor, patch=8))
 

@@ -1,7 +1,8 @@
 """Qwen3-Next and Qwen3.5 (text, dense or MoE): Gated DeltaNet layers between full-attention ones.
 
 Covers three model_types, which share their config checks and layers: qwen3_next (Qwen3NextForCausalLM),
-qwen3_5_text and qwen3_5_moe_text (the text halves of qwen3_5 / qwen3_5_moe, see models/multimodal.py).
+qwen3_5_text and qwen3_5_moe_text (the text halves of qwen3_5 / qwen3_5_moe, see models/multimodal.py), whose
+attention layers rotate by M-RoPE; their image half (Qwen's tower, shared with Qwen3-VL) is at the end of this file.
 transformers picks each layer's block from `layer_types` (or, without it, puts full attention on every
 `full_attention_interval`-th layer); mlx-lm's modules always use the interval. So the interval handed to mlx-lm
 is rewritten from layer_types, and a layout no interval describes is refused. mlx-lm's qwen3_5 reads RoPE from
@@ -351,11 +352,9 @@ def qwen_vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dty
     config = QwenVisionConfig.from_dict(raw.get("vision_config"), source)
     temporal = bounded_int((raw.get("vision_config") or {}).get("temporal_patch_size", 2), 16,
                            f"{source}: vision_config.temporal_patch_size")  # fmt: skip
-    ids = {k: raw.get(k, default) for k, default in (("image_token_id", 151_655), ("vision_start_token_id", 151_652),
-                                                      ("vision_end_token_id", 151_653))}  # fmt: skip
-    bad = next((k for k, v in ids.items() if not is_int(v) or v < 0), None)
-    if bad is not None:
-        raise ConfigError(f"{source}: {bad} must be a non-negative integer, got {shown(ids[bad])}")
+    token = raw.get("image_token_id", 151_655)  # Qwen3VLConfig's default
+    if not is_int(token) or token < 0:
+        raise ConfigError(f"{source}: image_token_id must be a non-negative integer, got {shown(token)}")
     text_width = text_config(raw, source)["hidden_size"]
     if config.out_hidden_size != text_width:
         raise ConfigError(
@@ -364,7 +363,7 @@ def qwen_vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dty
         )
     image_format = ImageFormat(
         placeholder="<|vision_start|><|image_pad|><|vision_end|>",
-        image_token_id=ids["image_token_id"],
+        image_token_id=token,
         tokens_per_frame=1,  # until fitted to the processor, whose max_pixels bound an image's tokens
         bidirectional=False,
         expansion=_expansion,

@@ -487,8 +487,8 @@ MAX_TOKENS = 16_384  # an LFM2-VL frame's: max_image_tokens is 256 in every rele
 
 
 def _tile_processor(raw: dict[str, Any], source: str) -> TileProcessor:
-    """Lfm2VlImageProcessor's settings (its defaults where absent). Tiles and tokens are bounded: at most 64 tiles of
-    at most MAX_SIDE pixels, at most MAX_TOKENS tokens a frame."""
+    """Lfm2VlImageProcessor's settings (its defaults where absent). Tiles and tokens are bounded: at most 64 tiles, at
+    most MAX_TOKENS tokens a frame, and neither the tiles together nor the largest frame past MAX_SIDE² pixels."""
     settings = {"encoder_patch_size": 16, "downsample_factor": 2, "min_image_tokens": 64, "max_image_tokens": 256,
                 "tile_size": 512, "min_tiles": 2, "max_tiles": 10}  # fmt: skip
     highs = {"min_image_tokens": MAX_TOKENS, "max_image_tokens": MAX_TOKENS, "min_tiles": 64, "max_tiles": 64}
@@ -505,6 +505,10 @@ def _tile_processor(raw: dict[str, Any], source: str) -> TileProcessor:
     split = bool(raw.get("do_image_splitting", True))
     if values["min_image_tokens"] > values["max_image_tokens"] or (split and values["min_tiles"] > values["max_tiles"]):
         raise ConfigError(f"{source}: min_image_tokens and min_tiles must not pass their max_")
+    token_side = values["encoder_patch_size"] * values["downsample_factor"]
+    tiles = values["max_tiles"] * values["tile_size"] ** 2 if split else 0
+    if max(tiles, values["max_image_tokens"] * token_side**2) > MAX_SIDE**2:  # the pixels an image is resized to
+        raise ConfigError(f"{source}: its tiles or its largest frame would pass {MAX_SIDE}² pixels")
     if split and (not raw.get("use_thumbnail", True) or values["min_tiles"] < 2):
         raise UnsupportedModelError(f"{source}: splitting without a thumbnail, or into one tile, is not supported")
     defaults = {"resample": 2}  # Lfm2VlImageProcessor's (bilinear), mean and std 0.5
