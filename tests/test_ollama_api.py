@@ -183,7 +183,7 @@ def test_show_a_loaded_and_an_unloaded_model(server):
     assert shown.template == LLAMA3_TEMPLATE.read_text() and "tools" in shown.capabilities
     assert shown.modelinfo["general.architecture"] == "llama" and shown.modelinfo["llama.context_length"] == 8192
     local = server.client.show("local_tiny")  # read from its files
-    assert local.capabilities == ["completion"] and local.modelinfo["llama.context_length"] == 256
+    assert local.capabilities == ["completion", "tools"] and local.modelinfo["llama.context_length"] == 256
     assert local.template.startswith("{% for message in messages %}")
     assert "local_tiny" not in {m.model for m in server.client.ps().models}
     with pytest.raises(ollama.ResponseError) as missing:

@@ -799,3 +799,30 @@ def test_messages_come_out_as_templates_read_them():
     call_id = mistral[1]["tool_calls"][0]["id"]
     assert re.fullmatch("[A-Za-z0-9]{9}", call_id) and mistral[2]["tool_call_id"] == call_id
     assert template_messages(messages, output_format(template(QWEN3))) == messages
+
+
+def test_the_default_tool_format_tells_the_tools_and_writes_the_history_as_text():
+    from mlxinfer.chat import DEFAULT_TOOLS, default_tool_messages, with_default_tools
+    from mlxinfer.chat.default_tools import INSTRUCTIONS
+
+    fmt = output_format(Tokenizer.from_folder(TINY / "llama_classic").chat_template)
+    assert with_default_tools(fmt).tools == DEFAULT_TOOLS == "hermes" and with_default_tools(fmt).reasoning is None
+    tools = check_tools([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    history = check_messages([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+            {"id": "b", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "one"},
+        {"role": "tool", "tool_call_id": "b", "content": "two"},
+    ])  # fmt: skip
+    assert default_tool_messages(history, tools) == [
+        {"role": "system", "content": "Be brief.\n\n" + INSTRUCTIONS + '{"name": "f", "description": "", '
+                                      '"parameters": {"type": "object"}}'},
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+                                         '<tool_call>{"name": "f", "arguments": {}}</tool_call>'},
+        {"role": "user", "content": "<tool_response>\none\n</tool_response>\n<tool_response>\ntwo\n</tool_response>"},
+    ]  # fmt: skip
+    assert default_tool_messages(history[1:2], tools)[0]["content"].startswith(INSTRUCTIONS)  # no system turn: one

@@ -12,12 +12,14 @@ cannot be enforced) with a `param` attribute naming the request field at fault, 
 `getattr(error, "param", None)` is what a 400 should point at.
 
 The server's order: check_tools, check_tool_choice, check_messages; fmt = output_format(template,
-tokenizer); require_tool_syntax(fmt) when tools are used; render template_messages(messages, fmt)
-with tools=template_tools(tools); decode with special tokens kept when fmt.keep_special_tokens;
+tokenizer); where the template has no tool syntax and tools are used, fmt = with_default_tools(fmt) and the
+messages rendered are default_tool_messages(messages, tools) (default_tools.py), else template_messages(messages,
+fmt) with tools=template_tools(tools); decode with special tokens kept when fmt.keep_special_tokens;
 feed the text to an OutputParser (parallel=request.parallel_tool_calls); for "required" or a
 named choice, constrain with call_grammar.
 """
 
+from .default_tools import DEFAULT_TOOLS, default_tool_messages, with_default_tools
 from .forced import call_grammar
 from .formats import OutputFormat, output_format, require_tool_syntax
 from .messages import IMAGE_PARTS, MAX_TOOL_CALLS, check_messages, image_source, template_messages
@@ -25,6 +27,9 @@ from .parse import Content, OutputParser, Piece, Reasoning, ToolCall
 from .tools import MAX_TOOLS, Tool, ToolChoice, check_tool_choice, check_tools, template_tools
 
 __all__ = [
+    "DEFAULT_TOOLS",
+    "default_tool_messages",
+    "with_default_tools",
     "IMAGE_PARTS",
     "MAX_TOOLS",
     "MAX_TOOL_CALLS",

@@ -12,6 +12,7 @@ import re
 import threading
 import weakref
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ..api import Model
 from ..chat import (
@@ -19,10 +20,11 @@ from ..chat import (
     OutputParser,
     Tool,
     call_grammar,
+    default_tool_messages,
     output_format,
-    require_tool_syntax,
     template_messages,
     template_tools,
+    with_default_tools,
 )
 from ..engine import PromptImages, encode_chat
 from ..grammar import Constraint, Grammar, constraint_for, json_schema, lark
@@ -60,10 +62,12 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
     # a model shown functions it may not call still writes calls now and then, which would reach the
     # client as content full of markup. The history's calls and results are rendered all the same.
     tools = request.tools if request.tool_choice.mode != "none" else []
-    if tools:
-        require_tool_syntax(fmt)
-    messages = template_messages(request.messages, fmt)  # e.g. Mistral's 9-character call ids
-    listed = template_tools(tools) if tools else None
+    if fmt.tools is None and (tools or _holds_tools(request.messages)):  # a template without tool syntax
+        fmt = with_default_tools(fmt)
+        messages, listed = default_tool_messages(request.messages, tools), None
+    else:
+        messages = template_messages(request.messages, fmt)  # e.g. Mistral's 9-character call ids
+        listed = template_tools(tools) if tools else None
     ids, images = encode_chat(
         model.tokenizer, model.vision, messages, model.context_tokens, tools=listed, remote=request.image_sources
     )
@@ -100,6 +104,11 @@ def either(calls: str, answer: ResponseFormat) -> str:
     schema = {**answer.schema, "x-guidance": {"whitespace_flexible": False}}  # requests may not set it (schema.py)
     renamed = _START_RULE.sub("tool_calls", calls)
     return f"start: tool_calls | format_answer\nformat_answer: %json {json.dumps(schema)}\n{renamed}\n"
+
+
+def _holds_tools(messages: list[dict[str, Any]]) -> bool:
+    """Whether a history holds tool calls or results (which a template without tool syntax cannot render)."""
+    return any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
 
 
 def format_of(tokenizer: Tokenizer) -> OutputFormat:

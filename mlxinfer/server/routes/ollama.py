@@ -506,7 +506,8 @@ def _show_local(api: API, name: str) -> dict[str, Any]:
     template = library.chat_template(local.path) or ""
     fmt = output_format(template)
     details = _details(local.path, local.family, _quantization_level(local.bits))
-    return _shown(details, sizes, template, fmt.tools is not None, fmt.reasoning is not None)
+    # Every model takes tools: its template's syntax, or the default one (chat/default_tools.py).
+    return _shown(details, sizes, template, True, fmt.reasoning is not None)
 
 
 def _shown(details: dict[str, Any], sizes: dict[str, Any], template: str, tools: bool, thinking: bool) -> dict:
