@@ -810,6 +810,18 @@ def test_lfm2_vl_configs_bound_an_images_frames_before_any_is_read():
             _tile_processor(huge, "preprocessor_config.json")
     with pytest.raises(ConfigError, match="encoder_patch_size 8 and downsample_factor 2 must be config.json's"):
         vision.fitted(replace(vision.processor, patch=8))
+    import json
+
+    from mlxinfer.families.lfm2 import vision as lfm2_vision
+
+    raw = json.loads((TINY / "lfm2_vl" / "config.json").read_text())
+    tower = raw["vision_config"]
+    for change, words in (({"vision_config": "x"}, "vision_config must be an object"),
+                          ({"vision_config": {**tower, "num_patches": 15}}, "must be a square up to 256²"),
+                          ({"vision_config": {**tower, "patch_size": "16"}}, "patch_size must be an integer"),
+                          ({"downsample_factor": 0}, r"downsample_factor must be an integer in \[1, 8\]")):  # fmt: skip
+        with pytest.raises(ConfigError, match=words):
+            lfm2_vision({**raw, **change}, {}, mx.float32, "config.json")
 
 
 def test_a_large_pixtral_image_attends_in_blocks_of_queries_as_at_once(monkeypatch):

@@ -17,7 +17,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..models.multimodal import text_config
 from ..models.registry import ArchSpec
 from ..models.siglip import ACTIVATIONS, NaflexTower, SiglipConfig
-from ..models.tower_weights import renamed
+from ..models.tower_weights import bounded_int, renamed
 from ..models.vision import ImageFormat, VisionModel, load_checked
 from ..untrusted import is_int, shown
 from ..vision import Layout, Processor, TileProcessor
@@ -130,11 +130,14 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
     """Lfm2VlForConditionalGeneration's image half from its config.json and tensors (the tower's pooling head, which
     LFM2-VL never runs, is not read)."""
     config = raw.get("vision_config")
-    positions = (config or {}).get("num_patches", 256) if isinstance(config, dict) else None
-    side = math.isqrt(positions) if is_int(positions) and 0 < positions <= 4096**2 else 0
+    if not isinstance(config, dict):
+        raise ConfigError(f"{source}: vision_config must be an object, got {shown(config)}")
+    positions = config.get("num_patches", 256)  # the learned grid of positions: 16 x 16 in every LFM2-VL
+    side = math.isqrt(positions) if is_int(positions) and 0 < positions <= 256**2 else 0
     if side * side != positions:
-        raise ConfigError(f"{source}: vision_config.num_patches must be a square, got {shown(positions)}")
-    patch = config.get("patch_size", 16)
+        raise ConfigError(f"{source}: vision_config.num_patches must be a square up to 256², got {shown(positions)}")
+    patch = bounded_int(config.get("patch_size", 16), 64, f"{source}: vision_config.patch_size")
+    # SigLIP's checks read the grid as an image: side patches of `patch` pixels (NaFlex resizes it to each frame).
     tower = SiglipConfig.from_dict({**config, "vision_use_head": False, "image_size": side * patch}, source)
     merge, hidden = raw.get("downsample_factor", 2), raw.get("projector_hidden_size", 2560)
     token, act = raw.get("image_token_id", raw.get("image_token_index", 396)), raw.get("projector_hidden_act", "gelu")
