@@ -89,7 +89,7 @@ def routes(api: API) -> list[Route]:
             "/api/embed",
             api.counted("ollama_embed", ollama_errors(handler(parse_ollama, _ollama_answer))),
             methods=["POST"],
-        ),  # fmt: skip
+        ),
     ]
 
 
