@@ -657,3 +657,27 @@ def test_run_pulls_a_hub_id_that_is_not_here_then_chats(hub_for, dirs):
     assert again.exit_code == 0 and "pulled" not in again.output
     missing = run("run", "no-such-model", "--local")
     assert missing.exit_code == 1 and "no-such-model: no model by that name here" in missing.stderr
+
+
+def test_ollama_pull_streams_progress_into_the_models_folder(hub_for, dirs):
+    import ollama
+
+    from mlxinfer.server import ModelSet
+    from mlxinfer.server.uvicorn_host import BackgroundServer
+
+    hub = hub_for()
+    with BackgroundServer(ModelSet(), ServerSettings(port=0)) as running:
+        client = ollama.Client(host=running.url, timeout=120)
+        events = list(client.pull(f"hf.co/{REPO}", stream=True))
+        assert events[0].status == "pulling manifest" and events[-1].status == "success"
+        progress = [e for e in events if e.total]
+        assert progress and progress[-1].completed == progress[-1].total == sum(map(len, source_files().values()))
+        assert_same_as_source(dirs.models / "tiny-llama")
+        asked = len(hub.requests)
+        assert client.pull(REPO).status == "success" and len(hub.requests) == asked  # here already: nothing fetched
+        with pytest.raises(ollama.ResponseError, match="must be a Hugging Face repository") as refused:
+            client.pull("llama3.2")
+        assert refused.value.status_code == 400
+        with pytest.raises(ollama.ResponseError, match="other-org/none"):  # the Hub has no such repository
+            list(client.pull("other-org/none", stream=True))
+        assert "tiny-llama" in [m.model for m in client.list().models]  # the server goes on and lists the pull

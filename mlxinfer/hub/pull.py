@@ -25,6 +25,7 @@ import re
 import shutil
 import stat
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,20 +173,36 @@ def check_disk(plan: PullPlan, extra_bytes: int = 0) -> None:
         )
 
 
-def download(plan: PullPlan, progress: bool = True) -> Path:
-    """Download every file of `plan` into its folder (resuming .part files); returns the folder."""
+def download(plan: PullPlan, progress: bool = True, report: Callable[[int, int], None] | None = None) -> Path:
+    """Download every file of `plan` into its folder (resuming .part files); returns the folder. `report(done,
+    total)` hears the bytes as they come (the server's /api/pull streams them)."""
     try:
         _own_download_folder(plan.folder, create=True)
     except OSError as e:
         raise HubError(f"{shown_path(plan.folder)}: {write_error(e, 'set MLXINFER_CACHE_DIR elsewhere')}") from None
     _drop_stale(plan)
-    with tqdm(
+    bar_class = tqdm if report is None else _reporting(report)
+    with bar_class(
         total=plan.remaining_bytes(), unit="B", unit_scale=True, unit_divisor=1024, desc=plan.repo_id,
         file=sys.stderr, disable=not progress, dynamic_ncols=True,
     ) as bar:  # fmt: skip
         for remote in plan.files:
             _fetch(plan.listing, remote, plan.folder, bar)
     return plan.folder
+
+
+def _reporting(report: Callable[[int, int], None]) -> type:
+    """A bar that also tells `report` the bytes done and the total (counted here: a disabled tqdm counts none)."""
+
+    class Reporting(tqdm):
+        done = 0
+
+        def update(self, n: float | None = 1) -> bool | None:
+            self.done += int(n or 0)
+            report(self.done, int(self.total or 0))
+            return super().update(n)
+
+    return Reporting
 
 
 def finish(plan: PullPlan, folder: Path | None = None) -> Path:

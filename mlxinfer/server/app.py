@@ -17,7 +17,7 @@ from ..engine import GenerationStats
 from .core import API
 from .guard import GuardMiddleware
 from .model_pool import ModelSet
-from .routes import anthropic, embeddings, ollama, openai, page, status
+from .routes import anthropic, embeddings, ollama, ollama_pull, openai, page, status
 from .settings import ServerSettings
 
 
@@ -50,6 +50,7 @@ def all_routes(api: API) -> list[Route]:
         *status.routes(api),  # /health, the identity route, /metrics
         *page.routes(),  # /, /page/{name}, /favicon.ico: the chat page
         *ollama.routes(api),  # /api/...: Ollama's API
+        *ollama_pull.routes(api),  # /api/pull: a Hub checkpoint into the models folder
         *anthropic.routes(api),  # /v1/messages
         *embeddings.routes(api),  # /v1/embeddings
     ]
