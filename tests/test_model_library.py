@@ -680,4 +680,13 @@ def test_ollama_pull_streams_progress_into_the_models_folder(hub_for, dirs):
         assert refused.value.status_code == 400
         with pytest.raises(ollama.ResponseError, match="other-org/none"):  # the Hub has no such repository
             list(client.pull("other-org/none", stream=True))
+        from mlxinfer.server.routes import ollama_pull
+
+        ollama_pull._PULLING.add("busy-org/model")  # as while another request pulls it
+        try:
+            with pytest.raises(ollama.ResponseError, match="is being pulled already") as busy:
+                client.pull("busy-org/model")
+            assert busy.value.status_code == 409
+        finally:
+            ollama_pull._PULLING.discard("busy-org/model")
         assert "tiny-llama" in [m.model for m in client.list().models]  # the server goes on and lists the pull

@@ -4,8 +4,8 @@ The model is a Hub id, ORG/NAME (or Ollama's `hf.co/ORG/NAME`); Ollama's library
 Hub and get a 400 saying what to send. The pull is checked before any weight comes (hub/pull.py: the family, the
 files, each shard's header, the disk), runs on a thread of its own (never the event loop's or a scheduler's), and
 streams Ollama's progress lines (`status`, `total`, `completed`) unless `stream` is false. A model already in the
-models folder answers `success` at once, as Ollama does for one it has. A client that leaves does not stop the
-download: it finishes into the cache (a later pull resumes or finds it there).
+models folder answers `success` at once, as Ollama does for one it has; a repository being pulled already is a 409.
+A client that leaves does not stop the download: it finishes into the models folder.
 """
 
 from __future__ import annotations
@@ -33,12 +33,18 @@ from .ollama import ollama_errors
 
 _HUB_ID = re.compile(r"(?:(?:hf\.co|huggingface\.co)/)?([A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95})")
 REPORT_EVERY = 1 << 20  # bytes between progress lines (and each file's end)
+_PULLING: set[str] = set()  # repositories a pull is downloading now
+_PULLING_LOCK = threading.Lock()
 
 
 def routes(api: API) -> list[Route]:
     async def pull(request: Request) -> Response:
         body = parse_json(await read_body(request, api.settings))
         repo = hub_id(body.get("model") or body.get("name"))
+        with _PULLING_LOCK:
+            if repo in _PULLING:  # two downloads into one folder's .part files would interleave their writes
+                raise APIError(409, f"{repo} is being pulled already; wait for that pull to end", "model")
+            _PULLING.add(repo)
         events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=_pull, args=(repo, events), name="mlxinfer-pull", daemon=True).start()
         if body.get("stream", True) is False:
@@ -86,6 +92,8 @@ def _pull(repo: str, events: queue.Queue[dict[str, Any] | None]) -> None:
     except MlxInferError as e:
         events.put({"error": str(e)})
     finally:
+        with _PULLING_LOCK:
+            _PULLING.discard(repo)
         events.put(None)
 
 
