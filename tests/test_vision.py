@@ -156,24 +156,42 @@ def test_naflex_positions_resize_as_torchs_antialiased_bilinear(size):
     np.testing.assert_allclose(_antialiased(size, 16), resized.numpy(), atol=1e-6)
 
 
-def test_a_prefill_step_runs_the_tower_over_one_frame_at_most():
-    # SmolVLM's portrait is 5 frames in a 64-token prompt: one 512-token chunk would run the tower 5 times in one
-    # step, holding every other request's decode for all of it; each step embeds one frame instead.
+def test_the_tower_runs_while_a_request_is_prepared_and_a_prefill_step_embeds_one_frame_at_most():
+    # SmolVLM's portrait is 5 frames in a 64-token prompt. They are embedded while the request is prepared (on a
+    # device thread), so its prefill runs no tower; a frame evicted before its prefill is embedded there, one a step:
+    # one 512-token chunk would run the tower 5 times, holding every other request's decode for all of it.
     model = mlxinfer.load(TINY / "smolvlm", prefix_cache_bytes=0)
-    ids, images = encode_chat(model.tokenizer, model.vision, messages("portrait"), model.context_tokens)
-    decoder, calls = model._loaded.model, []
+    decoder, calls, hidden = model._loaded.model, [], []
     tower = type(model.vision).__call__
-    run = Prefill.start(decoder, make_cache(decoder.cache_kinds), mx.array(ids, dtype=mx.uint32), 512, images=images)
-    hidden = []
     try:
         type(model.vision).__call__ = lambda self, pixels: calls.append(len(hidden)) or tower(self, pixels)
-        while not run.finished:
-            hidden.append(run.step())
+        ids, images = encode_chat(model.tokenizer, model.vision, messages("portrait"), model.context_tokens)
+        assert len(calls) == 5 and all(model.vision.has((s.digest, s.frame)) for s in images.spans)
+        calls.clear()
+        for kept in (True, False):
+            if not kept:
+                model.vision._kept.clear()  # as if later requests' frames had pushed these out
+            hidden = []
+            run = Prefill.start(decoder, make_cache(decoder.cache_kinds), mx.array(ids, dtype=mx.uint32), 512,
+                                images=images)  # fmt: skip
+            while not run.finished:
+                hidden.append(run.step())
+            assert (calls, len(hidden)) == (([], 1) if kept else ([0, 1, 2, 3, 4], 6))
     finally:
         type(model.vision).__call__ = tower
-    assert calls == [0, 1, 2, 3, 4] and len(hidden) == 6  # a frame a step, then the text after the last
     logits = np.array(decoder.head(mx.concatenate(hidden, axis=1))[0])
     np.testing.assert_allclose(logits, golden("portrait", "logits", "smolvlm"), atol=1e-4)
+
+
+def test_kept_frames_are_bounded_by_their_bytes_as_well_as_their_count(monkeypatch):
+    from mlxinfer.models import vision as vision_module
+
+    vision = mlxinfer.load(TINY / "smolvlm", prefix_cache_bytes=0).vision
+    frames = vision.processor.frames(read_image(IMAGES / "hopper.jpg"))  # 5 frames
+    monkeypatch.setattr(vision_module, "KEPT_BYTES", 2 * vision.features((b"x", 0), frames[0]).nbytes)
+    for i in range(1, 5):
+        vision.features((b"x", i), frames[i])
+    assert list(vision._kept) == [(b"x", 3), (b"x", 4)]  # the newest two fit
 
 
 def test_each_family_answers_about_images_as_transformers_does(family):

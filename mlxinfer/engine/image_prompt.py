@@ -2,8 +2,9 @@
 
 The order of the work bounds it: each image's header is read first (its size decides how many tokens it takes:
 SmolVLM tiles by size, Gemma 3 always takes 256), the prompt is rendered and tokenized, checked against the context
-and the image limits, and only then are the images decoded, resized and hashed. All of it runs on the caller's
-thread (the server's preparing pool), never on the scheduler's.
+and the image limits, and only then are the images decoded, resized, hashed and run through the tower (on a device
+thread, one request's frames at a time). All of it runs for the caller (the server's preparing pool), never on the
+scheduler's thread.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..tokenizer import Tokenizer
 from ..vision import DEFAULT_LIMITS, Limits, Opened, check_count, open_images
 from ..vision.fetch import fetch_image
 from .images import PromptImages
+from .threads import call_on_device_thread
 
 Message = dict[str, Any]
 
@@ -116,7 +118,9 @@ def _placed(ids: Sequence[int], opened: list[Opened], vision: VisionModel, conte
         )
     layouts = [vision.processor.layout(*image.size) for image in opened]
     PromptImages.check_runs(ids, layouts, vision.format)  # before any pixel is read
-    return PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], layouts, vision)
+    images = PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], layouts, vision)
+    call_on_device_thread(images.embed_ahead, "mlxinfer-tower")  # here, not in a scheduler step
+    return images
 
 
 def _requested(sources: list[tuple[str, Any]], allowed: RequestSources, limits: Limits) -> list[tuple[str, Any]]:

@@ -96,6 +96,10 @@ class PromptImages:
         )
         return cls(spans, tuple(images), digests, vision)
 
+    def embed_ahead(self) -> None:
+        """Every frame's embeddings computed now and kept (models/vision.VisionModel.embed_ahead)."""
+        self.vision.embed_ahead([(_frame_key(s), self.frames[s.image][s.frame]) for s in self.spans])
+
     @property
     def activation_bytes(self) -> int:
         """What running the tower may hold at once beyond the weights: one frame's (chunk_end gives each step at

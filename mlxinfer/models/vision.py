@@ -3,9 +3,10 @@
 The family file (families/<text model_type>.py) builds it from a `VISION` entry keyed by the wrapper's model_type;
 the loader attaches it to the LoadedModel. The engine asks it for an image's embeddings (`features`), which take
 the places of the image's tokens in the prompt; the last few images' embeddings are kept by content hash, so a
-second question about the same picture does not run the tower again even when the prefix cache lost it. The tower
-runs one frame at a time (engine/images.py ends a prefill chunk after each frame it must embed), so no prefill
-step holds the scheduler for more than one frame's tower.
+second question about the same picture does not run the tower again even when the prefix cache lost it. A request's
+frames are embedded ahead, while it is prepared (`embed_ahead`, on a device thread of its own); a frame the
+scheduler still has to embed runs one at a time (engine/images.py ends a prefill chunk after each frame it must
+embed), so no prefill step holds the scheduler for more than one frame's tower.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 MAX_FRAME_TOKENS = 16_384  # tokens one frame may take (Gemma 3: 256, SmolVLM: 64, Mistral 3: up to 3,025)
 KEPT_FRAMES = 32  # frames whose embeddings stay in memory (a 256-token Gemma 3 frame is 2.5 MB at hidden 2560)
+KEPT_BYTES = 256 << 20  # and their bytes together (a 1,024-token Qwen3-VL frame with deepstack is 32 MiB)
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,12 @@ class VisionModel(nn.Module):
         super().__init__()
         self._kept: OrderedDict[tuple[bytes, int], mx.array] = OrderedDict()
         self._lock = threading.Lock()
+        self._ahead = threading.Lock()  # one request's frames embedded ahead at a time (bounds their activations)
 
     def features(self, key: tuple[bytes, int], frame: np.ndarray) -> mx.array:
         """One frame's embeddings (tokens_per_frame, hidden), `key` its image's content hash and its index: from
-        the last KEPT_FRAMES or computed now (lazily: evaluated with the prefill chunk that places them)."""
+        the last KEPT_FRAMES (at most KEPT_BYTES) or computed now (lazily: evaluated with the prefill chunk that
+        places them)."""
         with self._lock:
             kept = self._kept.get(key)
             if kept is not None:
@@ -102,9 +106,20 @@ class VisionModel(nn.Module):
         out = self(mx.array(frame[None]))[0]
         with self._lock:
             self._kept[key] = out
-            while len(self._kept) > KEPT_FRAMES:
+            while len(self._kept) > 1 and (
+                len(self._kept) > KEPT_FRAMES or sum(v.nbytes for v in self._kept.values()) > KEPT_BYTES
+            ):
                 self._kept.popitem(last=False)
         return out
+
+    def embed_ahead(self, frames: list[tuple[tuple[bytes, int], np.ndarray]]) -> None:
+        """Each frame's embeddings computed and kept now, on the calling thread (a request's preparation, never the
+        scheduler's): its prefill then finds them kept, and no scheduler step waits on the tower. A frame evicted
+        before its prefill (more than KEPT_FRAMES or KEPT_BYTES of them) is computed there instead, as before."""
+        with self._ahead:
+            for key, frame in frames:
+                if not self.has(key):
+                    mx.eval(self.features(key, frame))
 
     def fitted(self, processor: Processor) -> Processor:
         """The folder's image processor as this model reads images (Mistral 3 sizes them by merged patches)."""
