@@ -72,8 +72,7 @@ class DecodeBatch:
         self.cache: list[Cache] | None = None
         self._queued: mx.array | None = None  # the next step's tokens, already computing
         self._queued_logits: mx.array | None = None  # under a grammar: the next step's logits, still to be masked
-        self._row_shifts: list[int] = []
-        self.shifts: mx.array | None = None
+        self.shifts: mx.array | None = None  # the rows' M-RoPE shifts (_refresh_shifts)
 
     @property
     def pending(self) -> bool:
@@ -85,12 +84,12 @@ class DecodeBatch:
         assert not self.pending, "take the queued step before a row joins"
         self.cache = add_row(self.cache, cache)
         self.rows.append(sequence)
-        self._set_shifts([*self._row_shifts, _rope_shift(sequence)])
+        self._refresh_shifts()
 
-    def _set_shifts(self, shifts: list[int]) -> None:
-        """Each row's M-RoPE shift (what its images moved its positions by), and as the model takes them: None
-        where every row's is 0."""
-        self._row_shifts = shifts
+    def _refresh_shifts(self) -> None:
+        """Each row's M-RoPE shift (what its images moved its positions by), as the model takes them: None where
+        every row's is 0. Made when rows change, not each step."""
+        shifts = [_rope_shift(s) for s in self.rows]
         self.shifts = mx.array(shifts) if any(shifts) else None
 
     def _model(self, fed: mx.array) -> mx.array:
@@ -105,7 +104,7 @@ class DecodeBatch:
             self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
             gone = set(rows)
             self.rows = [s for i, s in enumerate(self.rows) if i not in gone]
-            self._set_shifts([shift for i, shift in enumerate(self._row_shifts) if i not in gone])
+            self._refresh_shifts()
             self._queued = self._queued_logits = None  # computed for rows that changed (only ever one, now gone)
 
     @property
@@ -180,8 +179,7 @@ class DecodeBatch:
         return out
 
     def clear(self) -> None:
-        self.rows, self.cache, self._queued, self._queued_logits = [], None, None, None
-        self._set_shifts([])
+        self.rows, self.cache, self._queued, self._queued_logits, self.shifts = [], None, None, None, None
 
 
 def _rope_shift(sequence: Running) -> int:

@@ -256,14 +256,7 @@ class PixelRangeProcessor:
     def layout(self, width: int, height: int) -> Layout:
         """The frame's token grid for an image of this size (its header's), before any pixel is read. ImageError
         past most_tokens (a strip so thin that a side stays one token however far the other shrinks)."""
-        height, width = self._sized(height, width)
-        side = self.patch * self.merge
-        rows, cols = height // side, width // side
-        if rows * cols > self.most_tokens:
-            raise ImageError(
-                f"an image this long and thin would take {rows * cols} tokens, more than {self.most_tokens}; crop it"
-            )
-        return Layout(grid=(rows, cols))
+        return Layout(grid=_token_grid(*self._sized(height, width), self.patch * self.merge, self.most_tokens))
 
     def frames(self, rgb: np.ndarray) -> np.ndarray:
         """float32 (1, 3, height, width), both sides whole tokens."""
@@ -314,14 +307,7 @@ class TileProcessor:
         """Tiles (rows, cols; 0 where the image is one frame) and the whole frame's token grid, from its size.
         ImageError past max_tokens (a strip so thin that a side stays one token however far the other shrinks)."""
         rows, cols = self._tiles(height, width)
-        frame_height, frame_width = self._sized(height, width)
-        side = self.patch * self.merge
-        tokens = (frame_height // side) * (frame_width // side)
-        if tokens > self.max_tokens:
-            raise ImageError(
-                f"an image this long and thin would take {tokens} tokens, more than {self.max_tokens}; crop it"
-            )
-        return Layout(rows, cols, grid=(frame_height // side, frame_width // side))
+        return Layout(rows, cols, _token_grid(*self._sized(height, width), self.patch * self.merge, self.max_tokens))
 
     def frames(self, rgb: np.ndarray) -> list[np.ndarray]:
         """float32 (3, H, W) frames: the tiles row by row, then the whole image (or the whole image alone)."""
@@ -364,6 +350,15 @@ class TileProcessor:
             return 0, 0
         cols, rows = _closest_grid(width / height, width * height, self.tile, self.min_tiles, self.max_tiles)
         return rows, cols
+
+
+def _token_grid(height: int, width: int, side: int, most: int) -> tuple[int, int]:
+    """(rows, cols) of `side`-pixel tokens of a frame sized (height, width); ImageError past `most` tokens (a strip so
+    thin that a side stays one token however far the other shrinks)."""
+    rows, cols = height // side, width // side
+    if rows * cols > most:
+        raise ImageError(f"an image this long and thin would take {rows * cols} tokens, more than {most}; crop it")
+    return rows, cols
 
 
 def _closest_grid(aspect: float, area: int, tile: int, low: int, high: int) -> tuple[int, int]:
