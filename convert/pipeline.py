@@ -447,7 +447,7 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
             layers = _calibrated_layers(plan.source, plan.layers)
             rounded = calibrated(plan.source, layers, plan.dtype, progress, plan.settings.calibration)
         files, data_bytes = _write_tensors(plan, folder.path, progress, rounded)
-        plan.source.write_tokenizer(folder.path)
+        plan.source.write_side_files(folder.path)
         config = wrapped(
             plan.source, output_config(plan.source.config, plan.config, plan.layers, plan.settings, plan.dtype)
         )

@@ -2,7 +2,7 @@
 
 Every source offers the same small interface: a config.json-style dict, the
 logical shape of each tensor (named as in Hugging Face checkpoints), `read(name)`
-for one tensor at a time, and `write_tokenizer(folder)`.
+for one tensor at a time, and `write_side_files(folder)` (tokenizer, generation config, processor).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors
 from mlxinfer.models.gguf import from_llama_cpp, gguf_config, gguf_tensors, hf_names
 from mlxinfer.models.multimodal import text_checkpoint, text_config
 from mlxinfer.models.quantized import DEQUANTIZE_BLOCK_ELEMENTS, dequantize_blocks
+from mlxinfer.models.sampling_defaults import GENERATION_CONFIG, from_gguf_metadata
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 from mlxinfer.untrusted import listed
 
@@ -78,7 +79,7 @@ class Source(Protocol):
 
     def read(self, name: str) -> mx.array | Quantized: ...
 
-    def write_tokenizer(self, folder: Path) -> None: ...
+    def write_side_files(self, folder: Path) -> None: ...
 
     def load_bytes(self, compute: mx.Dtype) -> tuple[int, int]: ...
 
@@ -120,7 +121,7 @@ class FolderSource:
         # Handed over, not kept: once evaluated, a kept array would hold its bytes until the end.
         return self._arrays.pop(name)
 
-    def write_tokenizer(self, folder: Path) -> None:
+    def write_side_files(self, folder: Path) -> None:
         for name in TOKENIZER_FILES + (PROCESSOR_FILES if self.vision is not None else ()):
             if (self.folder / name).is_file():
                 copy_file(self.folder / name, folder / name)
@@ -162,10 +163,14 @@ class GGUFSource:
         array = mx.array(value)
         return array.view(mx.bfloat16) if value.dtype == np.uint16 else array
 
-    def write_tokenizer(self, folder: Path) -> None:
+    def write_side_files(self, folder: Path) -> None:
         metadata = self._file.metadata
         write_text(folder / "tokenizer.json", backend_from_gguf(metadata).to_str())
         write_json(folder / "tokenizer_config.json", tokenizer_config_from_gguf(metadata))
+        sampling = from_gguf_metadata(metadata, f"{self.description}: GGUF metadata").values
+        if sampling:  # the sampling the file recommends, kept in the form the loader reads from a folder
+            sampled = {"do_sample": sampling["temperature"] > 0} if "temperature" in sampling else {}
+            write_json(folder / GENERATION_CONFIG, {**sampled, **sampling})
 
     def load_bytes(self, compute: mx.Dtype) -> tuple[int, int]:
         """As FolderSource.load_bytes; the REPACKED types (gguf_file.py) stay packed, as the loader keeps them."""

@@ -34,13 +34,15 @@ from .engine import (
     prefix_store_for,
     structure_of,
     warm_alone,
+    with_defaults,
 )
-from .errors import SamplingError, TokenizerError
+from .errors import ConfigError, SamplingError, TokenizerError
 from .library import located
 from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import check_kv_bits, footprint
+from .models.sampling_defaults import SamplingDefaults
 from .models.vision import VisionModel
 from .tokenizer import Tokenizer, check_same_vocabulary
 from .untrusted import is_int, shown
@@ -100,6 +102,7 @@ class Model:
         persist_prefixes: bool = True,
     ):
         self._loaded, self._draft = loaded, draft
+        self.sampling_defaults = _stated_sampling(loaded)
         if draft is not None:
             check_same_vocabulary(self.tokenizer, draft.tokenizer, str(loaded.path), str(draft.path))
         self.speculate = check_mode(speculate, draft.model if draft else None)
@@ -244,6 +247,8 @@ class Model:
         {"type": "image", "image": ...}. Options: max_tokens, temperature, top_p,
         top_k, min_p, repetition_penalty, seed, stop, prefill_chunk_tokens, use_cache, snapshot_every,
         speculate ("auto", "off", "lookup" or "draft"; default: the model's, see `load`).
+        A sampling field left out takes the model's own (its generation_config.json, see
+        `model.sampling_defaults`), else greedy decoding's.
 
         Structured output (one of): `schema` (a pydantic model class, a JSON-schema dict or its
         JSON text; `result.parsed` is the answer as an object), `regex` (the whole answer
@@ -301,7 +306,7 @@ class Model:
         **sampling: Any,
     ) -> TextGeneration:
         try:
-            params = SamplingParams(**sampling)
+            params = with_defaults(sampling, self.sampling_defaults.values)
         except TypeError as e:
             raise SamplingError(f"unknown generation option: {e}") from None
         ids, placed = self._encode_images(prompt, chat, images)
@@ -419,6 +424,7 @@ class Model:
             ("compute dtype", self.compute_dtype),
             ("KV cache", f"{self.kv_bits}-bit" if self.kv_bits else self.compute_dtype),
             ("context", f"{self.context_tokens} tokens"),
+            ("sampling", self.sampling_defaults.describe()),
             ("prefix cache", f"{mib(self.cache_stats.bytes_held)} of {mib(self.cache_stats.budget_bytes)}"),
         ]
         return html_table(f"Model {loaded.path.name}", rows)
@@ -471,6 +477,16 @@ def _text_chars(prompt: Any) -> int:
     if isinstance(prompt, (list, tuple)):
         return sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
     return 0
+
+
+def _stated_sampling(loaded: LoadedModel) -> SamplingDefaults:
+    """The sampling the model's files recommend, checked as a request's would be: a value out of range is the
+    file's fault, named with it."""
+    try:
+        SamplingParams(**loaded.sampling.values)
+    except SamplingError as e:
+        raise ConfigError(f"{loaded.path}: {loaded.sampling.source}: {e}") from None
+    return loaded.sampling
 
 
 def _check_ids(ids: list[Any], vocab_size: int) -> list[int]:

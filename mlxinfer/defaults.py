@@ -5,3 +5,7 @@ DEFAULT_MAX_TOKENS = 256  # tokens generated when a caller names no limit (the s
 MAX_TOKENS = 1_000_000  # the most tokens one request may ask for
 PREFILL_CHUNK_TOKENS = 512  # prompt tokens per prefill step of a request running alone; what memory plans assume
 SERVER_PREFILL_CHUNK_TOKENS = 256  # per prefill step while other requests decode: each waits at most one step
+# What a generation samples with where neither the request nor the model (generation_config.json, a GGUF's
+# general.sampling.* keys) names a field: greedy, as transformers decodes a model whose generation config does
+# not ask it to sample. The same for the CLI, the Python API and every server route.
+DEFAULT_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}

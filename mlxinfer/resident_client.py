@@ -141,7 +141,8 @@ class RemoteStream:
 
 
 def _request_body(prompt: Any, chat: bool | None, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The OpenAI request for Model.generate's arguments (greedy by default, as Model is)."""
+    """The OpenAI request for Model.generate's arguments; a sampling field left out is left out (None too), so
+    the server takes the model's own, as a local Model does."""
     local = [name for name in LOCAL_ONLY if name in options] + [
         name for name in ("regex", "choices") if options.get(name) is not None
     ]
@@ -152,10 +153,9 @@ def _request_body(prompt: Any, chat: bool | None, options: dict[str, Any]) -> tu
     unknown = set(options) - {*SAMPLING, "max_tokens", "stop"}
     if unknown:
         raise SamplingError(f"unknown generation option: {', '.join(sorted(unknown))}")
-    sampling = {name: options[name] for name in SAMPLING if name in options}
+    sampling = {name: options[name] for name in SAMPLING if options.get(name) is not None}
     SamplingParams(**sampling)  # the same checks as a local model, before anything is sent
     body: dict[str, Any] = {**sampling, "max_tokens": options.get("max_tokens", 256), "stream": True}
-    body["temperature"] = sampling.get("temperature", 0.0)
     body["stream_options"] = {"include_usage": True}
     if options.get("stop") is not None:
         body["stop"] = options["stop"]

@@ -67,10 +67,12 @@ def write_tiny_gguf(
     k_quants: dict | None = None,
     floats: dict[str, np.ndarray] | None = None,
     file_type: int | None = None,
+    sampling: dict[str, float] | None = None,
 ) -> Path:
     """The tiny llama fixture as GGUF; with `hidden`, random weights of that width instead. `k_quant` is stored as
     `k_type` (random K blocks, or Q8_0 of its value), `k_quants` maps more names to their types; `floats` gives
-    tensors (HF names, already in llama.cpp's row order) stored as F32 instead."""
+    tensors (HF names, already in llama.cpp's row order) stored as F32 instead; `sampling` ({"temp": 0.7, ...})
+    is written by the gguf writer's own add_sampling_* methods."""
     kinds = {**(k_quants or {}), **({k_quant: k_type} if k_quant else {})}
     folder = TINY / "llama_classic"
     config = json.loads((folder / "config.json").read_text())
@@ -85,6 +87,8 @@ def write_tiny_gguf(
     writer = gguf.GGUFWriter(str(path), "llama")
     if file_type is not None:  # general.file_type, llama.cpp's LlamaFileType
         writer.add_file_type(file_type)
+    for key, value in (sampling or {}).items():
+        getattr(writer, f"add_sampling_{key}")(value)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])

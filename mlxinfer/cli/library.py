@@ -128,6 +128,7 @@ def show_model(ctx: click.Context, name: str, as_json: bool) -> None:
         click.echo(f"{'quantization':<14}{q['bits']} bits, group size {q['group_size'] or '-'}, mode {q['mode']}")
     else:
         click.echo(f"{'quantization':<14}none ({model.bits or '?'}-bit floats)")
+    click.echo(f"{'sampling':<14}{info['sampling']['text']}")
     click.echo()
     ctx.invoke(plan, model=str(model.path))
 

@@ -42,14 +42,16 @@ def generation_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.argument("model", required=False),
         click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
                      help="Most tokens to generate."),
-        click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 is greedy."),
-        click.option("--top-p", type=float, default=1.0, show_default=True,
+        click.option("--temperature", "-t", type=float, default=None,
+                     help="0 is greedy. Each sampling option left out takes the model's own (its "
+                          "generation_config.json, see `mlxinfer show`), else greedy decoding's."),
+        click.option("--top-p", type=float, default=None,
                      help="Sample from the likeliest tokens whose probabilities add up to this; 1 disables it."),
-        click.option("--top-k", type=int, default=0, show_default=True,
+        click.option("--top-k", type=int, default=None,
                      help="Sample from the k likeliest tokens; 0 disables it."),
-        click.option("--min-p", type=float, default=0.0, show_default=True,
+        click.option("--min-p", type=float, default=None,
                      help="Drop tokens less likely than this times the likeliest one's probability; 0 disables it."),
-        click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+        click.option("--repetition-penalty", type=float, default=None,
                      help="Above 1, makes tokens already seen less likely; 1 disables it."),
         click.option("--seed", type=int, default=None, help="Same seed, same text."),
         click.option("--stop", multiple=True, help="Stop when this string appears (repeatable)."),
@@ -79,7 +81,7 @@ def checked_generation(options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     options["stop"] = list(options.get("stop") or [])
     for field in dataclasses.fields(SamplingParams):  # one field at a time, so the error names its flag
-        if field.name in options:  # a field with no flag keeps its default, checked by the engine
+        if options.get(field.name) is not None:  # a field left out is the model's, checked at its load
             _check_option(field.name, SamplingParams, **{field.name: options[field.name]})
     _check_option("max_tokens", check_max_tokens, options["max_tokens"])
     _check_option("stop", check_stops, options["stop"])

@@ -11,7 +11,7 @@ from .prefill import SNAPSHOT_EVERY, Prefill, prefill
 from .prefix_store import prefix_store_for
 from .request import GenerationRequest, check_max_tokens
 from .runtime import ModelRuntime, SchedulerConfig
-from .sampling import SamplingParams
+from .sampling import SamplingParams, with_defaults
 from .serving import ServingThread
 from .single import TextGeneration, generate_ids, warm_alone
 from .speculation import DRAFT_REASONS, MODES, REASONS, StepCosts, check_mode, check_startup_mode
@@ -43,6 +43,7 @@ __all__ = [
     "REASONS",
     "SNAPSHOT_EVERY",
     "SamplingParams",
+    "with_defaults",
     "ServingThread",
     "SchedulerConfig",
     "StepCosts",

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from ..defaults import DEFAULT_SAMPLING
 from ..errors import SamplingError
 from ..untrusted import is_finite_number, is_int, shown
 
@@ -26,11 +28,11 @@ class SamplingParams:
         >>> SamplingParams(temperature=0.7, top_p=0.9, seed=1)
     """
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float = DEFAULT_SAMPLING["temperature"]
+    top_p: float = DEFAULT_SAMPLING["top_p"]
+    top_k: int = DEFAULT_SAMPLING["top_k"]
+    min_p: float = DEFAULT_SAMPLING["min_p"]
+    repetition_penalty: float = DEFAULT_SAMPLING["repetition_penalty"]
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +54,17 @@ class SamplingParams:
 
 
 MIN_TEMPERATURE = 1e-5
+
+
+def with_defaults(given: Mapping[str, Any], stated: Mapping[str, Any]) -> SamplingParams:
+    """A request's sampling: the fields it gives (None is "not given"), else those its model states
+    (models/sampling_defaults.py), else SamplingParams' own: greedy.
+
+    Example:
+        >>> with_defaults({"top_p": 0.5}, {"temperature": 0.7, "top_p": 0.8})
+        SamplingParams(temperature=0.7, top_p=0.5, top_k=0, min_p=0.0, repetition_penalty=1.0, seed=None)
+    """
+    return SamplingParams(**{**stated, **{name: value for name, value in given.items() if value is not None}})
 
 
 def _number(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:

@@ -2,13 +2,13 @@
 
 catalog: models in a folder and their size · hf_cache: the Hugging Face hub cache · state: the added models and
 last uses (two small JSON files) · local_model: what one model is · listing: ls, find, add, rm · show: details and
-chat template."""
+chat template and sampling."""
 
 from .catalog import disk_bytes, local_models, model_name, models_dir
 from .hf_cache import hf_cache_dir
 from .listing import add_model, find_model, list_models, located, remove_model
 from .local_model import ADDED, CACHE, LocalModel, describe
-from .show import chat_template, details
+from .show import chat_template, details, sampling_of
 from .state import record_use
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "models_dir",
     "record_use",
     "remove_model",
+    "sampling_of",
 ]

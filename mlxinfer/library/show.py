@@ -1,5 +1,6 @@
 """What `mlxinfer show` (and Ollama's /api/show) tells about a model without loading it: sizes, chat template,
-quantization. Every read is bounded; a file that cannot be read leaves its fields empty, with a warning."""
+quantization, the sampling its files recommend. Every read is bounded; a file that cannot be read leaves its fields
+empty, with a warning."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ from typing import Any
 
 from ..errors import ConfigError, MlxInferError
 from ..formats.gguf_file import AFFINE, GGUFFile, read_metadata
+from ..models.sampling_defaults import (
+    GENERATION_CONFIG,
+    GGUF_KEYS,
+    SamplingDefaults,
+    from_generation_config,
+    from_gguf_metadata,
+)
 from ..untrusted import first_line, is_int, read_json_object, read_text, shown_path
 from .local_model import LocalModel, file_type_bits, file_type_name, read_config
 
@@ -18,6 +26,7 @@ MAX_TEMPLATE_LINES = 5
 MAX_TEMPLATE_BYTES = 1 << 20  # a chat template file or GGUF value; real ones are a few KB (the largest ~100 KB)
 MAX_TOKENIZER_CONFIG_BYTES = 64 << 20  # tokenizer_config.json: its added_tokens_decoder can take megabytes
 MAX_GGUF_ALL_KEYS = 1 << 16  # metadata keys walked looking for tokenizer.chat_template
+MAX_GENERATION_CONFIG_BYTES = 1 << 20  # real ones are a few hundred bytes
 MAX_GGUF_ITEMS = 1 << 24  # string items stepped over on the way (a vocabulary and its merges: ~10^5 each)
 
 
@@ -32,6 +41,7 @@ def details(model: LocalModel) -> dict[str, Any]:
         config, template, quantization = _gguf_details(model.path)
     else:
         config, template, quantization = _folder_details(model.path)
+    sampling = sampling_of(model.path)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     sizes = {
         key: value if is_int(value) else None
@@ -48,7 +58,24 @@ def details(model: LocalModel) -> dict[str, Any]:
         **sizes,
         "chat_template": {"present": bool(template), "first_lines": [line[:200] for line in lines]},
         "quantization": quantization,
+        "sampling": {"defaults": sampling.in_force, "source": sampling.source or None, "text": sampling.describe()},
     }
+
+
+def sampling_of(path: Path) -> SamplingDefaults:
+    """The sampling a model's files recommend, read without loading it: a folder's generation_config.json, a GGUF
+    file's general.sampling keys. Nothing stated, or unreadable (with a warning): none."""
+    try:
+        if path.suffix == ".gguf" and not path.is_dir():
+            found = read_metadata(path, tuple(GGUF_KEYS), max_keys=MAX_GGUF_ALL_KEYS, max_skipped_items=MAX_GGUF_ITEMS)
+            return from_gguf_metadata(found, f"{path}: GGUF metadata")
+        file = path / GENERATION_CONFIG
+        if not file.is_file():
+            return SamplingDefaults()
+        return from_generation_config(read_json_object(file, ConfigError, limit=MAX_GENERATION_CONFIG_BYTES), str(file))
+    except (MlxInferError, OSError) as e:
+        log.warning("%s: no sampling defaults read (%s)", shown_path(path), first_line(e))
+        return SamplingDefaults()
 
 
 def chat_template(path: Path) -> str | None:

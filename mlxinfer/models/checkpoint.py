@@ -16,6 +16,7 @@ from ..errors import ConfigError, CorruptFileError, ModelNotFoundError, Unsuppor
 from ..formats.safetensors_header import TensorInfo, read_header
 from ..untrusted import is_int, listed, read_json_object, shown
 from .config import MAX_TOKEN_IDS
+from .sampling_defaults import GENERATION_CONFIG
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -33,6 +34,7 @@ class Checkpoint:
     # {name in the model: stored name} when they differ or only some tensors are used (a vision-language
     # checkpoint's text model, see multimodal.py); then only these tensors are loaded.
     stored_names: dict[str, str] | None = None
+    generation: dict[str, Any] = field(default_factory=dict)  # generation_config.json, or {} without one
 
 
 def open_folder(folder: Path) -> Checkpoint:
@@ -40,11 +42,10 @@ def open_folder(folder: Path) -> Checkpoint:
     if not folder.is_dir():
         raise ModelNotFoundError(f"{folder}: no such model folder")
     config = read_json(folder / "config.json")
-    generation = folder / "generation_config.json"
-    if generation.exists():
-        gen = read_json(generation)
-        if gen.get("eos_token_id") is not None:
-            config["eos_token_id"] = _merge_ids(config.get("eos_token_id"), gen["eos_token_id"], generation)
+    generation = folder / GENERATION_CONFIG
+    gen = read_json(generation) if generation.exists() else {}
+    if gen.get("eos_token_id") is not None:
+        config["eos_token_id"] = _merge_ids(config.get("eos_token_id"), gen["eos_token_id"], generation)
     files = _weight_files(folder)
     tensors: dict[str, TensorInfo] = {}
     owner: dict[str, Path] = {}
@@ -54,7 +55,7 @@ def open_folder(folder: Path) -> Checkpoint:
                 raise CorruptFileError(f"{path}: tensor {shown(name)} also appears in {owner[name].name}")
             owner[name], tensors[name] = path, info
     _check_index(folder, owner)
-    return Checkpoint(folder=folder, config=config, files=tuple(files), tensors=tensors, owners=owner)
+    return Checkpoint(folder, config, tuple(files), tensors, owner, generation=gen)
 
 
 def load_tensors(checkpoint: Checkpoint) -> dict[str, mx.array]:

@@ -35,6 +35,7 @@ from .fallback import UNVERIFIED
 from .gguf import gguf_config, gguf_tensors, gguf_weights
 from .multimodal import text_checkpoint
 from .quantized import quantize_like
+from .sampling_defaults import GENERATION_CONFIG, SamplingDefaults, from_generation_config, from_gguf_metadata
 from .shard import Stage, keep_layers, select_weights, shard_tensor
 from .sizing import StoredTensor, check_before_build
 from .vision import VisionModel, load_vision
@@ -56,6 +57,7 @@ class LoadedModel:
     load_s: float
     weights: WeightChoice = WeightChoice("as stored", "not chosen")  # quantized or dequantized on this CPU
     vision: VisionModel | None = None  # a vision-language model's image half (weights_bytes counts it)
+    sampling: SamplingDefaults = SamplingDefaults()  # what the model's authors recommend, where they say
 
 
 def load_model(
@@ -81,8 +83,10 @@ def load_model(
     if path.is_file() and path.suffix == ".gguf":
         config, weights, metadata = _read_gguf_checked(path, compute, stage)
         tokenizer = tokenizer_from_gguf(metadata, f"{path}: GGUF") if with_tokenizer else None
+        sampling = from_gguf_metadata(metadata, f"{path}: GGUF metadata")
     elif path.is_dir():
         checkpoint = open_folder(path)
+        sampling = from_generation_config(checkpoint.generation, str(path / GENERATION_CONFIG))
         config = normalize_config(checkpoint.config, source=str(path / "config.json"))
         vision = load_vision(checkpoint, compute, str(path)) if stage is None and tensor_group is None else None
         checkpoint = text_checkpoint(checkpoint, vision is not None)  # a vision-language model's text tensors
@@ -125,7 +129,7 @@ def load_model(
     if not config.verified:
         log.warning("%s: model_type %s is %s", path, config.model_type, UNVERIFIED)
     took = time.perf_counter() - start
-    return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, took, kept, vision)
+    return LoadedModel(model, config, tokenizer, compute, path, quantized, nbytes, took, kept, vision, sampling)
 
 
 def _read_gguf_checked(

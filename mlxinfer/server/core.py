@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..defaults import MAX_TOKENS  # above it, the engine's own check answers (max_tokens out of range)
-from ..engine import Event, Finished, GenerationStats, Job, RequestSources
+from ..engine import Event, Finished, GenerationStats, Job, RequestSources, with_defaults
 from ..errors import MlxInferError
 from ..grammar import cancelled_by
 from .deltas import Answer, Done, JobEvents, Running, TokenClock
@@ -185,7 +185,7 @@ class API:
             ids,
             events.put,
             max_tokens,
-            params.sampling,
+            with_defaults(params.sampling, served.model.sampling_defaults.values),
             params.stop,
             self.settings.request_timeout_s,
             constraint=prepared.constraint,

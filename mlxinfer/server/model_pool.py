@@ -30,7 +30,8 @@ import mlx.core as mx
 from ..api import Model, load
 from ..display import mib
 from ..engine import SchedulerConfig, ServingThread, call_on_device_thread
-from ..library import disk_bytes, find_model
+from ..library import disk_bytes, find_model, sampling_of
+from ..models.sampling_defaults import SamplingDefaults
 from ..untrusted import shown
 from .errors import APIError
 
@@ -53,6 +54,7 @@ class _Slot:
     config: SchedulerConfig | None
     served: ServedModel | None = None
     verified: bool = True  # the family was checked against transformers (models/fallback.py runs the others)
+    sampling: SamplingDefaults | None = None  # what the model's files recommend; None: not read yet
     loading: threading.Lock = field(default_factory=threading.Lock)  # one load; other requests for it wait
     in_flight: int = 0  # requests started and not yet ended
     keep_alive_s: float | None = None  # the latest request's keep_alive; None: the set's default
@@ -252,6 +254,7 @@ class ModelSet:
     def _serve(self, slot: _Slot, model: Model) -> ServedModel:  # under self._lock
         slot.served = ServedModel(slot.id, model, self._scheduler(model.runtime, slot.config))
         slot.verified, slot.in_flight, slot.keep_alive_s = model.verified, 0, None
+        slot.sampling = model.sampling_defaults
         slot.last_used, slot.loaded_at = self._clock(), time.time()
         self._dirty = True  # the reaper looks again (notified by the caller's _arm, or at its next wake-up)
         return slot.served
@@ -354,6 +357,16 @@ class ModelSet:
     def verified(self, name: str) -> bool:
         slot = self._slots.get(name)
         return slot is None or slot.verified
+
+    def sampling_defaults(self, name: str) -> dict[str, Any]:
+        """The sampling a request that gives none gets from model `name`: read from its files once (the loaded
+        model's own once it loads); may read a GGUF header, so not on the event loop."""
+        slot = self._slots.get(name)
+        if slot is None:  # gone since it was listed
+            return SamplingDefaults().in_force
+        if slot.sampling is None:
+            slot.sampling = sampling_of(slot.path)
+        return slot.sampling.in_force
 
     def path_of(self, name: str) -> Path | None:
         slot = self._slots.get(name)

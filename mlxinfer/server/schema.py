@@ -47,7 +47,7 @@ class GenerationParams:
 
     model: str | None
     max_tokens: int | None  # None: the server's default, at most the context left
-    sampling: SamplingParams
+    sampling: dict[str, Any]  # the fields the request gives; the others are the model's (engine.with_defaults)
     stop: list[str]
     stream: bool
     include_usage: bool
@@ -244,6 +244,7 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     )
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 MAX_KEEP_ALIVE_S = 366 * 86400
 _DURATION = re.compile(r"(-?[0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|m|h)?")
 _UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
@@ -264,22 +265,22 @@ def keep_alive_s(value: Any) -> float | None:
     return float("inf") if seconds < 0 else min(seconds, MAX_KEEP_ALIVE_S)
 
 
-def _sampling(body: dict[str, Any]) -> SamplingParams:
-    temperature = body.get("temperature")
-    temperature = 1.0 if temperature is None else temperature  # OpenAI's default
+def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields the request gives, checked; those it leaves out (or sends as null) take the model's
+    own when the job is queued (engine.with_defaults), so the answer does not depend on the route."""
+    given = {name: body.get(name) for name in SAMPLING_FIELDS if body.get(name) is not None}
+    temperature = given.get("temperature", 0)
     # OpenAI's range; SamplingParams itself allows more for library callers.
     if not is_finite_number(temperature) or not 0 <= temperature <= 2:
         raise APIError(400, f"temperature must be a number in [0, 2], got {shown(temperature)}", "temperature")
-    fields = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "seed": None}
-    values = {name: body.get(name, default) for name, default in fields.items()}
-    values = {name: fields[name] if value is None and name != "seed" else value for name, value in values.items()}
-    for name, value in values.items():
-        if value is not None and not is_finite_number(value):
+    for name, value in given.items():
+        if not is_finite_number(value):
             raise APIError(400, f"{name} must be a number, got {shown(value)}", name)
     try:
-        return SamplingParams(temperature=temperature, **values)
+        SamplingParams(**given)  # every field's own range, here, where the request is answered 400
     except SamplingError as e:
         raise as_api_error(e) from None
+    return given
 
 
 def _stop(stop: Any) -> list[str]:

@@ -52,7 +52,8 @@ OPTIONS = {
     "presence_penalty": "presence_penalty",  # refused unless 0, as on /v1
     "frequency_penalty": "frequency_penalty",
 }
-OLLAMA_NAMES = {ours: f"options.{theirs}" for theirs, ours in OPTIONS.items()}
+OLLAMA_OPTION = {ours: theirs for theirs, ours in OPTIONS.items()}
+OLLAMA_NAMES = {ours: f"options.{theirs}" for ours, theirs in OLLAMA_OPTION.items()}
 NS = 1_000_000_000
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded forever (keep_alive < 0)
 
@@ -487,7 +488,8 @@ def _show_loaded(model: Model) -> dict[str, Any]:
     template = model.tokenizer.chat_template or ""
     fmt = format_of(model.tokenizer)
     details = _details(model.path, model.config.model_type, _model_quantization(model))
-    return _shown(details, sizes, template, fmt.tools is not None, fmt.reasoning is not None)
+    thinking = fmt.reasoning is not None
+    return _shown(details, sizes, template, fmt.tools is not None, thinking, model.sampling_defaults.in_force)
 
 
 def _show_local(api: API, name: str) -> dict[str, Any]:
@@ -507,16 +509,19 @@ def _show_local(api: API, name: str) -> dict[str, Any]:
     fmt = output_format(template)
     details = _details(local.path, local.family, _quantization_level(local.bits))
     # Every model takes tools: its template's syntax, or the default one (chat/default_tools.py).
-    return _shown(details, sizes, template, True, fmt.reasoning is not None)
+    return _shown(details, sizes, template, True, fmt.reasoning is not None, facts["sampling"]["defaults"])
 
 
-def _shown(details: dict[str, Any], sizes: dict[str, Any], template: str, tools: bool, thinking: bool) -> dict:
+def _shown(
+    details: dict[str, Any], sizes: dict[str, Any], template: str, tools: bool, thinking: bool, sampling: dict
+) -> dict:
     family = details["family"] or "unknown"
     info = {"general.architecture": family, **{f"{family}.{k}": v for k, v in sizes.items() if v is not None}}
     capabilities = ["completion", *(["tools"] if tools else []), *(["thinking"] if thinking else [])]
     return {
         "modelfile": "",
-        "parameters": "",
+        # Ollama's Modelfile PARAMETER lines, in its option names: the sampling a request that sets none gets.
+        "parameters": "\n".join(f"{OLLAMA_OPTION[name]:<30} {value:g}" for name, value in sampling.items()),
         "template": template,
         "details": details,
         "model_info": info,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,11 +37,19 @@ def routes(api: API) -> list[Route]:
 
     async def list_models(request: Request) -> Response:
         # `verified`: the family matches transformers; false for mlx-lm's model code run as it is (unverified).
-        data = [
-            {"id": name, "object": "model", "created": api.started, "owned_by": "mlxinfer",
-             "verified": api.models.verified(name)}
-            for name in api.models.ids
-        ]  # fmt: skip
+        # `sampling_defaults`: what a request that names no sampling field gets (the model's generation config,
+        # else greedy); read from the model's files, so off the event loop.
+        def model(name: str) -> dict[str, Any]:
+            return {
+                "id": name,
+                "object": "model",
+                "created": api.started,
+                "owned_by": "mlxinfer",
+                "verified": api.models.verified(name),
+                "sampling_defaults": api.models.sampling_defaults(name),
+            }
+
+        data = await run_in_threadpool(lambda: [model(name) for name in api.models.ids])
         return JSONResponse({"object": "list", "data": data})
 
     return [
