@@ -159,9 +159,7 @@ def test_every_route_samples_as_the_model_says(server, model):
     assert openai_chat.json()["choices"][0]["message"]["content"] == chat
     ollama_chat = ollama.Client(host=url).chat(model=name, messages=HI, options={"num_predict": 8})
     assert ollama_chat.message.content == chat
-    claude = anthropic.Anthropic(base_url=url, api_key="unused").messages.create(
-        model=name, max_tokens=8, messages=HI
-    )
+    claude = anthropic.Anthropic(base_url=url, api_key="unused").messages.create(model=name, max_tokens=8, messages=HI)
     assert claude.content[0].text == chat
 
 

@@ -17,7 +17,7 @@ from ..engine import GenerationStats
 from .core import API
 from .guard import GuardMiddleware
 from .model_pool import ModelSet
-from .routes import anthropic, embeddings, ollama, ollama_pull, openai, page, status
+from .routes import anthropic, embeddings, ollama, ollama_pull, openai, page, responses, status
 from .settings import ServerSettings
 
 
@@ -35,7 +35,7 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=list(settings.cors_origins),
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["Authorization", "Content-Type"],
             )
         )
@@ -52,5 +52,6 @@ def all_routes(api: API) -> list[Route]:
         *ollama.routes(api),  # /api/...: Ollama's API
         *ollama_pull.routes(api),  # /api/pull: a Hub checkpoint into the models folder
         *anthropic.routes(api),  # /v1/messages
+        *responses.routes(api),  # /v1/responses: OpenAI's Responses API
         *embeddings.routes(api),  # /v1/embeddings
     ]
