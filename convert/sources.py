@@ -19,11 +19,11 @@ from mlxinfer.quantize.affine import quantize_blocks
 
 from mlxinfer.errors import ConversionError, UnsupportedModelError
 from mlxinfer.formats.gguf_file import REPACKED, GGUFFile, QuantizedTensor
+from mlxinfer.formats.recommended_sampling import GENERATION_CONFIG, from_gguf_metadata
 from mlxinfer.models.checkpoint import PICKLE_SUFFIXES, Checkpoint, load_tensors, open_folder
 from mlxinfer.models.gguf import from_llama_cpp, gguf_config, gguf_tensors, hf_names
 from mlxinfer.models.multimodal import text_checkpoint, text_config
 from mlxinfer.models.quantized import DEQUANTIZE_BLOCK_ELEMENTS, dequantize_blocks
-from mlxinfer.models.sampling_defaults import GENERATION_CONFIG, from_gguf_metadata
 from mlxinfer.tokenizer.gguf_vocab import backend_from_gguf, tokenizer_config_from_gguf
 from mlxinfer.untrusted import listed
 

@@ -37,12 +37,12 @@ from .engine import (
     with_defaults,
 )
 from .errors import ConfigError, SamplingError, TokenizerError
+from .formats.recommended_sampling import SamplingDefaults
 from .library import located
 from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
 from .models import LoadedModel, load_model
 from .models.dtype import dtype_name
 from .models.footprint import check_kv_bits, footprint
-from .models.sampling_defaults import SamplingDefaults
 from .models.vision import VisionModel
 from .tokenizer import Tokenizer, check_same_vocabulary
 from .untrusted import is_int, shown

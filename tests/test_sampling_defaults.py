@@ -23,7 +23,7 @@ from mlxinfer.convert import convert
 import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.errors import ConfigError
-from mlxinfer.models.sampling_defaults import GGUF_KEYS, from_generation_config
+from mlxinfer.formats.recommended_sampling import GGUF_KEYS, from_generation_config
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY

@@ -58,7 +58,7 @@ MIN_TEMPERATURE = 1e-5
 
 def with_defaults(given: Mapping[str, Any], stated: Mapping[str, Any]) -> SamplingParams:
     """A request's sampling: the fields it gives (None is "not given"), else those its model states
-    (models/sampling_defaults.py), else SamplingParams' own: greedy.
+    (formats/recommended_sampling.py), else SamplingParams' own: greedy.
 
     Example:
         >>> with_defaults({"top_p": 0.5}, {"temperature": 0.7, "top_p": 0.8})

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ConfigError, MlxInferError
 from ..formats.gguf_file import AFFINE, GGUFFile, read_metadata
-from ..models.sampling_defaults import (
+from ..formats.recommended_sampling import (
     GENERATION_CONFIG,
     GGUF_KEYS,
     SamplingDefaults,

@@ -13,10 +13,10 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import ConfigError, CorruptFileError, ModelNotFoundError, UnsupportedModelError
+from ..formats.recommended_sampling import GENERATION_CONFIG
 from ..formats.safetensors_header import TensorInfo, read_header
 from ..untrusted import is_int, listed, read_json_object, shown
 from .config import MAX_TOKEN_IDS
-from .sampling_defaults import GENERATION_CONFIG
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

@@ -21,6 +21,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .. import blas
 from ..errors import ModelNotFoundError, WeightMismatchError
 from ..formats.gguf_file import GGUFFile
+from ..formats.recommended_sampling import (
+    GENERATION_CONFIG,
+    SamplingDefaults,
+    from_generation_config,
+    from_gguf_metadata,
+)
 from ..formats.safetensors_header import DTYPE_BYTES, FLOAT_DTYPES, TensorInfo
 from ..memory.machine import machine_memory
 from ..tokenizer import Tokenizer
@@ -35,7 +41,6 @@ from .fallback import UNVERIFIED
 from .gguf import gguf_config, gguf_tensors, gguf_weights
 from .multimodal import text_checkpoint
 from .quantized import quantize_like
-from .sampling_defaults import GENERATION_CONFIG, SamplingDefaults, from_generation_config, from_gguf_metadata
 from .shard import Stage, keep_layers, select_weights, shard_tensor
 from .sizing import StoredTensor, check_before_build
 from .vision import VisionModel, load_vision

@@ -30,8 +30,8 @@ import mlx.core as mx
 from ..api import Model, load
 from ..display import mib
 from ..engine import SchedulerConfig, ServingThread, call_on_device_thread
+from ..formats.recommended_sampling import SamplingDefaults
 from ..library import disk_bytes, find_model, sampling_of
-from ..models.sampling_defaults import SamplingDefaults
 from ..untrusted import shown
 from .errors import APIError
 

@@ -1,4 +1,4 @@
-"""The sampling a model's authors recommend: generation_config.json's fields, or a GGUF's `general.sampling.*`.
+"""The sampling a model's authors recommend, read from generation_config.json's fields or a GGUF's metadata.
 
 A request's own fields win; a field the model states fills one the request leaves out (vLLM's behaviour); a
 field neither states takes mlxinfer's one default (`engine.sampling.SamplingParams`: greedy). transformers'
