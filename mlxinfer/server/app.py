@@ -17,7 +17,7 @@ from ..engine import GenerationStats
 from .core import API
 from .guard import GuardMiddleware
 from .model_pool import ModelSet
-from .routes import anthropic, embeddings, ollama, ollama_pull, openai, page, responses, status
+from .routes import anthropic, embeddings, ollama, ollama_models, ollama_pull, openai, page, responses, status
 from .settings import ServerSettings
 
 
@@ -51,6 +51,7 @@ def all_routes(api: API) -> list[Route]:
         *page.routes(),  # /, /page/{name}, /favicon.ico: the chat page
         *ollama.routes(api),  # /api/...: Ollama's API
         *ollama_pull.routes(api),  # /api/pull: a Hub checkpoint into the models folder
+        *ollama_models.routes(api),  # /api/delete, /api/copy: the model library
         *anthropic.routes(api),  # /v1/messages
         *responses.routes(api),  # /v1/responses: OpenAI's Responses API
         *embeddings.routes(api),  # /v1/embeddings

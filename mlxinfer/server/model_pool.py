@@ -133,6 +133,21 @@ class ModelSet:
         _stop(removed, "the model was removed")
         _free_memory()
 
+    def remove_idle(self, path: Path) -> bool:
+        """Stop serving every model loaded from `path` (a model about to be deleted) unless one has a request in
+        flight; then False, and nothing changed."""
+        key = _resolved(str(path))
+        with self._lock:
+            slots = [slot for slot in self._slots.values() if _resolved(str(slot.path)) == key]
+            if any(slot.in_flight for slot in slots):
+                return False
+            removed = [self._detach(self._slots.pop(slot.id)) for slot in slots]
+        for served in removed:
+            _stop(served, "the model was deleted")
+        if removed:
+            _free_memory()
+        return True
+
     def unload(self, name: str, if_idle: bool = False) -> bool:
         """Free `name`'s memory (weights, KV, prompt cache); the next request for it loads it again.
 
