@@ -4,7 +4,8 @@
 calls and tool results included); `formats` recognises from the chat template how the
 model writes tool calls and reasoning; `parse` splits the streamed output into content,
 reasoning and tool calls; `forced` builds the llguidance grammar that forces a call
-(tool_choice "required" or a named function).
+(tool_choice "required" or a named function); `thinking` turns a request's reasoning effort into the
+template variables that switch reasoning on or off.
 
 Errors: every refusal is a ToolCallError (a GrammarError for a parameters schema that
 cannot be enforced) with a `param` attribute naming the request field at fault, e.g.
@@ -24,10 +25,14 @@ from .forced import call_grammar
 from .formats import OutputFormat, output_format, require_tool_syntax
 from .messages import IMAGE_PARTS, MAX_TOOL_CALLS, check_messages, image_source, template_messages
 from .parse import Content, OutputParser, Piece, Reasoning, ToolCall
+from .thinking import EFFORTS, check_effort, thinking_variables
 from .tools import MAX_TOOLS, Tool, ToolChoice, check_tool_choice, check_tools, template_tools
 
 __all__ = [
     "DEFAULT_TOOLS",
+    "EFFORTS",
+    "check_effort",
+    "thinking_variables",
     "default_tool_messages",
     "with_default_tools",
     "IMAGE_PARTS",

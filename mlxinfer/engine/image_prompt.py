@@ -63,18 +63,21 @@ def encode_chat(
     tools: list[dict[str, Any]] | None = None,
     remote: RequestSources | None = None,
     add_generation_prompt: bool = True,
+    variables: dict[str, Any] | None = None,
 ) -> tuple[list[int], PromptImages | None]:
     """Ids of a chat and its images. `remote`: the messages came over HTTP, their images taken as it allows
-    (None: the Python API's caller, whose paths, bytes and arrays are all taken)."""
+    (None: the Python API's caller, whose paths, bytes and arrays are all taken); `variables`: more names for the
+    template (enable_thinking, ...)."""
     rendered, sources = split_images(messages)
     if not sources:
-        return tokenizer.encode_chat(messages, add_generation_prompt, tools), None
+        return tokenizer.encode_chat(messages, add_generation_prompt, tools, variables=variables), None
     vision = _reading(vision, len(sources))
     if remote is not None:
         sources = _requested(sources, remote, limits)
     opened = open_images(sources, limits)
     expansions = _expansions(vision, opened)
-    ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=(vision.format.placeholder, expansions))
+    placing = (vision.format.placeholder, expansions)
+    ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=placing, variables=variables)
     return ids, _placed(ids, opened, vision, context)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
-from ..chat import Tool, ToolChoice, check_messages, check_tool_choice, check_tools
+from ..chat import Tool, ToolChoice, check_effort, check_messages, check_tool_choice, check_tools
 from ..engine import RequestSources, SamplingParams, check_stops
 from ..errors import GrammarError, SamplingError
 from ..grammar import check_schema
@@ -73,6 +73,7 @@ class ChatRequest:
     parallel_tool_calls: bool
     response_format: ResponseFormat | None
     image_sources: RequestSources = RequestSources()  # set by the server: its --image-urls, the caller's token
+    reasoning_effort: str | None = None  # None: the template's default; "none" turns reasoning off (chat/thinking.py)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ def parse_chat(body: dict[str, Any]) -> tuple[ChatRequest, GenerationParams]:
         tool_choice=check_tool_choice(body.get("tool_choice"), tools),
         parallel_tool_calls=_flag(body, "parallel_tool_calls", default=True),
         response_format=response_format(body.get("response_format")),
+        reasoning_effort=check_effort(body.get("reasoning_effort")),
     )
     if request.response_format is not None and request.tool_choice.mode in ("required", "named"):
         raise APIError(

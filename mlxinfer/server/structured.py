@@ -24,6 +24,7 @@ from ..chat import (
     output_format,
     template_messages,
     template_tools,
+    thinking_variables,
     with_default_tools,
 )
 from ..engine import PromptImages, encode_chat
@@ -68,8 +69,15 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
     else:
         messages = template_messages(request.messages, fmt)  # e.g. Mistral's 9-character call ids
         listed = template_tools(tools) if tools else None
+    variables = thinking_variables(request.reasoning_effort, model.tokenizer.template_variables, bool(fmt.reasoning))
     ids, images = encode_chat(
-        model.tokenizer, model.vision, messages, model.context_tokens, tools=listed, remote=request.image_sources
+        model.tokenizer,
+        model.vision,
+        messages,
+        model.context_tokens,
+        tools=listed,
+        remote=request.image_sources,
+        variables=variables,
     )
     answer = request.response_format
     # The output may start inside a reasoning block the generation prompt opened (then the parser starts there).

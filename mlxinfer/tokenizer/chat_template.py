@@ -30,6 +30,7 @@ from functools import lru_cache, wraps
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
@@ -350,6 +351,17 @@ def _compile(source: str) -> jinja2.Template:
         raise ChatTemplateError(f"chat template has a syntax error on line {e.lineno}: {e.message}") from None
     except (RecursionError, SyntaxError, MemoryError):  # jinja's parser recurses per level, Python allows 100 blocks
         raise ChatTemplateError("chat template nests its expressions or blocks too deeply to be compiled") from None
+
+
+@lru_cache(maxsize=16)
+def template_variables(source: str) -> frozenset[str]:
+    """The names a template reads that it does not define itself: what a caller may pass it (enable_thinking,
+    reasoning_effort, tools, ...). A template that does not compile reads none."""
+    try:
+        environment = _compile(source).environment  # the sandbox's own limits and errors first
+    except ChatTemplateError:
+        return frozenset()
+    return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(source)))
 
 
 def render_chat(source: str, messages: list[dict[str, Any]], **variables: Any) -> str:

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as Backend
 
 from ..errors import ChatTemplateError, TokenizerError
 from ..untrusted import first_line, read_json_object, read_text, shown
-from .chat_template import render_chat
+from .chat_template import render_chat, template_variables
 
 MAX_TOKENIZER_BYTES = 128 << 20  # the largest real tokenizer.json files (256k vocabularies) are ~35 MB
 
@@ -113,13 +113,23 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
         """The rendered prompt text (for display; use encode_chat to tokenize).
 
-        `tools`: OpenAI-style function definitions the template renders (transformers' `tools=`)."""
+        `tools`: OpenAI-style function definitions the template renders (transformers' `tools=`); `variables`: more
+        names the template reads (enable_thinking, reasoning_effort; see `template_variables`)."""
         marker = _new_marker()
-        return self._render(messages, add_generation_prompt, marker, tools).replace(marker, "")
+        return self._render(messages, add_generation_prompt, marker, tools, variables).replace(marker, "")
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The names the chat template reads that a caller may set (none without a template)."""
+        return template_variables(self.chat_template) if self.chat_template else frozenset()
 
     def encode_chat(
         self,
@@ -127,6 +137,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         images: tuple[str, Sequence[str]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat rendered with the model's template (and `tools`, as apply_chat_template).
 
@@ -134,7 +145,7 @@ class Tokenizer:
         k-th expansion (that image's tokens) before tokenizing, as transformers' processors do (a placeholder a
         user typed stays text); placeholders past the expansions are left as they are."""
         marker = _new_marker()
-        rendered = _valid_text(self._render(messages, add_generation_prompt, marker, tools))
+        rendered = _valid_text(self._render(messages, add_generation_prompt, marker, tools, variables))
         if images is not None:
             placeholder, expansions = images
             texts = iter(expansions)
@@ -165,7 +176,12 @@ class Tokenizer:
         return encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _render(
-        self, messages: Sequence[Message], add_generation_prompt: bool, marker: str, tools: list[dict[str, Any]] | None
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        marker: str,
+        tools: list[dict[str, Any]] | None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
         if not self.chat_template:
             raise ChatTemplateError(
@@ -182,6 +198,7 @@ class Tokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **extra,
+            **(variables or {}),
         )
 
 

@@ -65,13 +65,15 @@ def to_openai(body: dict[str, Any], needs_max_tokens: bool = True) -> dict[str, 
     if needs_max_tokens and body.get("max_tokens") is None:  # required by Anthropic: no server default
         raise APIError(400, "max_tokens is required: the most tokens the answer may have, e.g. 1024", "max_tokens")
     thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
-        raise APIError(400, 'extended thinking is not supported; leave thinking out or send {"type": "disabled"}')
+    kind = thinking.get("type") if isinstance(thinking, dict) else thinking
+    if kind not in (None, "enabled", "disabled"):
+        raise APIError(400, f'thinking must be {{"type": "enabled"}} or {{"type": "disabled"}}, got {shown(thinking)}')
     temperature = body.get("temperature")
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and not 0 <= temperature <= 1:
         raise APIError(400, f"temperature must be a number in [0, 1], got {shown(temperature)}", "temperature")
     out = {name: body.get(name) for name in ("model", "max_tokens", "temperature", "top_p", "top_k", "stream")}
     out["stop"] = body.get("stop_sequences")
+    out["reasoning_effort"] = {"enabled": "medium", "disabled": "none"}.get(kind)  # a thinking budget: unused
     out["messages"] = _system(body.get("system")) + _messages(body.get("messages"))
     out["tools"] = _tools(body.get("tools"))
     return {**out, **_tool_choice(body.get("tool_choice")), **_output_format(body.get("output_config"))}

@@ -54,6 +54,7 @@ OPTIONS = {
 }
 OLLAMA_OPTION = {ours: theirs for theirs, ours in OPTIONS.items()}
 OLLAMA_NAMES = {ours: f"options.{theirs}" for ours, theirs in OLLAMA_OPTION.items()}
+RENAMED = {"reasoning_effort": "think"}  # Ollama's fields that are not options
 NS = 1_000_000_000
 FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded forever (keep_alive < 0)
 
@@ -106,10 +107,19 @@ def ollama_errors(handler: Callable[[Request], Any]) -> Callable[[Request], Any]
     return run
 
 
+def _effort(think: Any) -> Any:
+    """Ollama's `think` (true, false, or gpt-oss's "low", "medium", "high") as OpenAI's reasoning_effort."""
+    if isinstance(think, bool):
+        return "medium" if think else "none"
+    if think not in (None, "low", "medium", "high"):
+        raise APIError(400, f'think must be true, false, "low", "medium" or "high", got {shown(think)}', "think")
+    return think
+
+
 def _renamed(error: APIError) -> APIError:
     """An error about an OpenAI field, renamed to the Ollama field the client sent (options.num_predict, format)."""
     old = error.param or ""
-    new = OLLAMA_NAMES.get(old) or ("format" if old.startswith("response_format") else None)
+    new = OLLAMA_NAMES.get(old) or RENAMED.get(old) or ("format" if old.startswith("response_format") else None)
     if new is None:
         return error
     message = new + error.message[len(old) :] if error.message.startswith(old) else f"{new}: {error.message}"
@@ -189,19 +199,12 @@ def to_openai_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:
     """The fields /api/chat and /api/generate share: model, stream (true unless said), format, options."""
-    think = body.get("think")
-    if think not in (None, False):  # false asks for no thinking: the answer's content is the same either way
-        raise APIError(
-            400,
-            f"think {shown(think)} is not supported: this server cannot switch a model's thinking on; "
-            "a model that reasons by itself returns its reasoning in message.thinking; leave think out",
-            "think",
-        )
     stream = body.get("stream")
     return {
         "model": untagged(body.get("model")),
         "stream": True if stream is None else stream,  # Ollama streams unless told not to
         "keep_alive": body.get("keep_alive"),
+        "reasoning_effort": _effort(body.get("think")),
         "response_format": _response_format(body.get("format")),
         "logprobs": body.get("logprobs"),  # refused by schema.py, as on /v1
         "top_logprobs": body.get("top_logprobs"),

@@ -64,6 +64,7 @@ def read_turn(body: dict[str, Any], store: ResponseStore) -> Turn:
         "stream": body.get("stream"),
         "parallel_tool_calls": body.get("parallel_tool_calls"),
         **{name: body[name] for name in SAMPLING if body.get(name) is not None},
+        "reasoning_effort": _effort(body.get("reasoning")),
         **_tools(body.get("tools")),
         **_tool_choice(body.get("tool_choice")),
         **_text_format(body.get("text")),
@@ -223,6 +224,15 @@ def _bad_text(value: Any) -> dict[str, Any]:
     raise APIError(
         400, f'text.format must be {{"type": "text", "json_object" or "json_schema"}}, got {shown(value)}', "text"
     )
+
+
+def _effort(reasoning: Any) -> Any:
+    """`reasoning.effort` as the chat body's reasoning_effort (checked there); `reasoning.summary` is not made."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise APIError(400, f'reasoning must be an object {{"effort": ...}}, got {shown(reasoning)}', "reasoning")
+    return reasoning.get("effort")
 
 
 def _metadata(metadata: Any) -> dict[str, str]:
