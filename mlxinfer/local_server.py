@@ -42,6 +42,10 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO in the file's place must not hold the open until a writer comes
 MAX_PID = 2**31 - 1  # past any platform's PIDs (os.kill overflows on larger ones)
 IDENTITY_PATH = "/api/mlxinfer"  # answers {"pid": ...} to a request that shows the token
+# A front end names its answer in this header; a stop sent to STOP_PATH ({"answer": name}, with the token) ends it
+# the way a finished one ends, so its stream still brings the true token counts (a closed connection would not).
+ANSWER_HEADER = "X-Mlxinfer-Answer"
+STOP_PATH = "/api/mlxinfer/stop"
 MAX_ANSWER_BYTES = 1 << 20
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import secrets
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +21,7 @@ from typing import Any
 from .api import GenerationResult, Model, load
 from .engine import GenerationStats, SamplingParams
 from .errors import RemoteServerError, SamplingError
-from .local_server import OPENER, LocalServer, find_server
+from .local_server import ANSWER_HEADER, OPENER, STOP_PATH, LocalServer, find_server
 
 log = logging.getLogger("mlxinfer")
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -28,6 +29,7 @@ LOCAL_ONLY = ("prefill_chunk_tokens", "use_cache", "snapshot_every", "speculate"
 MAX_LINE_BYTES = 1 << 20  # one server-sent event; the server's own are a few hundred bytes
 MAX_ERROR_BYTES = 64 << 10
 READ_TIMEOUT_S = 660.0  # between two reads: past the server's own request timeout (600 s), it is gone
+STOP_TIMEOUT_S = 5.0  # a stop is answered at once; a server that does not is left as a closed connection
 
 
 def connect(model: str | Path | None = None, *, local: bool = False, **load_options: Any) -> Model | RemoteModel:
@@ -93,30 +95,60 @@ class RemoteStream:
         self._pieces: list[str] = []
         self.stats = GenerationStats()
         self._started = time.perf_counter()
-        self._response = _post(owner.server, path, body)  # here: a refused request raises at the call
+        self._name = secrets.token_hex(16)  # what a stop names this answer by (local_server.STOP_PATH)
+        self._first: float | None = None  # when the first text came
+        self._ended = False
+        # here: a refused request raises at the call
+        self._response = _post(owner.server, path, body, {ANSWER_HEADER: self._name})
 
     def text(self) -> str:
         return "".join(self._pieces)
 
     def __iter__(self) -> Iterator[str]:
-        first: float | None = None
         try:
             for data in _events(self._response, self._owner.server.url):
-                self._owner.name = data.get("model", self._owner.name)
-                if "error" in data:
-                    raise RemoteServerError(_message(data))
-                text, reason = self._piece(data)
-                if text:
-                    first = first or time.perf_counter()
-                    self._pieces.append(text)
-                    yield text
-                if reason:
-                    self.stats.finish_reason = reason
-                if data.get("usage"):
-                    self._usage(data["usage"])
+                count = len(self._pieces)
+                self._take(data)
+                if len(self._pieces) > count:
+                    yield self._pieces[-1]
+        except KeyboardInterrupt:  # Ctrl-C while waiting for the server (else the caller calls stop() itself)
+            self.stop()
+            raise
         finally:
+            self._end()
+
+    def stop(self) -> None:
+        """Ctrl-C's end: the server stops this answer as a finished one ends, and its last events (the text in
+        flight, the true token counts) are read; on any failure the connection just closes, as before."""
+        if self._ended:
+            return
+        try:
+            _post(self._owner.server, STOP_PATH, {"answer": self._name}, timeout=STOP_TIMEOUT_S).close()
+            for data in _events(self._response, self._owner.server.url):
+                self._take(data)
+        except (RemoteServerError, OSError):
+            pass
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
             self._response.close()  # early: the server sees the client leave and ends the request
-            self._timings(first)
+            self._timings(self._first)
+
+    def _take(self, data: dict[str, Any]) -> None:
+        """One event's text, finish reason and usage, recorded."""
+        self._owner.name = data.get("model", self._owner.name)
+        if "error" in data:
+            raise RemoteServerError(_message(data))
+        text, reason = self._piece(data)
+        if text:
+            self._first = self._first or time.perf_counter()
+            self._pieces.append(text)
+        if reason:
+            self.stats.finish_reason = reason
+        if data.get("usage"):
+            self._usage(data["usage"])
 
     def _piece(self, data: dict[str, Any]) -> tuple[str, str | None]:
         choice = (data.get("choices") or [{}])[0]
@@ -180,12 +212,15 @@ def _response_format(schema: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
-def _post(server: LocalServer, path: str, body: dict[str, Any]) -> Any:
+def _post(
+    server: LocalServer, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+    timeout: float = READ_TIMEOUT_S,
+) -> Any:  # fmt: skip
     data = json.dumps(body).encode()
-    headers = {**server.headers, "Content-Type": "application/json"}
+    headers = {**server.headers, **(headers or {}), "Content-Type": "application/json"}
     request = urllib.request.Request(server.url + path, data=data, headers=headers, method="POST")
     try:
-        return OPENER.open(request, timeout=READ_TIMEOUT_S)
+        return OPENER.open(request, timeout=timeout)
     except urllib.error.HTTPError as e:
         try:
             detail = json.loads(e.read(MAX_ERROR_BYTES))

@@ -132,12 +132,12 @@ def test_chat_attaches_an_image_to_the_next_message():
     assert prompts == [len(golden["portrait.input_ids"])]
 
 
-def test_a_stop_through_a_server_says_the_counts_did_not_come(capsys):
+def test_a_stop_whose_counts_never_came_says_so(capsys):
     from mlxinfer.cli.generation import _stream_answer
     from mlxinfer.engine import GenerationStats
     from mlxinfer.resident_client import RemoteModel
 
-    class Stopped:  # a server's stream cut by Ctrl-C after one chunk: its usage never arrived
+    class Stopped:  # a stream cut by Ctrl-C after one chunk whose server never answered the stop
         stats = GenerationStats(total_s=1.5)
 
         def __iter__(self):
@@ -148,5 +148,5 @@ def test_a_stop_through_a_server_says_the_counts_did_not_come(capsys):
     remote.stream = lambda history, chat, **options: Stopped()
     assert _stream_answer(remote, [], {}) == "Hel"
     err = capsys.readouterr().err
-    assert "stopped after 1.50 s; the server counts tokens only for a finished answer" in err
+    assert "stopped after 1.50 s; the server sent no token counts" in err
     assert "0 prompt tokens" not in err

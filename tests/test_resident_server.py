@@ -19,7 +19,7 @@ import pytest
 
 import mlxinfer
 from mlxinfer.errors import RemoteServerError, SamplingError
-from mlxinfer.local_server import LocalServer, find_server, new_token, publish, state_path, withdraw
+from mlxinfer.local_server import STOP_PATH, LocalServer, find_server, new_token, publish, state_path, withdraw
 from mlxinfer.resident_client import RemoteModel
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.errors import APIError
@@ -546,3 +546,18 @@ def test_an_answer_nested_past_the_parser_is_a_remote_error(stand_in, status):
     remote = RemoteModel(LocalServer(server.url, os.getpid(), TOKEN), None)
     with pytest.raises(RemoteServerError, match="500" if status.startswith(b"5") else "stopped answering"):
         remote.generate("hi", max_tokens=2)
+
+
+def test_a_stopped_answer_still_brings_the_servers_true_counts(tiny_server):
+    """Ctrl-C in `mlxinfer chat` through a server: the server stops the answer as a finished one ends, so the
+    stream's end carries its usage (what `chat` prints), and the stop route is only for the user's front ends."""
+    remote = RemoteModel(LocalServer(tiny_server.url, os.getpid(), tiny_server.token), None)
+    run = remote.stream("Once upon a time", max_tokens=200)
+    pieces = iter(run)
+    first = [next(pieces), next(pieces)]
+    run.stop()
+    prompt = len(next(iter(tiny_server.models)).model.tokenizer.encode("Once upon a time"))
+    assert run.stats.finish_reason == "cancelled" and run.stats.prompt_tokens == prompt
+    assert len(first) <= run.stats.generated_tokens < 200 and run.text().startswith("".join(first))
+    refused = httpx.post(tiny_server.url + STOP_PATH, json={"answer": "x"}, timeout=10)
+    assert refused.status_code == 401

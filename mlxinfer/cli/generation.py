@@ -17,7 +17,7 @@ from ..errors import GrammarError, ImageError, MlxInferError, ModelNotFoundError
 from ..grammar import MAX_GRAMMAR_CHARS
 from ..library import located, models_dir, record_use
 from ..local_server import find_server, server_identity
-from ..resident_client import RemoteModel, model_field
+from ..resident_client import RemoteModel, RemoteStream, model_field
 from ..untrusted import read_json_object
 from ..vision import file_data_url
 from .common import errors_as_one_line, load_model
@@ -274,12 +274,16 @@ def _stream_answer(llm: Model | RemoteModel, history: list[dict[str, str]], opti
             parts.append(chunk)
             click.echo(chunk, nl=False)
     except KeyboardInterrupt:
+        if isinstance(run, RemoteStream):  # the server stops it, and its end brings the true counts
+            run.stop()
+            click.echo(run.text()[len("".join(parts)) :], nl=False)  # the text that was on its way
+            parts = [run.text()]
         click.echo(" [stopped]", nl=False)
         stopped = True
     click.echo()
     if stopped and isinstance(llm, RemoteModel) and not run.stats.prompt_tokens:
-        # A server sends its token counts with the answer's end, which a stop cuts off: say so, not zeros.
-        click.secho(f"stopped after {run.stats.total_s:.2f} s; the server counts tokens only for a finished answer",
+        # The stop did not reach the server (it is gone or too old to know it): say so, not zeros.
+        click.secho(f"stopped after {run.stats.total_s:.2f} s; the server sent no token counts",
                     err=True, dim=True)  # fmt: skip
     else:
         click.secho(run.stats.summary(), err=True, dim=True)

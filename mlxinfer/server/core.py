@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -27,6 +26,7 @@ from ..defaults import MAX_TOKENS  # above it, the engine's own check answers (m
 from ..engine import Event, Finished, GenerationStats, Job, RequestSources, with_defaults
 from ..errors import MlxInferError
 from ..grammar import cancelled_by
+from ..local_server import ANSWER_HEADER
 from .deltas import Answer, Done, JobEvents, Running, TokenClock
 from .errors import APIError, as_api_error
 from .guard import shows_token
@@ -52,6 +52,7 @@ class API:
         self.preparing = WorkGate(settings.prepare_workers, settings.prepare_queue)
         self._on_finished = on_finished
         self.started = int(time.time())
+        self._named: dict[str, Running] = {}  # answers a user's own front end may stop (local_server.STOP_PATH)
 
     def counted(self, endpoint: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         """`handler` counted in the metrics under `endpoint`, its refusals and bugs answered in OpenAI's shape."""
@@ -152,14 +153,31 @@ class API:
     def _submit(self, request: Request, served: ServedModel, prepared: Prepared, params: GenerationParams) -> Running:
         """Queue the job on the model held for it; the model is released when the job's events end (or here,
         if it cannot be queued)."""
-        release = partial(self.models.release, served, params.keep_alive)
+        name = request.headers.get(ANSWER_HEADER) if self.trusted(request) else None
+
+        def release() -> None:
+            if name is not None:
+                self._named.pop(name, None)
+            self.models.release(served, params.keep_alive)
+
         try:
             job, events = self._queue(served, prepared, params)
         except BaseException:
             release()
             raise
         clock = TokenClock(self.metrics, request.state.arrived)
-        return Running(served, job, events, Answer(prepared.parser), params, clock, len(prepared.ids), release)
+        running = Running(served, job, events, Answer(prepared.parser), params, clock, len(prepared.ids), release)
+        if name is not None:
+            self._named[name] = running
+        return running
+
+    def stop(self, name: str) -> bool:
+        """End the answer a user's own front end named `name` as a finished one ends ("cancelled", with its counts);
+        False if there is none (already ended)."""
+        running = self._named.get(name)
+        if running is not None:
+            running.served.scheduler.cancel(running.job)
+        return running is not None
 
     def _queue(self, served: ServedModel, prepared: Prepared, params: GenerationParams) -> tuple[Job, JobEvents]:
         ids = prepared.ids
