@@ -20,7 +20,18 @@ import mlxinfer
 from mlxinfer.engine import Failed, Finished, GenerationRequest, Job, SamplingParams, ServingThread
 from mlxinfer.engine.single import TextGeneration
 from mlxinfer.errors import GrammarError
-from mlxinfer.grammar import Constraint, Grammar, allowed_tokens, choices, compiled, constraint_for, json_schema, regex
+from mlxinfer.grammar import (
+    Constraint,
+    Grammar,
+    allowed_tokens,
+    any_json_object,
+    choices,
+    compiled,
+    constraint_for,
+    json_object,
+    json_schema,
+    regex,
+)
 from mlxinfer.grammar import vocabulary as grammar_vocabulary
 from tests.conftest import TINY
 from tests.test_scheduler import Collector
@@ -435,6 +446,15 @@ def test_json_numbers_stop_at_16_digits_and_10_decimals(model):
     wide = json_schema({"type": "integer", "maximum": 10**18, "minimum": 0})
     assert next_bytes(model, wide, "9" * 16) >= digits and "-" not in next_bytes(model, wide, "")
     assert next_bytes(model, json_schema({"type": "number", "maximum": 5, "minimum": 0}), "5") == {".", "EOS"}
+
+
+def test_json_object_numbers_are_bounded_at_any_depth(model):
+    digits = set("0123456789")
+    for grammar in (json_object(), json_schema(any_json_object())):  # the Python API's, the server's
+        assert next_bytes(model, grammar, '{"a":[{"b":' + "9" * 15) >= digits
+        assert next_bytes(model, grammar, '{"a":[{"b":' + "9" * 16) & digits == set()
+        assert next_bytes(model, grammar, '{"a":"' + "9" * 40) >= digits  # strings are not cut
+        assert "}" in next_bytes(model, grammar, '{"a":{"b":[true,null,"x",1.5,{}]}')
 
 
 def test_number_bounds_are_added_only_where_the_schema_sets_none():

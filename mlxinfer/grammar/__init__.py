@@ -12,6 +12,7 @@ from .mask import allowed_tokens, draft_masks
 from .spec import (
     MAX_GRAMMAR_CHARS,
     Grammar,
+    any_json_object,
     check_schema,
     choices,
     json_object,
@@ -34,6 +35,7 @@ __all__ = [
     "check_schema",
     "choices",
     "constraint_for",
+    "any_json_object",
     "json_object",
     "json_schema",
     "lark",

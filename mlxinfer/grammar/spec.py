@@ -49,10 +49,26 @@ def json_schema(schema: Any, where: str = "schema") -> Grammar:
 
 
 def json_object(where: str = "response_format") -> Grammar:
-    """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
+    """Any JSON object (OpenAI's `{"type": "json_object"}`), its numbers bounded (any_json_object)."""
     return Grammar(
-        "json_object", llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, _COMPACT_JSON), where
+        "json_object", llguidance.LLMatcher.grammar_from_json_schema(any_json_object(), _COMPACT_JSON), where
     )
+
+
+def any_json_object() -> dict[str, Any]:
+    """A schema for any JSON object whose numbers, at any depth, are bounded as bounded_numbers bounds a schema's:
+    `{"type": "object"}` alone lets a tiny model write digits until max_tokens there too."""
+    value: dict[str, Any] = {
+        "anyOf": [
+            {"type": "string"},
+            bounded_numbers({"type": "number"}),
+            {"type": "boolean"},
+            {"type": "null"},
+            {"type": "array", "items": {"$ref": "#/$defs/value"}},
+            {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}},
+        ]
+    }
+    return {"type": "object", "additionalProperties": {"$ref": "#/$defs/value"}, "$defs": {"value": value}}
 
 
 def regex(pattern: str, where: str = "regex") -> Grammar:

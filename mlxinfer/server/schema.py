@@ -20,7 +20,7 @@ from typing import Any
 from ..chat import Tool, ToolChoice, check_effort, check_messages, check_tool_choice, check_tools
 from ..engine import RequestSources, SamplingParams, check_stops
 from ..errors import GrammarError, SamplingError
-from ..grammar import check_schema
+from ..grammar import any_json_object, check_schema
 from ..untrusted import is_finite_number, is_int, shown
 from .errors import APIError, as_api_error
 
@@ -59,7 +59,7 @@ class ResponseFormat:
     """`response_format` checked: `kind` "json_object" or "json_schema" (with its schema); "text" is None."""
 
     kind: str
-    schema: dict[str, Any]  # {"type": "object"} for json_object
+    schema: dict[str, Any]  # grammar.any_json_object() for json_object
     where: str  # the field named in errors about the schema
 
 
@@ -179,7 +179,7 @@ def response_format(value: Any) -> ResponseFormat | None:
     if value is None or kind == "text":
         return None
     if kind == "json_object":
-        return ResponseFormat(kind, {"type": "object"}, "response_format")
+        return ResponseFormat(kind, any_json_object(), "response_format")
     if kind != "json_schema":
         where = "response_format.type" if isinstance(value, dict) else "response_format"
         raise APIError(400, f"{where} must be text, json_object or json_schema, got {shown(kind or value)}", where)
