@@ -280,10 +280,17 @@ def test_a_qwen_follow_up_resumes_past_its_images_at_their_shifted_positions(qwe
     assert resumed.token_ids == qwen.chat(follow_up, max_tokens=8, use_cache=False).token_ids
 
 
-def test_qwen_verifies_drafts_at_its_image_shifted_positions():
-    # The draft model reads the image tokens as text (no tower of its own), so it drafts wrong often: each rejection
-    # rewinds the target's recurrent layers and feeds them again, at the row's shifted positions.
+def test_qwen_verifies_drafts_at_its_image_shifted_positions(monkeypatch):
+    # A draft model would read the image tokens as text (it has no tower), so an image prompt drafts by lookup, and
+    # says why. Drafts of any kind are verified at the row's shifted positions: forced to draft with the model here
+    # (it drafts wrong often), each rejection rewinds the target's recurrent layers and feeds them again.
+    from mlxinfer.engine import speculation
+
     model = mlxinfer.load(TINY / "qwen3_5_vision", draft_model=TINY / "qwen3_5_vision", prefix_cache_bytes=0)
+    declined = model.chat(messages("two"), max_tokens=4, speculate="draft", use_cache=False)
+    assert (declined.stats.speculation, declined.stats.draft_declined) == ("lookup", speculation.DRAFT_IMAGES)
+    text_only = speculation.uses_draft_model
+    monkeypatch.setattr(speculation, "uses_draft_model", lambda *args, images, **kw: text_only(*args, **kw))
     drafted = model.chat(messages("two"), max_tokens=24, speculate="draft", use_cache=False)
     plain = model.chat(messages("two"), max_tokens=24, speculate="off", use_cache=False)
     assert (

@@ -136,7 +136,9 @@ class Admission:
             return 0
         rows = [s.job.reserved_tokens for s in self._runner.rows if s.speculation and s.speculation.uses_draft_model]
         costs = self._runner.costs
-        if job.warm or uses_draft_model(job.speculate, self.runtime.decoder, draft, job.sampling, costs):
+        if job.warm or uses_draft_model(
+            job.speculate, self.runtime.decoder, draft, job.sampling, costs, images=bool(job.images)
+        ):
             rows.append(job.reserved_tokens)
         return sum(draft.footprint.cache_bytes(row, chunk) for row in rows)
 

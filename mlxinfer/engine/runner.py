@@ -73,7 +73,7 @@ class ModelRunner:
         # A warm reads its prefix into the draft model's prefix cache too (it decodes nothing).
         mode = ("draft" if draft is not None else "off") if job.warm else job.speculate
         sequence.speculation = speculation_for(
-            mode, runtime.decoder, draft, prompt_ids, job.sampling, self.vocab, job.stats, self.costs
+            mode, runtime.decoder, draft, prompt_ids, job.sampling, self.vocab, job.stats, self.costs, bool(job.images)
         )
         # Where this prompt leaves a cached one is where the next ones sharing it will want to resume.
         marks = [*message_ends(prompt_ids, runtime.eos_token_ids), shared]

@@ -57,8 +57,10 @@ OFF_SEEDED = "a seeded sampled request stays reproducible (ask for lookup or dra
 OFF_UNVERIFIED = "an unverified model runs plain decoding only"
 DRAFT_SLOWER = "even keeping 90% of its drafts it would be slower than plain decoding on this device"
 DRAFT_UNREAD = "it had not read the prompt the model resumed from its prefix cache (what it read is kept for next time)"
+DRAFT_IMAGES = "the prompt has images, which a draft model would read as text tokens"
 REASONS = {OFF_SLOWER: "slower", OFF_SEEDED: "seeded", OFF_UNVERIFIED: "unverified"}  # short labels, for /metrics
-DRAFT_REASONS = {DRAFT_SLOWER: "slower", DRAFT_UNREAD: "unread"}  # why auto drafted by lookup instead, for /metrics
+# Why a request drafted by lookup instead of its draft model, for /metrics.
+DRAFT_REASONS = {DRAFT_SLOWER: "slower", DRAFT_UNREAD: "unread", DRAFT_IMAGES: "images"}
 
 
 def check_mode(mode: object, draft_model: object) -> str:
@@ -303,16 +305,19 @@ class Speculation:
 
 def speculation_for(
     mode: str, target: DecoderLM, draft: DraftRuntime | None, prompt: list[int], params: SamplingParams,
-    vocab: int, stats: GenerationStats, costs: StepCosts,
+    vocab: int, stats: GenerationStats, costs: StepCosts, images: bool = False,
 ) -> Speculation | None:  # fmt: skip
-    """The speculation a request asked for (None: plain decoding; `stats` say why when auto declined)."""
+    """The speculation a request asked for (None: plain decoding; `stats` say why when auto declined, or why a
+    prompt with `images` drafts by lookup: a draft model would read their tokens as text)."""
     if mode == "off":
         return None
     stats.speculation_off = _plain_reason(mode, target, params)
     if stats.speculation_off:
         return None
-    use_model = uses_draft_model(mode, target, draft, params, costs, starting=True)
-    if mode == "auto" and draft is not None and not use_model:
+    use_model = uses_draft_model(mode, target, draft, params, costs, starting=True, images=images)
+    if images and draft is not None and mode in ("auto", "draft"):
+        stats.draft_declined = DRAFT_IMAGES
+    elif mode == "auto" and draft is not None and not use_model:
         stats.draft_declined = DRAFT_SLOWER  # it would only cost its read of the prompt; lookup costs nothing
     drafter: DraftModel | PromptLookup = PromptLookup(prompt)
     if use_model:
@@ -324,11 +329,12 @@ def speculation_for(
 
 def uses_draft_model(
     mode: str, target: DecoderLM, draft: DraftRuntime | None, params: SamplingParams, costs: StepCosts,
-    starting: bool = False,
+    starting: bool = False, images: bool = False,
 ) -> bool:  # fmt: skip
     """Whether a request in `mode` drafts with the draft model (`starting`: it starts now; else the memory plan
-    asks). Auto leaves out one known too slow to pay (see StepCosts.skips_draft_model)."""
-    if draft is None or mode not in ("auto", "draft") or _plain_reason(mode, target, params):
+    asks). Auto leaves out one known too slow to pay (see StepCosts.skips_draft_model); a prompt with `images`
+    never does (a draft model reads text only)."""
+    if draft is None or images or mode not in ("auto", "draft") or _plain_reason(mode, target, params):
         return False
     return mode == "draft" or not costs.skips_draft_model(count=starting)
 
