@@ -40,18 +40,26 @@ def choose(
     asked = (settings.recipe, settings.bpw, settings.method, settings.group_size) == (None,) * 4
     if not (asked and settings.mode == "affine" and settings.bits in (None, 4)):
         return None
-    reason = _ruled_out(config, moe, block_quantized)
-    if reason is None:
-        try:
-            refuse_beyond_machine(learned_peak, "the learned 4-bit recipe's calibration", source)
-        except MemoryBudgetError as e:
-            reason = str(e).removeprefix(f"{source}: ").split("; use a smaller")[0]
+    reason = why_not_learned(config, moe, block_quantized, learned_peak, source)
     if reason is not None:
         settings.method = "rtn"
         return DefaultChoice(False, f"round-to-nearest, not the learned default: {reason}")
     settings.recipe, settings.bpw, settings.method = "sensitivity", LEARNED_BPW, "dwq"
     settings.calibration = settings.calibration or "mixed"
     return DefaultChoice(True, f"the learned default {FLAGS}; {_duration(params)}; --method rtn takes seconds")
+
+
+def why_not_learned(
+    config: ModelConfig, moe: bool, block_quantized: bool, learned_peak: int, source: str
+) -> str | None:
+    """Why the learned recipe cannot run on this source and machine; None when it can."""
+    reason = _ruled_out(config, moe, block_quantized)
+    if reason is None:
+        try:
+            refuse_beyond_machine(learned_peak, "the learned 4-bit recipe's calibration", source)
+        except MemoryBudgetError as e:
+            reason = str(e).removeprefix(f"{source}: ").split("; use a smaller")[0]
+    return reason
 
 
 def _duration(params: int) -> str:

@@ -44,7 +44,7 @@ from .calibration import (
     sensitivity_layers,
     source_path,
 )
-from .default_recipe import LEARNED_BPW
+from .default_recipe import LEARNED_BPW, why_not_learned
 from .default_recipe import choose as choose_default
 from .evaluation import evaluate, evaluation_bytes, evaluation_fits
 from .layer_bytes import MXFP4Quant, copied, stream_peak_bytes, written_bytes
@@ -114,6 +114,7 @@ class ConversionPlan:
     sanitize: Sanitize | None = None  # the source layout -> the runtime's (the loader's model.mlx_sanitize)
     uncast: frozenset[str] = frozenset()  # float tensors kept in their stored type (mlx-lm's cast_predicate)
     default_note: str | None = None  # no recipe flag given: what the default chose, and why
+    learned_possible: bool = False  # the learned 4-bit default could run on this source and machine
 
     def summary(self) -> str:
         quantized = sum(q is not None for q in self.layers.values())
@@ -260,6 +261,7 @@ def _plan(source: Source, out: Path, settings: ConvertSettings, progress: bool) 
         source, out, settings, config, layers, names, dtype, output_bytes, peak, params,
         no_eval_peak_bytes=no_eval_peak, shapes=shapes, sanitize=sanitize, uncast=uncast,
         default_note=default and default.note,
+        learned_possible=why_not_learned(config, moe, block_quantized, learned_peak, source.description) is None,
     )  # fmt: skip
 
 
@@ -548,7 +550,8 @@ def _evaluate_or_warn(plan: ConversionPlan, folder: Path, bpw: float, progress: 
         return None
     finally:
         mx.clear_cache()  # both models are gone; give their memory back (a notebook lives on)
-    report.advice = _advice(plan.settings, _sensitivity_flags(plan.config, plan.shapes or {}))
+    sensitivity = _sensitivity_flags(plan.config, plan.shapes or {})
+    report.advice = _advice(plan.settings, sensitivity, plan.learned_possible)
     if report.warning:  # logged once, here: a script or notebook shows it as the CLI does
         log.warning("%s", report.warning)
     return report
@@ -562,16 +565,21 @@ def _sensitivity_flags(config: ModelConfig, shapes: dict[str, tuple[int, ...]]) 
     return "--recipe sensitivity --method rtn" if experts else "--recipe sensitivity"
 
 
-def _advice(settings: ConvertSettings, sensitivity: str | None = "--recipe sensitivity") -> str | None:
+def _advice(
+    settings: ConvertSettings, sensitivity: str | None = "--recipe sensitivity", learned: bool = False
+) -> str | None:
     """What to convert with instead when the report warns: on SmolLM2-135M-Instruct the sensitivity
     recipe at a quarter bit over 4-bit (group size 64, 4.75 bits/weight) came within the limits, and
     8 bits matched the source (numbers in quality.py). A budget is named with its group size: a rerun
     without --group-size uses 64, where 4.5 bits/weight (a quarter bit over 4-bit at 128) is plain 4-bit.
-    `sensitivity`: the flags of a sensitivity-recipe rerun the model allows (None: it allows none)."""
+    `sensitivity`: the flags of a sensitivity-recipe rerun the model allows (None: it allows none); `learned`: the
+    learned 4-bit default could run here, which measures better still (convert/default_recipe.py)."""
     if settings.bits == 16:
         return None  # nothing was rounded
     uniform = settings.recipe in (None, "uniform") and settings.bpw is None
     flags = "" if uniform else " with no --recipe or --bpw"
+    if learned and uniform and settings.bits == 4 and settings.method == "rtn" and settings.mode == "affine":
+        return "try plain `--bits 4` without --method rtn (the learned default) or, safest, `--bits 8`"
     most = bits_per_weight(8, settings.group_size)
     if (uniform and settings.bits == 8) or (settings.bpw is not None and settings.bpw >= most):
         return f"try `--bits 16`{flags} (unquantized): every layer already has 8 bits"

@@ -189,7 +189,7 @@ def test_4bit_round_to_nearest_warns_and_names_a_fix(rtn_conversion):
     done, out = rtn_conversion
     warnings = [line for line in done.stderr.splitlines() if line.startswith("quality warning:")]
     assert len(warnings) == 1 and "answer noticeably worse than its source" in warnings[0], done.stderr
-    assert "try `--recipe sensitivity --group-size 64 --bpw 4.75`" in warnings[0]  # measured, like 8 bits
+    assert "try plain `--bits 4` without --method rtn (the learned default)" in warnings[0]  # measured, like 8 bits
     assert "`--bits 8`" in warnings[0]
     manifest = json.loads((out / "mlxinfer-manifest.json").read_text())
     assert manifest["quality"]["warning"] == warnings[0]

@@ -162,6 +162,16 @@ def test_advice_names_a_rerun_that_changes_something(settings, expected):
     assert _advice(ConvertSettings(**{"group_size": 64, **settings})) == expected
 
 
+def test_advice_after_round_to_nearest_names_the_learned_default_where_it_can_run():
+    from mlxinfer.convert.pipeline import _advice
+
+    rtn = ConvertSettings(bits=4, group_size=64, method="rtn")
+    assert _advice(rtn, learned=True) == (
+        "try plain `--bits 4` without --method rtn (the learned default) or, safest, `--bits 8`"
+    )
+    assert _advice(rtn, learned=False).startswith("try `--recipe sensitivity --group-size 64 --bpw 4.75`")
+
+
 def test_a_plan_without_a_separate_no_eval_forecast_prints_one_peak(tmp_path):
     plan = plan_conversion(TINY / "llama_classic", tmp_path / "o", ConvertSettings(bits=4, method="rtn"))
     plan.source.close()
