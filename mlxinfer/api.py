@@ -388,7 +388,7 @@ class Model:
         return self._logit_chunks(ids, chunk_tokens)
 
     def _logit_chunks(self, ids: mx.array, chunk_tokens: int) -> Iterator[np.ndarray]:
-        cache = make_cache(self._loaded.model.cache_kinds, self.kv_bits)
+        cache = make_cache(self._loaded.model.cache_kinds, self.kv_bits, positions=ids.size)
         for start in range(0, ids.size, chunk_tokens):
             model = self._loaded.model
             part = model.head(model.hidden(ids[None, start : start + chunk_tokens], cache))[0].astype(mx.float32)

@@ -162,3 +162,25 @@ def test_snapshot_positions_are_bounded_whatever_the_spacing_asked():
     assert snapshot_positions(0, 40, 8) == [8, 16, 24, 32, 39, 40]  # a short prompt: as asked
     stops = snapshot_positions(0, 1_000_000, 1, marks=range(0, 1_000_000, 3)[-MAX_MESSAGE_MARKS:])
     assert len(stops) <= MAX_SPACED_SNAPSHOTS + MAX_MESSAGE_MARKS + 2
+
+
+def test_a_cache_sized_for_its_prompt_prefills_into_one_allocation(monkeypatch):
+    """A request's full-attention caches make room for its prompt at once (engine/runner.py), so chunks past each
+    STEP write into the storage the first one made instead of copying the history; the logits are an unsized
+    cache's (which grows step by step)."""
+    import mlxinfer.engine.runner as runner
+
+    model = mlxinfer.load(TINY / "llama_classic")
+    lm, ids = model._loaded.model, mx.array([tokens(3 * STEP + 10, seed=5)])
+    sized, grown = make_cache(lm.cache_kinds, positions=ids.shape[1]), make_cache(lm.cache_kinds)
+    storage = []
+    for start in range(0, ids.shape[1], 100):
+        chunk = ids[:, start : start + 100]
+        np.testing.assert_allclose(np.array(lm(chunk, sized)), np.array(lm(chunk, grown)), atol=1e-5)
+        storage.append(id(sized[0].arrays[0]))
+    assert len(set(storage)) == 1 and sized[0].arrays[0].shape[2] == 3 * STEP + STEP  # one allocation, rounded
+    assert grown[0].arrays[0].shape[2] == sized[0].arrays[0].shape[2]  # the same room in the end, by four copies
+    made = []
+    monkeypatch.setattr(runner, "make_cache", lambda *args, **kw: made.append(kw) or make_cache(*args, **kw))
+    model.generate(PROMPT, max_tokens=2, use_cache=False)
+    assert made == [{"positions": len(PROMPT) + 1}]

@@ -51,11 +51,15 @@ class _RowCache:
 class _PositionCache(_RowCache):
     """Arrays with positions on axis 2, grown in steps; subclasses decide what the arrays hold."""
 
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(self, window: int | None = None, positions: int | None = None) -> None:
         super().__init__()
         self.arrays: list[mx.array] = []
         self.start = 0  # the position arrays[..., 0, :] holds (a window drops older ones)
         self.window = window
+        # Positions a full-attention cache makes room for at its first growth: a request's known prompt (and a
+        # step of its answer), so a long prefill writes into one allocation instead of copying its history once
+        # per STEP it passes. A window stays near its own size whatever comes.
+        self.positions = positions if window is None else None
 
     @property
     def cuttable(self) -> bool:
@@ -102,7 +106,8 @@ class _PositionCache(_RowCache):
         start = self.key_start(new)
         kept = self.length - start
         # A window gets a step of slack so decoding regrows once per STEP tokens, not every token.
-        capacity = _capacity(kept + new) + (STEP if self.window is not None else 0)
+        capacity = _capacity(max(kept + new, self.positions or 0)) + (STEP if self.window is not None else 0)
+        self.positions = None  # once: past it, growth is in steps again
         olds = self.arrays or [None] * len(like)
         self.arrays = [_moved(old, start - self.start, kept, capacity, part) for old, part in zip(olds, like)]
         self.start = start
@@ -157,8 +162,8 @@ class KVCache(_PositionCache):
 class QuantizedKVCache(_PositionCache):
     """Keys and values stored as MLX affine-quantized triplets (packed, scales, biases) along head_dim."""
 
-    def __init__(self, bits: int, group_size: int = 64, window: int | None = None):
-        super().__init__(window)
+    def __init__(self, bits: int, group_size: int = 64, window: int | None = None, positions: int | None = None):
+        super().__init__(window, positions)
         self.bits, self.group_size = bits, group_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):

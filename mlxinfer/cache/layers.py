@@ -19,18 +19,21 @@ Cache = KVCache | QuantizedKVCache | StateCache
 LayerKind = tuple[str, "int | None"]  # (layer type, sliding window or None)
 
 
-def make_cache(kinds: Sequence[LayerKind], kv_bits: int | None = None, group_size: int = 64) -> list[Cache]:
-    """One empty cache per layer; `kv_bits` 8 or 4 stores attention keys and values quantized."""
-    return [_one(kind, window, kv_bits, group_size) for kind, window in kinds]
+def make_cache(
+    kinds: Sequence[LayerKind], kv_bits: int | None = None, group_size: int = 64, positions: int | None = None
+) -> list[Cache]:
+    """One empty cache per layer; `kv_bits` 8 or 4 stores attention keys and values quantized; `positions`: what
+    full-attention layers make room for at once (a prompt's length), instead of growing to it step by step."""
+    return [_one(kind, window, kv_bits, group_size, positions) for kind, window in kinds]
 
 
-def _one(kind: str, window: int | None, kv_bits: int | None, group_size: int) -> Cache:
+def _one(kind: str, window: int | None, kv_bits: int | None, group_size: int, positions: int | None) -> Cache:
     if kind in RECURRENT:
         return StateCache()
     if kind not in (FULL, SLIDING):
         raise ValueError(f"no cache for layer type {kind!r}")
     window = window if kind == SLIDING else None
-    return KVCache(window) if kv_bits is None else QuantizedKVCache(kv_bits, group_size, window)
+    return KVCache(window, positions) if kv_bits is None else QuantizedKVCache(kv_bits, group_size, window, positions)
 
 
 def held_positions(caches: Sequence[Cache]) -> int:

@@ -109,7 +109,7 @@ def embed(
 
 def _pooled(decoder: DecoderLM, ids: list[int], pooling: str, kv_bits: int | None, chunk_tokens: int) -> np.ndarray:
     """The pooled final hidden state of one input, float32 (hidden,)."""
-    cache = make_cache(decoder.cache_kinds, kv_bits)
+    cache = make_cache(decoder.cache_kinds, kv_bits, positions=len(ids))
     tokens = mx.array(ids, dtype=mx.uint32)
     pooled = None
     for start in range(0, tokens.size, chunk_tokens):

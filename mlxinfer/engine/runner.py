@@ -61,7 +61,8 @@ class ModelRunner:
 
         `shared`: tokens the prompt shares with a cached one (a state snapshot is taken there)."""
         runtime, prompt_ids = self.runtime, job.prompt_ids
-        cache = make_cache(runtime.decoder.cache_kinds, runtime.kv_bits)
+        # Room for the whole prompt and the answer's first step at once: a long prefill then copies nothing.
+        cache = make_cache(runtime.decoder.cache_kinds, runtime.kv_bits, positions=len(prompt_ids) + 1)
         if hit:
             hit.restore(cache)
         prompt = mx.array(prompt_ids, dtype=mx.uint32)
