@@ -309,7 +309,7 @@ class Model:
             params = with_defaults(sampling, self.sampling_defaults.values)
         except TypeError as e:
             raise SamplingError(f"unknown generation option: {e}") from None
-        ids, placed = self._encode_images(prompt, chat, images)
+        ids, placed = self._encode_images(prompt, chat, images, use_cache)
         eos = self.eos_token_ids
         # Compiled here, before any prefill: a schema the matcher cannot enforce fails at the call.
         constraint = structure.constraint(self.tokenizer, self.config.vocab_size, eos) if structure else None
@@ -331,24 +331,25 @@ class Model:
         return TextGeneration(self.runtime, request, stop=stops, use_cache=use_cache)
 
     def _encode_images(
-        self, prompt: Prompt, chat: bool | None, images: Sequence[Any] | None
+        self, prompt: Prompt, chat: bool | None, images: Sequence[Any] | None, use_cache: bool = True
     ) -> tuple[list[int], PromptImages | None]:
         """Ids and the images placed among them: image parts in messages, or `images` with a raw prompt (at each
-        placeholder, else first) or a single user message."""
+        placeholder, else first) or a single user message. With `use_cache`, frames the prefix cache holds
+        already skip the tower."""
+        prefix = self.prefix_cache if use_cache else None
         if images is not None and not isinstance(images, (list, tuple)):
             raise SamplingError(f"images must be a list (of paths, bytes, PIL images or arrays), got {shown(images)}")
         messages = _as_messages(prompt, chat)
         if messages is not None:
             if images:
                 raise SamplingError("with messages, put images in their content as {'type': 'image', 'image': ...}")
-            return encode_chat(self.tokenizer, self.vision, messages, self.context_tokens)
+            return encode_chat(self.tokenizer, self.vision, messages, self.context_tokens, prefix=prefix)
         if isinstance(prompt, str) and images:
             if chat:
                 parts = [*({"type": "image", "image": image} for image in images), {"type": "text", "text": prompt}]
-                return encode_chat(
-                    self.tokenizer, self.vision, [{"role": "user", "content": parts}], self.context_tokens
-                )
-            return encode_text(self.tokenizer, self.vision, prompt, images, self.context_tokens)
+                messages = [{"role": "user", "content": parts}]
+                return encode_chat(self.tokenizer, self.vision, messages, self.context_tokens, prefix=prefix)
+            return encode_text(self.tokenizer, self.vision, prompt, images, self.context_tokens, prefix=prefix)
         if images:
             raise SamplingError("images need a text prompt or messages, not token ids")
         return self.encode_prompt(prompt, chat=chat), None

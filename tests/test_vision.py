@@ -351,8 +351,13 @@ def test_a_warmed_image_prefix_is_kept_on_disk_and_resumed_after_a_restart():
     ]
     warmed = mlxinfer.load(MODEL).warm(look)
     restarted = mlxinfer.load(MODEL)  # a new process would find the same file: nothing is in memory yet
+    towered, embed_ahead = [], restarted.vision.embed_ahead
+    restarted.vision.embed_ahead = lambda frames: towered.append(len(frames)) or embed_ahead(frames)
     follow_up = [*look, {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Who?"}]
-    assert restarted.chat(follow_up, max_tokens=2).stats.cached_tokens == warmed
+    resumed = restarted.chat(follow_up, max_tokens=2)
+    assert resumed.stats.cached_tokens == warmed and towered == [0]  # the image's KV came from disk: no tower run
+    assert resumed.token_ids == restarted.chat(follow_up, max_tokens=2, use_cache=False).token_ids
+    assert towered == [0, 1]  # the same request without the cache runs its frame
     other = [
         {
             "role": "user",

@@ -177,6 +177,12 @@ class PrefixCache:
         self.stats.cached_tokens += depth
         return _hit(entry_id, entry, ids, depth, shared)
 
+    def resumable_tokens(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of `ids` a lookup could resume from now (in memory or on disk), without a lookup's
+        pins, loads or counts: a read-only walk, so another thread may ask while the scheduler's thread inserts
+        (the answer is then a hint, as any answer about a cache that may evict)."""
+        return self._deepest(ids)[1]
+
     def shared_tokens(self, ids: Sequence[int]) -> int:
         """How many leading tokens of `ids` some cached entry shares (whether or not it can resume there)."""
         return self._deepest(ids)[2]

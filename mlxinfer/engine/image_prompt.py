@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from ..cache import PrefixCache
 from ..chat import IMAGE_PARTS, image_source
 from ..errors import ImageError, SamplingError
 from ..models.vision import VisionModel, check_images
@@ -64,10 +66,12 @@ def encode_chat(
     remote: RequestSources | None = None,
     add_generation_prompt: bool = True,
     variables: dict[str, Any] | None = None,
+    prefix: PrefixCache | None = None,
 ) -> tuple[list[int], PromptImages | None]:
     """Ids of a chat and its images. `remote`: the messages came over HTTP, their images taken as it allows
     (None: the Python API's caller, whose paths, bytes and arrays are all taken); `variables`: more names for the
-    template (enable_thinking, ...)."""
+    template (enable_thinking, ...); `prefix`: the cache the request will resume from (its images' tokens held
+    there, in memory or on disk, need no tower)."""
     rendered, sources = split_images(messages)
     if not sources:
         return tokenizer.encode_chat(messages, add_generation_prompt, tools, variables=variables), None
@@ -78,15 +82,15 @@ def encode_chat(
     expansions = _expansions(vision, opened)
     placing = (vision.format.placeholder, expansions)
     ids = tokenizer.encode_chat(rendered, add_generation_prompt, tools, images=placing, variables=variables)
-    return ids, _placed(ids, opened, vision, context)
+    return ids, _placed(ids, opened, vision, context, prefix)
 
 
 def encode_text(
     tokenizer: Tokenizer, vision: VisionModel | None, text: str, images: Sequence[Any], context: int,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: Limits = DEFAULT_LIMITS, prefix: PrefixCache | None = None,
 ) -> tuple[list[int], PromptImages | None]:  # fmt: skip
     """Ids of a raw prompt and its images: at each placeholder (Gemma 3's <start_of_image>) in `text`, else all
-    before it."""
+    before it (`prefix` as in encode_chat)."""
     if not images:
         return tokenizer.encode(text), None
     vision = _reading(vision, len(images))
@@ -97,7 +101,7 @@ def encode_text(
         raise ImageError(f"the prompt has {text.count(placeholder)} {placeholder} but {len(images)} images were given")
     opened = open_images([(f"images[{i}]", s) for i, s in enumerate(images)], limits)
     ids = tokenizer.encode_images(text, placeholder, _expansions(vision, opened))
-    return ids, _placed(ids, opened, vision, context)
+    return ids, _placed(ids, opened, vision, context, prefix)
 
 
 def _reading(vision: VisionModel | None, count: int) -> VisionModel:
@@ -111,9 +115,12 @@ def _expansions(vision: VisionModel, opened: list[Opened]) -> list[str]:
     return [vision.format.expansion(vision.processor.layout(*image.size)) for image in opened]
 
 
-def _placed(ids: Sequence[int], opened: list[Opened], vision: VisionModel, context: int) -> PromptImages:
+def _placed(
+    ids: Sequence[int], opened: list[Opened], vision: VisionModel, context: int, prefix: PrefixCache | None
+) -> PromptImages:
     """The images decoded and placed at their tokens in `ids`, once the prompt is known to fit the context and to
-    hold one run of image tokens per frame."""
+    hold one run of image tokens per frame; the frames the prefix cache does not hold already go through the
+    tower now."""
     if len(ids) > context:
         raise SamplingError(
             f"the prompt has {len(ids)} tokens with its images; the model's context is {context}; "
@@ -122,7 +129,9 @@ def _placed(ids: Sequence[int], opened: list[Opened], vision: VisionModel, conte
     layouts = [vision.processor.layout(*image.size) for image in opened]
     PromptImages.check_runs(ids, layouts, vision.format)  # before any pixel is read
     images = PromptImages.locate(ids, [vision.processor.frames(image.rgb()) for image in opened], layouts, vision)
-    call_on_device_thread(images.embed_ahead, "mlxinfer-tower")  # here, not in a scheduler step
+    # A hint read off the scheduler's thread: an entry evicted meanwhile has its frames embedded in the prefill.
+    resumable = prefix.resumable_tokens(images.cache_ids(ids)[:-1]) if prefix is not None else 0
+    call_on_device_thread(partial(images.embed_ahead, resumable), "mlxinfer-tower")  # here, not in a scheduler step
     return images
 
 

@@ -96,9 +96,11 @@ class PromptImages:
         )
         return cls(spans, tuple(images), digests, vision)
 
-    def embed_ahead(self) -> None:
-        """Every frame's embeddings computed now and kept (models/vision.VisionModel.embed_ahead)."""
-        self.vision.embed_ahead([(_frame_key(s), self.frames[s.image][s.frame]) for s in self.spans])
+    def embed_ahead(self, resumable: int = 0) -> None:
+        """The embeddings of every frame that ends past the first `resumable` tokens (those before are resumed from
+        the prefix cache, KV and all), computed now and kept (models/vision.VisionModel.embed_ahead)."""
+        needed = [s for s in self.spans if s.end > resumable]
+        self.vision.embed_ahead([(_frame_key(s), self.frames[s.image][s.frame]) for s in needed])
 
     @property
     def activation_bytes(self) -> int:

@@ -78,6 +78,7 @@ def prepare_chat(model: Model, request: ChatRequest) -> Prepared:
         tools=listed,
         remote=request.image_sources,
         variables=variables,
+        prefix=model.prefix_cache,
     )
     answer = request.response_format
     # The output may start inside a reasoning block the generation prompt opened (then the parser starts there).
