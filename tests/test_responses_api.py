@@ -135,6 +135,11 @@ def test_stored_responses_are_retrieved_deleted_or_not_kept(server):
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
         ({"input": "Hi", "metadata": {"k": "v" * 513}}, "metadata"),
         ({"input": "Hi", "temperature": 3}, "temperature"),
+        ({"input": "Hi", "max_output_tokens": 0}, "max_output_tokens"),
+        (
+            {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "bad name!", "schema": {}}}},
+            "text.format",
+        ),
     ],
 )
 def test_refusals_name_the_field_and_the_server_keeps_serving(server, body, param):

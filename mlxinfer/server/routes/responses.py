@@ -22,12 +22,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ...errors import MlxInferError
 from ..core import API
 from ..deltas import Done, Running
-from ..errors import APIError
+from ..errors import APIError, as_api_error
 from ..response_store import ResponseStore
 from ..schema import ChatRequest, GenerationParams, parse_chat, parse_json
 from .responses_input import Turn, read_turn
+
+# The chat body's fields that come from a Responses field of another name, for errors about them.
+CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 
 
 def routes(api: API) -> list[Route]:
@@ -60,7 +64,10 @@ class Responses:
     def _parse(self, turn: Turn, raw: bytes) -> tuple[ChatRequest, GenerationParams]:
         read = read_turn(parse_json(raw), self.store)
         turn.chat, turn.history, turn.echo, turn.store = read.chat, read.history, read.echo, read.store
-        return parse_chat(turn.chat)
+        try:
+            return parse_chat(turn.chat)
+        except (APIError, MlxInferError) as error:  # named by the Responses field the client sent
+            raise _renamed(as_api_error(error)) from None
 
     async def _stream(self, running: Running, output: Output) -> AsyncIterator[str]:
         numbered = Numbered()
@@ -233,6 +240,16 @@ def _usage(done: Done) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart: they are in output_tokens
         "total_tokens": stats.prompt_tokens + stats.generated_tokens,
     }
+
+
+def _renamed(error: APIError) -> APIError:
+    """A chat field in an error, as the Responses field it came from (max_tokens -> max_output_tokens, ...)."""
+    old = error.param or ""
+    new = next((theirs for ours, theirs in CHAT_FIELDS.items() if old.startswith(ours)), None)
+    if new is None:
+        return error
+    message = error.message.replace(old, new, 1) if old in error.message else f"{new}: {error.message}"
+    return APIError(error.status, message, new, error.code, error.retry_after_s, error.close)
 
 
 def _not_found(response_id: str) -> APIError:
