@@ -123,3 +123,17 @@ def test_an_hf_endpoint_that_is_not_an_http_url_is_one_line(monkeypatch, value):
     monkeypatch.setenv("HF_ENDPOINT", value)
     with pytest.raises(HubError, match=r"^HF_ENDPOINT=.*: not an http\(s\) URL; fix it, or unset it"):
         list_files(REPO, "main")
+
+
+@pytest.mark.parametrize("endpoint", ["https://127.0.0.1:9", "http://127.0.0.1:9"])
+def test_the_endpoints_scheme_holds_from_the_first_request(endpoint, monkeypatch):
+    """An https Hub never answers over http, even on a block's first request; an http endpoint (a test or a mirror)
+    is not held to whatever scheme happened to be asked first (the flaky failures of test_model_library's pull)."""
+    from mlxinfer.hub.repo import asking
+
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    with asking("a listing", 64) as rules, http_client() as client:
+        assert rules.scheme == endpoint.split(":")[0]
+        if endpoint.startswith("https"):
+            with pytest.raises(Unanswered, match="from https to http://127.0.0.1:9/x, which is not allowed"):
+                client.get("http://127.0.0.1:9/x")

@@ -220,7 +220,8 @@ def asking(
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     install()
-    with bounded(limit) as rules:
+    # The endpoint's scheme, not the first request's: whatever asks first, an https Hub is never left for http.
+    with bounded(limit, urllib.parse.urlsplit(endpoint()).scheme) as rules:
         try:
             yield rules
         except HfHubHTTPError as e:

@@ -63,9 +63,10 @@ _rules: ContextVar[Rules | None] = ContextVar("mlxinfer_hub_rules", default=None
 
 
 @contextlib.contextmanager
-def bounded(limit: int | None = None) -> Iterator[Rules]:
-    """The rules above for the requests made inside (in this thread or task), each body at most `limit` bytes."""
-    rules = Rules(limit)
+def bounded(limit: int | None = None, scheme: str | None = None) -> Iterator[Rules]:
+    """The rules above for the requests made inside (in this thread or task), each body at most `limit` bytes;
+    `scheme` "https" (the endpoint's) holds every request to https from the first (None: the first request's)."""
+    rules = Rules(limit, scheme)
     token = _rules.set(rules)
     try:
         yield rules
