@@ -9,3 +9,4 @@ SERVER_PREFILL_CHUNK_TOKENS = 256  # per prefill step while other requests decod
 # general.sampling.* keys) names a field: greedy, as transformers decodes a model whose generation config does
 # not ask it to sample. The same for the CLI, the Python API and every server route.
 DEFAULT_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+SAMPLING_FIELDS = (*DEFAULT_SAMPLING, "seed")  # what a request may set about sampling, on every front end

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from .api import GenerationResult, Model, load
+from .defaults import SAMPLING_FIELDS as SAMPLING
 from .engine import GenerationStats, SamplingParams
 from .errors import RemoteServerError, SamplingError
 from .local_server import ANSWER_HEADER, OPENER, STOP_PATH, LocalServer, find_server
 
 log = logging.getLogger("mlxinfer")
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 LOCAL_ONLY = ("prefill_chunk_tokens", "use_cache", "snapshot_every", "speculate")
 MAX_LINE_BYTES = 1 << 20  # one server-sent event; the server's own are a few hundred bytes
 MAX_ERROR_BYTES = 64 << 10

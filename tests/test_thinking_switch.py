@@ -7,6 +7,7 @@ apply_chat_template passes them as); tiny models wear the templates.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
 import anthropic
@@ -37,7 +38,7 @@ def reference_tokens(server, template: str, **variables) -> int:
 
 def jinja_prompt(template: str, **variables) -> str:
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda v, **kw: __import__("json").dumps(v, ensure_ascii=False, **kw)
+    env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(template).render(messages=HI, add_generation_prompt=True, **variables)
 

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..untrusted import is_finite_number, shown
 
 GENERATION_CONFIG = "generation_config.json"
-FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+FIELDS = tuple(DEFAULT_SAMPLING)
 # llama.cpp's convert_hf_to_gguf.py writes generation_config.json's fields under these keys.
 GGUF_KEYS = {
     "general.sampling.temp": "temperature",

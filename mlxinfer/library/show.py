@@ -38,10 +38,10 @@ def details(model: LocalModel) -> dict[str, Any]:
         {'bits': 4, 'group_size': 64, 'mode': 'affine'}
     """
     if model.path.suffix == ".gguf" and not model.path.is_dir():
-        config, template, quantization = _gguf_details(model.path)
+        config, template, quantization, sampling = _gguf_details(model.path)
     else:
         config, template, quantization = _folder_details(model.path)
-    sampling = sampling_of(model.path)
+        sampling = sampling_of(model.path)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     sizes = {
         key: value if is_int(value) else None
@@ -68,7 +68,7 @@ def sampling_of(path: Path) -> SamplingDefaults:
     try:
         if path.suffix == ".gguf" and not path.is_dir():
             found = read_metadata(path, tuple(GGUF_KEYS), max_keys=MAX_GGUF_ALL_KEYS, max_skipped_items=MAX_GGUF_ITEMS)
-            return from_gguf_metadata(found, f"{path}: GGUF metadata")
+            return _gguf_sampling(found, path)
         file = path / GENERATION_CONFIG
         if not file.is_file():
             return SamplingDefaults()
@@ -140,9 +140,18 @@ def _folder_details(folder: Path) -> tuple[dict[str, Any], str | None, dict[str,
     return config, chat_template(folder), quantization
 
 
-def _gguf_details(path: Path) -> tuple[dict[str, Any], str | None, dict[str, Any] | None]:
+def _gguf_sampling(metadata: dict[str, Any], path: Path) -> SamplingDefaults:
+    try:
+        return from_gguf_metadata(metadata, f"{path}: GGUF metadata")
+    except ConfigError as e:
+        log.warning("%s", e)
+        return SamplingDefaults()
+
+
+def _gguf_details(path: Path) -> tuple[dict[str, Any], str | None, dict[str, Any] | None, SamplingDefaults]:
     """The config mlxinfer would load a GGUF file with (its tensor table says which layers have biases, and how
-    large the vocabulary is), its chat template and its llama.cpp file type, from one read of the header."""
+    large the vocabulary is), its chat template, its llama.cpp file type and its sampling, from one read of the
+    header."""
     from ..models.gguf import gguf_config
 
     try:
@@ -155,13 +164,13 @@ def _gguf_details(path: Path) -> tuple[dict[str, Any], str | None, dict[str, Any
                 config = {}
     except MlxInferError as e:
         log.warning("%s", e)
-        return {}, None, None
+        return {}, None, None, SamplingDefaults()
     template = metadata.get("tokenizer.chat_template")
     file_type = metadata.get("general.file_type")
     name = file_type_name(file_type)
     group = _loaded_group(name)
     quantization = {"bits": file_type_bits(file_type), "group_size": group, "mode": f"gguf {name}" if name else "gguf"}
-    return config, template if isinstance(template, str) else None, quantization
+    return config, template if isinstance(template, str) else None, quantization, _gguf_sampling(metadata, path)
 
 
 def _loaded_group(file_type: str | None) -> int | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
+from ..defaults import SAMPLING_FIELDS
 from ..errors import (
     BusyError,
     ChatTemplateError,
@@ -18,7 +19,7 @@ from ..errors import (
     ToolCallError,
 )
 
-PARAMS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "max_tokens", "stop"})
+PARAMS = frozenset({*SAMPLING_FIELDS, "max_tokens", "stop"})
 # A grammar's errors begin with the request field it came from (Grammar.where): these are named as the param.
 GRAMMAR_FIELDS = ("response_format", "tools", "tool_choice")
 ERROR_TYPES = {

@@ -18,6 +18,7 @@ from itertools import accumulate
 from typing import Any
 
 from ..chat import Tool, ToolChoice, check_effort, check_messages, check_tool_choice, check_tools
+from ..defaults import SAMPLING_FIELDS
 from ..engine import RequestSources, SamplingParams, check_stops
 from ..errors import GrammarError, SamplingError
 from ..grammar import any_json_object, check_schema
@@ -246,7 +247,6 @@ def _params(body: dict[str, Any]) -> GenerationParams:
     )
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 MAX_KEEP_ALIVE_S = 366 * 86400
 _DURATION = re.compile(r"(-?[0-9]{1,9}(?:\.[0-9]{1,9})?)(ms|s|m|h)?")
 _UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}

@@ -46,8 +46,8 @@ def routes(api: API) -> list[Route]:
 class Responses:
     """The endpoints, over the API's models and gate, with the stored responses."""
 
-    def __init__(self, api: API, store: ResponseStore | None = None) -> None:
-        self.api, self.store = api, store or ResponseStore()
+    def __init__(self, api: API) -> None:
+        self.api, self.store = api, ResponseStore()
 
     async def create(self, request: Request) -> Response:
         turn = Turn()
@@ -93,8 +93,7 @@ class Responses:
             running.cancel()  # a no-op once it finished; frees the slot if the client left
 
     def _finished(self, output: Output, done: Done) -> dict[str, Any]:
-        for _ in output.finish():  # a whole answer: its last item closed (the stream has sent these already)
-            pass
+        output.finish()  # a whole answer: its last item closed (the stream has sent its events already)
         response = output.response(*_status(done), usage=_usage(done))
         if output.turn.store:
             self.store.put(response, [*output.turn.history, output.message()])

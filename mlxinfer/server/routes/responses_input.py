@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...defaults import SAMPLING_FIELDS
 from ...untrusted import shown
 from ..errors import APIError
 from ..response_store import ResponseStore
@@ -18,7 +19,6 @@ from ..response_store import ResponseStore
 MAX_ITEMS = 100_000  # input items, and content parts per item
 MAX_METADATA = 16  # OpenAI's limits on metadata: keys, key length, value length
 MAX_METADATA_KEY, MAX_METADATA_VALUE = 64, 512
-SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")  # the last four: ours
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 # Refused unless left at their default: each asks for something this server does not do.
 REFUSED = {
@@ -63,7 +63,7 @@ def read_turn(body: dict[str, Any], store: ResponseStore) -> Turn:
         "max_tokens": body.get("max_output_tokens"),
         "stream": body.get("stream"),
         "parallel_tool_calls": body.get("parallel_tool_calls"),
-        **{name: body[name] for name in SAMPLING if body.get(name) is not None},
+        **{name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None},  # top_k and on: ours
         "reasoning_effort": _effort(body.get("reasoning")),
         **_tools(body.get("tools")),
         **_tool_choice(body.get("tool_choice")),
