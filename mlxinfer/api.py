@@ -13,6 +13,8 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
+from .adapters import NO_ADAPTER, AdapterSet, Chosen, selected
+from .adapters.loading import with_adapters
 from .cache import PrefixCache, PrefixCacheStats, make_cache
 from .default_model import default_model_path
 from .defaults import DEFAULT_MAX_TOKENS, PREFILL_CHUNK_TOKENS
@@ -102,6 +104,7 @@ class Model:
         persist_prefixes: bool = True,
     ):
         self._loaded, self._draft = loaded, draft
+        self._adapters: AdapterSet | None = getattr(loaded.model, "adapters", None)
         self.sampling_defaults = _stated_sampling(loaded)
         if draft is not None:
             check_same_vocabulary(self.tokenizer, draft.tokenizer, str(loaded.path), str(draft.path))
@@ -303,6 +306,7 @@ class Model:
         snapshot_every: int = SNAPSHOT_EVERY,
         speculate: str | None = None,
         images: Sequence[Any] | None = None,
+        adapter: str | None = None,
         **sampling: Any,
     ) -> TextGeneration:
         try:
@@ -324,6 +328,7 @@ class Model:
             constraint=constraint,
             speculate=check_mode(self.speculate if speculate is None else speculate, self.runtime.draft),
             images=placed,
+            adapter=self.choose_adapter(adapter),
         )
         if stop is not None and not isinstance(stop, (str, list, tuple)):
             raise SamplingError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
@@ -374,11 +379,28 @@ class Model:
             raise SamplingError("a list of messages needs the chat template; drop chat=False")
         return self.tokenizer.encode_chat(items)
 
-    def logits(self, token_ids: Iterable[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> np.ndarray:
-        """Next-token logits at every position, float32 numpy of shape (T, vocab)."""
-        return np.concatenate(list(self.logit_chunks(token_ids, chunk_tokens)), axis=0)
+    @property
+    def adapters(self) -> dict[str, Path]:
+        """The adapters loaded over this model (`load(..., adapters=...)`), {name for `adapter=`: folder}."""
+        return {a.name: a.path for a in self._adapters.adapters} if self._adapters else {}
 
-    def logit_chunks(self, token_ids: Iterable[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> Iterator[np.ndarray]:
+    def choose_adapter(self, adapter: str | None) -> Chosen:
+        """What a request naming `adapter` (None: the bare base) runs with; SamplingError if none is called so."""
+        if adapter is None:
+            return NO_ADAPTER
+        if self._adapters is None:
+            raise SamplingError(f"adapter {shown(adapter)}: this model was loaded without adapters")
+        return self._adapters.choose(adapter)
+
+    def logits(
+        self, token_ids: Iterable[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS, adapter: str | None = None
+    ) -> np.ndarray:
+        """Next-token logits at every position, float32 numpy of shape (T, vocab); with `adapter`, its."""
+        return np.concatenate(list(self.logit_chunks(token_ids, chunk_tokens, adapter)), axis=0)
+
+    def logit_chunks(
+        self, token_ids: Iterable[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS, adapter: str | None = None
+    ) -> Iterator[np.ndarray]:
         """`logits` one chunk at a time, (chunk_tokens, vocab) each: for a progress bar, or to keep
         only one chunk of a long text's logits in memory. Bad arguments raise here, not at the first chunk."""
         if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
@@ -386,13 +408,15 @@ class Model:
         if isinstance(token_ids, np.ndarray):
             token_ids = token_ids.tolist()
         ids = mx.array(_check_ids(list(token_ids), self.config.vocab_size), dtype=mx.uint32)
-        return self._logit_chunks(ids, chunk_tokens)
+        return self._logit_chunks(ids, chunk_tokens, self.choose_adapter(adapter).slot)
 
-    def _logit_chunks(self, ids: mx.array, chunk_tokens: int) -> Iterator[np.ndarray]:
+    def _logit_chunks(self, ids: mx.array, chunk_tokens: int, slot: int) -> Iterator[np.ndarray]:
         cache = make_cache(self._loaded.model.cache_kinds, self.kv_bits, positions=ids.size)
         for start in range(0, ids.size, chunk_tokens):
             model = self._loaded.model
-            part = model.head(model.hidden(ids[None, start : start + chunk_tokens], cache))[0].astype(mx.float32)
+            with selected(model, [slot]):
+                part = model.head(model.hidden(ids[None, start : start + chunk_tokens], cache))[0]
+            part = part.astype(mx.float32)
             mx.eval(part)
             yield np.array(part)
 
@@ -519,6 +543,7 @@ def load(
     draft_model: str | Path | None = None,
     speculate: str = "auto",
     cpu_weights: str | None = None,
+    adapters: dict[str, str | Path] | None = None,
 ) -> Model:
     """Load a model folder or .gguf file, or a model by the name `mlxinfer ls` shows; with no path, the default
     model (fetched once).
@@ -530,12 +555,17 @@ def load(
     lookup), "lookup" or "draft" always do, "off" never; output is the same either way (greedy: token for
     token; sampled: the same distribution). `cpu_weights` (on a CPU): "dense" runs quantized layers from float32
     copies, "quantized" from their stored bits, "auto" (the default, or MLXINFER_CPU_WEIGHTS) whichever measures
-    faster and fits.
+    faster and fits. `adapters` ({name: folder}): LoRA or DoRA adapters as mlx-lm or PEFT save them, over this
+    one copy of the base; a call names one with `adapter=` (none: the base), and calls for different ones batch
+    together.
 
     Example:
         >>> model = mlxinfer.load("~/models/Qwen3-0.6B-4bit")
+        >>> tuned = mlxinfer.load("~/models/Qwen3-0.6B-4bit", adapters={"sql": "~/adapters/sql"})
+        >>> tuned.chat("List the tables.", adapter="sql").text
     """
     loaded = load_model(located(path) if path is not None else default_model_path(), dtype=dtype,
                         cpu_weights=cpu_weights)  # fmt: skip
+    loaded = with_adapters(loaded, adapters) if adapters else loaded
     draft = load_model(located(draft_model), dtype=dtype, cpu_weights=cpu_weights) if draft_model is not None else None
     return Model(loaded, prefix_cache_bytes=prefix_cache_bytes, kv_bits=kv_bits, draft=draft, speculate=speculate)

@@ -127,3 +127,7 @@ class ClusterError(MlxInferError):
 
 class ImageError(SamplingError):
     """An image in a request cannot be read, is of a kind not supported, or is past a limit (a 400 on the server)."""
+
+
+class AdapterError(MlxInferError):
+    """A LoRA or DoRA adapter cannot be read, or does not fit its base model (the message names what differs)."""

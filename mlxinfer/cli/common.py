@@ -34,13 +34,15 @@ def load_model(
     kv_bits: str | None = None,
     draft_model: Path | None = None,
     speculate: str = "auto",
+    adapters: dict[str, Path] | None = None,
 ) -> Model:
     """`load` with the CLI's string flags, saying on stderr what loads (unless `quiet`: --json output)."""
     if not quiet:
         drafter = f" with the draft model {draft_model}" if draft_model else ""
+        drafter += f" and the adapters {', '.join(adapters)}" if adapters else ""
         click.echo(f"Loading {model or 'the default model (SmolLM2-135M-Instruct)'}{drafter}...", err=True)
     bits = int(kv_bits) if kv_bits else None
-    return load(model, dtype=dtype, kv_bits=bits, draft_model=draft_model, speculate=speculate)
+    return load(model, dtype=dtype, kv_bits=bits, draft_model=draft_model, speculate=speculate, adapters=adapters)
 
 
 def recorded_load(path: str | Path | None, **options: Any) -> Model:

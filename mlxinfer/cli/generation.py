@@ -22,7 +22,7 @@ from ..untrusted import read_json_object
 from ..vision import file_data_url
 from .common import errors_as_one_line, load_model
 from .library import pull
-from .options import checked_generation, generation_options, take_speculation
+from .options import adapter_pairs, checked_generation, generation_options, take_speculation
 
 
 @click.command()
@@ -69,12 +69,15 @@ def generate(
         raise click.UsageError("--image needs the chat template; drop --raw")
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
     speculation = take_speculation(options)
+    adapters = adapter_pairs([a for a in [options.pop("adapter")] if a])
     schema_file = options.pop("schema_file")
     structured = _structure_options(schema_file, options.pop("regex"), options.pop("choice"))
     local = options.pop("local") or bool(structured.get("regex") or structured.get("choices"))
     generation = checked_generation(options)  # before the load: a bad flag should not cost one
     text = sys.stdin.read() if prompt == "-" else prompt
-    llm = _model_for(model, local, dtype, quiet=as_json, kv_bits=kv_bits, **speculation)
+    llm = _model_for(model, local, dtype, quiet=as_json, kv_bits=kv_bits, adapters=adapters, **speculation)
+    if adapters:
+        generation["adapter"] = next(iter(adapters))
     messages = _messages(text, system, [file_data_url(p, "--image") for p in images]) if chat else text
     try:  # the grammar compiles here, for this model's tokenizer: an unsupported keyword names the file
         run = llm.stream(messages, chat=chat, **generation, **structured)
@@ -112,9 +115,12 @@ def chat(model: str | None, system: str | None, **options: Any) -> None:
     """
     dtype, kv_bits = options.pop("dtype"), options.pop("kv_bits")
     speculation = take_speculation(options)
+    adapters = adapter_pairs([a for a in [options.pop("adapter")] if a])
     local = options.pop("local")
     generation = checked_generation(options)  # before the load: a bad flag should not cost one
-    llm = _model_for(model, local, dtype, quiet=False, kv_bits=kv_bits, **speculation)
+    llm = _model_for(model, local, dtype, quiet=False, kv_bits=kv_bits, adapters=adapters, **speculation)
+    if adapters:
+        generation["adapter"] = next(iter(adapters))
     session = _Session(system)
     name = llm.path.name if isinstance(llm, Model) else llm.name or "the server's model"
     click.echo(f"Chatting with {name}. /help lists the commands, /bye quits.", err=True)
@@ -244,9 +250,10 @@ def _save(history: list[dict[str, Any]], path: str) -> None:
 def _model_for(model: str | None, local: bool, dtype: str | None, quiet: bool, **options: Any) -> Model | RemoteModel:
     """The resident server's model when a server runs (no second copy of the weights), else one loaded here.
 
-    Options that change how a model loads (--dtype, --kv-bits, a draft model, a speculation mode) load it here:
-    the server's copy was loaded with its own."""
+    Options that change how a model loads (--dtype, --kv-bits, a draft model, a speculation mode, an adapter)
+    load it here: the server's copy was loaded with its own."""
     loads_here = local or dtype or options["kv_bits"] or options["draft_model"] or options["speculate"] != "auto"
+    loads_here = loads_here or bool(options["adapters"])
     server = None if loads_here else find_server()
     if server is None:
         llm = load_model(model, dtype, quiet, **options)

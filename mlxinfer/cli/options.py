@@ -60,12 +60,32 @@ def generation_options(func: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--kv-bits", type=click.Choice(["4", "8"]), default=None,
                      help="Store the KV cache quantized (less memory per token, slightly lower quality)."),
         speculation_options,
+        click.option("--adapter", default=None, metavar="[NAME=]PATH",
+                     help=ADAPTER_HELP + " Loads MODEL here, with it."),
         click.option("--local", is_flag=True,
                      help="Load the model in this process even when an mlxinfer server runs (else: use the server)."),
     ]  # fmt: skip
     for decorator in reversed(decorators):
         func = decorator(func)
     return func
+
+
+ADAPTER_HELP = ("A LoRA or DoRA adapter folder, as mlx-lm or PEFT save it, over MODEL; NAME defaults to the "
+                "folder's name.")  # fmt: skip
+
+
+def adapter_pairs(values: tuple[str, ...] | list[str]) -> dict[str, Path]:
+    """--adapter values, [NAME=]PATH each, as load()'s {name: folder}; a name given twice is a usage error."""
+    pairs: dict[str, Path] = {}
+    for value in values:
+        name, _, path = value.rpartition("=") if "=" in value and not Path(value).exists() else ("", "", value)
+        folder = Path(path).expanduser()
+        name = name or folder.resolve().name
+        if name in pairs:
+            raise click.BadParameter(f"two adapters are called {name!r}; name them: --adapter NAME=PATH",
+                                     param_hint="--adapter")  # fmt: skip
+        pairs[name] = folder
+    return pairs
 
 
 def take_speculation(options: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from ..errors import ServerConfigError
 from ..library import record_use
 from ..local_server import find_server, new_token, publish, server_identity, withdraw
 from .common import errors_as_one_line, load_model, recorded_load
-from .options import dtype_option, speculation_options
+from .options import ADAPTER_HELP, adapter_pairs, dtype_option, speculation_options
 
 
 @click.command()
@@ -111,6 +111,13 @@ from .options import dtype_option, speculation_options
     is_flag=True,
     help="Fetch images requests give as http(s) addresses (10 s, 3 redirects, 32 MiB each); else only data: URLs.",
 )
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    metavar="[NAME=]PATH",
+    help=ADAPTER_HELP + " Requests name it MODEL:NAME; repeat for more (they batch together).",
+)
 @speculation_options
 @errors_as_one_line
 def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: Any) -> None:
@@ -123,6 +130,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
       mlxinfer serve                                   # the default model on http://127.0.0.1:8080
       mlxinfer serve ~/models/Qwen3-0.6B-4bit --port 9000
       mlxinfer serve ~/models/Qwen3-4B-4bit --draft-model ~/models/Qwen3-0.6B-4bit
+      mlxinfer serve ~/models/Qwen3-4B-4bit --adapter sql=~/adapters/sql --adapter ~/adapters/poet
       mlxinfer serve ~/models/Llama-3.3-70B-4bit --hostfile hosts.json   # split over several Macs
       curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
            -d '{"model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "Hi"}]}'
@@ -133,6 +141,9 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
 
     o = options
     keep_alive = _keep_alive_option(o["keep_alive"])
+    adapters = adapter_pairs(o["adapters"])
+    if adapters and o["hostfile"] is not None:
+        raise click.UsageError("--adapter is not supported with --hostfile yet")
     settings = ServerSettings(
         host=o["host"],
         port=o["port"],
@@ -155,7 +166,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
     else:
         models = _resident_models(settings, keep_alive, dtype, kv_bits)
         speculation = {"draft_model": settings.draft_model, "speculate": settings.speculate}
-        llm = load_model(model, dtype, quiet=False, kv_bits=kv_bits, **speculation)
+        llm = load_model(model, dtype, quiet=False, kv_bits=kv_bits, adapters=adapters, **speculation)
     record_use(llm.path)
     name = models.add(llm, settings.scheduler).id
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..adapters import selected
 from ..cache import Cache, PrefixHit, Snapshot
 from ..cache.batch import add_row, drop_rows, row_cache
 from ..cache.rewind import mark, rewind
@@ -49,8 +50,8 @@ class Running:
         return self.speculation is not None and self.speculation.ready
 
     def ids_in_cache(self, cached: int) -> list[int]:
-        """What the prefix cache keys its first `cached` positions by (images by their content)."""
-        return (self.job.cache_ids + self.drawn)[:cached]
+        """What the prefix cache keys its first `cached` positions by (images by their content, all by its adapter)."""
+        return (self.job.cache_ids + self.job.adapter.keyed(self.drawn))[:cached]
 
 
 class DecodeBatch:
@@ -73,6 +74,7 @@ class DecodeBatch:
         self._queued: mx.array | None = None  # the next step's tokens, already computing
         self._queued_logits: mx.array | None = None  # under a grammar: the next step's logits, still to be masked
         self.shifts: mx.array | None = None  # the rows' M-RoPE shifts (_refresh_shifts)
+        self.adapters: list[int] = []  # each row's adapter slot
 
     @property
     def pending(self) -> bool:
@@ -91,13 +93,15 @@ class DecodeBatch:
         every row's is 0. Made when rows change, not each step."""
         shifts = [_rope_shift(s) for s in self.rows]
         self.shifts = mx.array(shifts) if any(shifts) else None
+        self.adapters = [s.job.adapter.slot for s in self.rows]
 
     def _model(self, fed: mx.array) -> mx.array:
-        """The logits of `fed` (rows x positions), each row at its positions."""
+        """The logits of `fed` (rows x positions), each row at its positions and with its adapter."""
         shifts = self.shifts
-        if shifts is None:
-            return self.model(fed, self.cache)
-        return self.model.head(self.model.hidden(fed, self.cache, None, shifts))
+        with selected(self.model, self.adapters):
+            if shifts is None:
+                return self.model(fed, self.cache)
+            return self.model.head(self.model.hidden(fed, self.cache, None, shifts))
 
     def leave(self, rows: list[int]) -> None:
         if rows:
@@ -172,7 +176,8 @@ class DecodeBatch:
         out = [tokens[:kept] for tokens in out]
         held = rewind(self.cache, at, at.length + kept)
         if held < at.length + kept:  # recurrent layers went back to their state before the pass: feed them again
-            self.model.hidden(fed[:, : at.length + kept - held], self.cache, None, self.shifts)
+            with selected(self.model, self.adapters):
+                self.model.hidden(fed[:, : at.length + kept - held], self.cache, None, self.shifts)
             mx.eval([c.arrays for c in self.cache])
         for sequence, tokens in zip(self.rows, out):
             sequence.sampler.observe(mx.array(tokens))
@@ -180,6 +185,7 @@ class DecodeBatch:
 
     def clear(self) -> None:
         self.rows, self.cache, self._queued, self._queued_logits, self.shifts = [], None, None, None, None
+        self.adapters = []
 
 
 def _rope_shift(sequence: Running) -> int:

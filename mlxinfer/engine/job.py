@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from ..adapters import NO_ADAPTER, Chosen
 from ..defaults import DEFAULT_MAX_TOKENS
 from ..grammar import Constraint
 from .images import PromptImages
@@ -67,6 +68,7 @@ class Job:
     keep_special_tokens: bool = False  # text keeps special tokens (tool-call and reasoning markup to parse)
     speculate: str = "off"  # speculative decoding: "auto", "off", "lookup" or "draft" (engine/speculation.py)
     images: PromptImages | None = None  # the prompt's images, at their tokens' places
+    adapter: Chosen = NO_ADAPTER  # the fine-tune it runs with (adapters/rows.py)
     submitted_at: float = 0.0
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -75,8 +77,10 @@ class Job:
 
     @cached_property
     def cache_ids(self) -> list[int]:
-        """What the prefix cache keys this prompt by: its ids, each image's tokens named by the image's content."""
-        return self.prompt_ids if self.images is None else self.images.cache_ids(self.prompt_ids)
+        """What the prefix cache keys this prompt by: its ids, each image's tokens named by the image's content, all
+        of them named by its adapter's where it has one."""
+        ids = self.prompt_ids if self.images is None else self.images.cache_ids(self.prompt_ids)
+        return self.adapter.keyed(ids)
 
     @property
     def reserved_tokens(self) -> int:

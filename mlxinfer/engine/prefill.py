@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..adapters import BASE, selected
 from ..cache import Cache, Snapshot, snapshot
 from ..cache.layers import cuttable
 from ..models.decoder import DecoderLM
@@ -57,19 +58,20 @@ class Prefill:
     snapshots: dict[int, Snapshot] = field(default_factory=dict)  # position -> state, taken here or inherited
     done: int = 0  # of `ids`
     images: PromptImages | None = None  # the prompt's images (positions from the prompt's start)
+    adapter: int = BASE  # the adapter slot the prompt runs with (adapters/rows.py)
 
     @classmethod
     def start(cls, model: DecoderLM, cache: list[Cache], ids: mx.array, chunk: int,
               every: int = SNAPSHOT_EVERY, marks: Iterable[int] = (),
               inherited: dict[int, Snapshot] | None = None, before_end: bool = True,
-              images: PromptImages | None = None) -> Prefill:  # fmt: skip
+              images: PromptImages | None = None, adapter: int = BASE) -> Prefill:  # fmt: skip
         base = cache[0].length
         stage = getattr(model, "stage", None)  # a pipeline rank: the whole model's layers decide, not its own
         whole = cuttable(cache) if stage is None else stage.cuttable
         stops = [] if whole else snapshot_positions(base, base + ids.size, every, marks, before_end)
         if images is not None:  # an image runs whole, in one chunk
             stops = [p for p in stops if not images.inside(p)]
-        return cls(model, cache, ids, base, chunk, stops, dict(inherited or {}), images=images)
+        return cls(model, cache, ids, base, chunk, stops, dict(inherited or {}), images=images, adapter=adapter)
 
     @property
     def finished(self) -> bool:
@@ -89,7 +91,8 @@ class Prefill:
             end = self.images.chunk_end(self.position, self.base + end) - self.base
             placed = self.images.placed(self.position, self.base + end)
             shift = self.images.rope_shift(self.position) or None
-        hidden = self.model.hidden(self.ids[None, self.done : end], self.cache, placed, shift)
+        with selected(self.model, [self.adapter]):
+            hidden = self.model.hidden(self.ids[None, self.done : end], self.cache, placed, shift)
         self.done = end
         if getattr(self.model, "stage", None) is not None:
             # A pipeline rank sends its output on and sums the last rank's within the pass's output, which the
@@ -107,7 +110,12 @@ class Prefill:
         while not self.finished:
             hidden = self.step()
         # Only the last position's logits are needed: skip the vocab projection for the rest.
-        return self.model.head(hidden[:, -1])[0]
+        return self.head(hidden[:, -1])[0]
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """The logits of the prompt's `hidden` states, with its adapter."""
+        with selected(self.model, [self.adapter]):
+            return self.model.head(hidden)
 
 
 def prefill(model: DecoderLM, prompt: mx.array, cache: list[Cache], chunk_tokens: int) -> mx.array:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from ..adapters import NO_ADAPTER, Chosen
 from ..defaults import DEFAULT_MAX_TOKENS, MAX_TOKENS, PREFILL_CHUNK_TOKENS
 from ..errors import SamplingError
 from ..grammar import Constraint
@@ -33,6 +34,7 @@ class GenerationRequest:
     constraint: Constraint | None = None  # structured output: only tokens its grammar allows are drawn
     speculate: str = "off"  # speculative decoding: "auto", "off", "lookup" or "draft" (engine/speculation.py)
     images: PromptImages | None = None  # the prompt's images at their tokens' places (engine/image_prompt.py)
+    adapter: Chosen = NO_ADAPTER  # the fine-tune it runs with (adapters/rows.py; Model.adapters)
 
 
 def check_options(request: GenerationRequest) -> None:

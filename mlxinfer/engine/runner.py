@@ -83,7 +83,7 @@ class ModelRunner:
         every = job.snapshot_every or self.config.snapshot_every
         # A warmed prefix is continued by later prompts, never repeated whole: no snapshot before its end.
         run = Prefill.start(runtime.decoder, cache, rest, chunk, every, marks, inherited, before_end=not job.warm,
-                            images=job.images)  # fmt: skip
+                            images=job.images, adapter=job.adapter.slot)  # fmt: skip
         sequence.snapshots = run.snapshots  # the same dict: snapshots taken later join it
         self.prefilling = Prefilling(run, sequence)
 
@@ -105,7 +105,7 @@ class ModelRunner:
         self.prefilling = None
         if p.sequence.job.warm:
             return p.sequence, p.run.cache, None
-        logits = self.runtime.decoder.head(p.hidden[:, -1])[0]
+        logits = p.run.head(p.hidden[:, -1])[0]
         constraint = p.sequence.job.constraint
         allowed = None
         if constraint is not None:

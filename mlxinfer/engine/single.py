@@ -82,6 +82,7 @@ def job_for(request: GenerationRequest, stop: Sequence[str], stats: GenerationSt
         constraint=request.constraint,
         speculate=request.speculate,
         images=request.images,
+        adapter=request.adapter,
     )
 
 

@@ -32,7 +32,7 @@ from .errors import APIError, as_api_error
 from .guard import shows_token
 from .limits import WorkGate
 from .metrics import Metrics
-from .model_pool import ModelSet, ServedModel
+from .model_pool import ModelSet, ServedModel, adapter_named
 from .schema import ChatRequest, GenerationParams
 from .settings import ServerSettings
 from .structured import Prepared, prepare_chat
@@ -210,6 +210,7 @@ class API:
             keep_special_tokens=prepared.keep_special_tokens,
             speculate=served.model.speculate,
             images=prepared.images,
+            adapter=served.model.choose_adapter(adapter_named(params.model, served)),
         )
         served.scheduler.submit(job)
         return job, events

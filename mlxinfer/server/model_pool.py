@@ -55,6 +55,7 @@ class _Slot:
     served: ServedModel | None = None
     verified: bool = True  # the family was checked against transformers (models/fallback.py runs the others)
     sampling: SamplingDefaults | None = None  # what the model's files recommend; None: not read yet
+    adapters: dict[str, Path] = field(default_factory=dict)  # its adapters' folders by name: a request says "id:name"
     loading: threading.Lock = field(default_factory=threading.Lock)  # one load; other requests for it wait
     in_flight: int = 0  # requests started and not yet ended
     keep_alive_s: float | None = None  # the latest request's keep_alive; None: the set's default
@@ -115,8 +116,10 @@ class ModelSet:
             kv_bits=model.kv_bits,
             draft_model=draft,
             speculate=model.speculate,
+            adapters=model.adapters or None,
         )
         slot = _Slot(name or model_id(model), model.path, loader, config or self._config, verified=model.verified)
+        slot.adapters = model.adapters
         with self._lock:
             old = self._slots.pop(slot.id, None)
             replaced = self._detach(old)
@@ -235,7 +238,7 @@ class ModelSet:
     def _find(self, name: str | None, allow_paths: bool) -> _Slot | None:
         if name is None:
             return next(iter(self._slots.values()), None)
-        slot = self._slots.get(name)
+        slot = self._named(name)
         if slot is None and allow_paths and _looks_like_path(name):
             path = _resolved(name)
             slot = next((s for s in self._slots.values() if s.path == path), None)
@@ -361,6 +364,21 @@ class ModelSet:
 
     # -- what is served ---------------------------------------------------
 
+    def _named(self, name: str) -> _Slot | None:
+        """The slot `name` names: its id, or "id:adapter" for one of its adapters."""
+        slot = self._slots.get(name)
+        if slot is None and ":" in name:
+            base, _, adapter = name.rpartition(":")
+            slot = self._slots.get(base)
+            return slot if slot is not None and adapter in slot.adapters else None
+        return slot
+
+    @property
+    def adapter_ids(self) -> list[tuple[str, str, Path]]:
+        """("id:adapter", id, folder) for every adapter of every model served: the names requests give them."""
+        slots = list(self._slots.values())
+        return [(f"{slot.id}:{name}", slot.id, path) for slot in slots for name, path in slot.adapters.items()]
+
     def is_loaded(self, name: str) -> bool:
         slot = self._slots.get(name)
         return slot is not None and slot.served is not None
@@ -370,13 +388,13 @@ class ModelSet:
         return list(self._slots)
 
     def verified(self, name: str) -> bool:
-        slot = self._slots.get(name)
+        slot = self._named(name)
         return slot is None or slot.verified
 
     def sampling_defaults(self, name: str) -> dict[str, Any]:
         """The sampling a request that gives none gets from model `name`: read from its files once (the loaded
         model's own once it loads); may read a GGUF header, so not on the event loop."""
-        slot = self._slots.get(name)
+        slot = self._named(name)
         if slot is None:  # gone since it was listed
             return SamplingDefaults().in_force
         if slot.sampling is None:
@@ -437,6 +455,14 @@ class ModelSet:
         for served in closing:
             _stop(served, reason)
         _free_memory()
+
+
+def adapter_named(name: str | None, served: ServedModel) -> str | None:
+    """The adapter a request's `model` ("id:adapter") names on the model `served`; None for the bare model."""
+    if not name or name == served.id or ":" not in name:
+        return None
+    base, _, adapter = name.rpartition(":")
+    return adapter if base == served.id and adapter in served.model.adapters else None
 
 
 def _stop(served: ServedModel | None, reason: str) -> None:

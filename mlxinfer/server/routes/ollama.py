@@ -421,7 +421,7 @@ def _tags(api: API) -> list[dict[str, Any]]:
         path = api.models.path_of(name)
         if name not in names and path is not None and path.resolve() not in paths:
             local.append(library.describe(name, path, "served"))
-    return [
+    models = [
         {
             "name": m.name,
             "model": m.name,
@@ -432,6 +432,15 @@ def _tags(api: API) -> list[dict[str, Any]]:
         }
         for m in local
     ]
+    return models + [_adapter_tag(*adapter) for adapter in api.models.adapter_ids]
+
+
+def _adapter_tag(name: str, parent: str, path: Path) -> dict[str, Any]:
+    """A served adapter as Ollama lists a model built FROM another (its `parent_model`)."""
+    details = {**_details(path, "", ""), "parent_model": parent}
+    size = library.disk_bytes(path)[0]
+    return {"name": name, "model": name, "modified_at": _rfc3339(_mtime(path)), "size": size,
+            "digest": _digest(path), "details": details}  # fmt: skip
 
 
 async def ps(api: API, request: Request) -> Response:

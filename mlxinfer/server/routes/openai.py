@@ -39,7 +39,8 @@ def routes(api: API) -> list[Route]:
         # `verified`: the family matches transformers; false for mlx-lm's model code run as it is (unverified).
         # `sampling_defaults`: what a request that names no sampling field gets (the model's generation config,
         # else greedy); read from the model's files, so off the event loop.
-        def model(name: str) -> dict[str, Any]:
+        # An adapter is listed as "model:adapter" with its base as `parent`, as vLLM lists LoRA modules.
+        def model(name: str, parent: str | None = None) -> dict[str, Any]:
             return {
                 "id": name,
                 "object": "model",
@@ -47,9 +48,14 @@ def routes(api: API) -> list[Route]:
                 "owned_by": "mlxinfer",
                 "verified": api.models.verified(name),
                 "sampling_defaults": api.models.sampling_defaults(name),
+                **({"parent": parent} if parent else {}),
             }
 
-        data = await run_in_threadpool(lambda: [model(name) for name in api.models.ids])
+        def listed() -> list[dict[str, Any]]:
+            adapters = [model(name, parent) for name, parent, _ in api.models.adapter_ids]
+            return [model(name) for name in api.models.ids] + adapters
+
+        data = await run_in_threadpool(listed)
         return JSONResponse({"object": "list", "data": data})
 
     return [

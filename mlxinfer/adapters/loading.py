@@ -1,0 +1,73 @@
+"""Adapters put on a loaded model: read, checked against the base, installed, and counted in what it holds."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import mlx.nn as nn
+
+from ..errors import AdapterError
+from ..models.loader import LoadedModel
+from ..models.multimodal import WRAPPERS
+from ..untrusted import shown
+from .reading import Adapter, read_adapter
+from .rows import install
+
+log = logging.getLogger(__name__)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what a request names it by (`base:NAME` on the server)
+
+
+def with_adapters(loaded: LoadedModel, paths: Mapping[str, str | Path]) -> LoadedModel:
+    """`loaded` with the adapters in `paths` ({name: folder}) installed over it; its weights_bytes counts them."""
+    if not isinstance(paths, Mapping):
+        raise AdapterError(f"adapters must map names to folders, e.g. {{'sql': 'adapters/sql'}}; got {shown(paths)}")
+    for name in paths:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise AdapterError(f"adapter name {shown(name)}: use letters, digits, '_', '.' and '-' (at most 64)")
+    if getattr(loaded.model, "sharded", False):
+        raise AdapterError("adapters over a model split across ranks are not supported yet; serve it on one machine")
+    adapters = [_as_named_here(read_adapter(path, name), loaded.model) for name, path in paths.items()]
+    for adapter in adapters:
+        _say_base(adapter, loaded)
+    installed = install(loaded.model, adapters, loaded.compute_dtype)
+    log.info("%s: %d adapter(s) installed (%s), %.1f MB", loaded.path, len(adapters),
+             ", ".join(f"{a.name}: {a.kind} rank {a.rank}, {len(a.modules)} modules" for a in adapters),
+             installed.nbytes / 1e6)  # fmt: skip
+    return replace(loaded, weights_bytes=loaded.weights_bytes + installed.nbytes)
+
+
+# A vision-language model's text layers, under the names its checkpoint gives them -> the names they have here.
+TEXT_PREFIXES = sorted(
+    {pair for wrapper in WRAPPERS.values() for pair in wrapper.text_prefixes}, key=lambda p: -len(p[0])
+)
+
+
+def _as_named_here(adapter: Adapter, model: nn.Module) -> Adapter:
+    """`adapter` with its modules under this model's names: a vision-language checkpoint's adapter names the text
+    layers as its checkpoint does ("language_model.model.layers.0..."), which this loader renames."""
+    here = {name for name, _ in model.named_modules()}
+
+    def renamed(path: str) -> str:
+        if path in here:
+            return path
+        return next((new + path[len(old) :] for old, new in TEXT_PREFIXES if path.startswith(old)), path)
+
+    modules = {renamed(path): pair for path, pair in adapter.modules.items()}
+    saved = {f"{renamed(k.rsplit('.', 1)[0])}.{k.rsplit('.', 1)[1]}": v for k, v in adapter.replaced.items()}
+    return replace(adapter, modules=modules, replaced=saved)
+
+
+def _say_base(adapter: Adapter, loaded: LoadedModel) -> None:
+    """A warning where the adapter names a base model that is not this one's (shapes that fit may still differ in
+    what the weights mean: a 4-bit copy of the right base fits, and so does another fine-tune of it)."""
+    named = adapter.base_model
+    if not named:
+        return
+    stem = Path(named.rstrip("/")).name.lower()
+    ours = loaded.path.stem.lower()
+    if stem and stem not in ours and ours not in stem:
+        log.warning("%s: trained on %s, loaded over %s; its shapes fit, so it runs", adapter.path, named, loaded.path)

@@ -1,0 +1,240 @@
+"""LoRA and DoRA adapters over one copy of a base: read as mlx-lm and PEFT write them, applied per row.
+
+References: PEFT's own `merge_and_unload()` run by transformers (tests/fixtures/make_tiny_adapters.py writes the
+adapters and those logits), and mlx-lm's own `load(path, adapter_path=...)` for adapters mlx-lm's tuner writes
+(on families where mlx-lm's base model matches transformers; it is not the reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from click.testing import CliRunner
+from mlx.utils import tree_flatten
+
+import mlxinfer
+from mlxinfer.adapters import NO_ADAPTER, read_adapter
+from mlxinfer.cli import main
+from mlxinfer.engine import Finished, Job
+from mlxinfer.errors import AdapterError, CorruptFileError, SamplingError
+from mlxinfer.server import ModelSet, ServerSettings
+from mlxinfer.server.uvicorn_host import BackgroundServer
+from tests.conftest import TINY, golden
+from tests.test_scheduler import Collector, batch_sizes
+
+FIXTURES = Path(__file__).parent / "fixtures" / "adapters"
+BASES = {"llama_dora": "llama_classic"}  # the others are named <base>_lora
+PEFT = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+QUICK = {"qwen3_lora", "llama_dora"}  # the fast tier's: scaling rules, modules_to_save, DoRA
+
+
+def base_of(fixture: str) -> str:
+    return BASES.get(fixture, fixture.removesuffix("_lora"))
+
+
+def write_mlx_lm_adapter(base: Path, out: Path, kind: str = "lora", rank: int = 4, seed: int = 0,
+                         keys: list[str] | None = None) -> Path:  # fmt: skip
+    """An adapter as `mlx_lm.lora` saves one (its tuner's own layers and parameter names), with random nonzero
+    weights (mlx-lm starts lora_b at zero) and DoRA magnitudes off the base's norms."""
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(base))
+    params = {"rank": rank, "scale": 2.0, "dropout": 0.0, **({"keys": keys} if keys else {})}
+    linear_to_lora_layers(model, 2, params, use_dora=kind == "dora")
+    mx.random.seed(seed)
+    weights = {}
+    for key, value in tree_flatten(model.trainable_parameters()):
+        if key.endswith(("lora_a", "lora_b")):
+            weights[key] = mx.random.normal(value.shape) * 0.2
+        elif key.endswith(".m"):
+            weights[key] = value * (1 + 0.1 * mx.random.normal(value.shape))
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": kind, "num_layers": 2, "lora_parameters": params, "model": str(base)}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory) -> dict[str, Path]:
+    """Three mlx-lm adapters over the tiny llama: LoRA, DoRA, and a rank-8 LoRA on the MLP's down projection."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "lora": write_mlx_lm_adapter(TINY / "llama_classic", root / "lora", seed=1),
+        "dora": write_mlx_lm_adapter(TINY / "llama_classic", root / "dora", "dora", seed=2),
+        "down": write_mlx_lm_adapter(TINY / "llama_classic", root / "down", rank=8, seed=3, keys=["mlp.down_proj"]),
+    }
+
+
+@pytest.fixture(scope="module")
+def tuned(three) -> mlxinfer.Model:
+    return mlxinfer.load(TINY / "llama_classic", adapters=three)
+
+
+def ids_of(base: str) -> list[int]:
+    return np.array(golden(base)["input_ids"]).tolist()
+
+
+@pytest.mark.parametrize("fixture", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in PEFT])
+def test_a_peft_adapter_equals_peft_merged_into_the_weights(fixture):
+    base = base_of(fixture)
+    model = mlxinfer.load(TINY / base, adapters={"tuned": FIXTURES / fixture})
+    want = np.array(mx.load(str(FIXTURES / fixture / "golden.safetensors"))["logits"])
+    np.testing.assert_allclose(model.logits(ids_of(base), adapter="tuned"), want, atol=5e-4)
+    assert np.abs(model.logits(ids_of(base)) - want).max() > 0.1  # the base itself stays the base
+
+
+@pytest.mark.parametrize(
+    "base, kind",
+    [("llama_classic", "lora"), ("llama_classic", "dora"), ("qwen3", "lora")]
+    + [pytest.param(b, "lora", marks=pytest.mark.slow) for b in ("gemma3", "qwen3_5_vl", "mistral3_vl")],
+)
+def test_an_mlx_lm_adapter_equals_mlx_lm_loading_it(base, kind, tmp_path):
+    from mlx_lm import load
+
+    path = write_mlx_lm_adapter(TINY / base, tmp_path / kind, kind)
+    reference, _ = load(str(TINY / base), adapter_path=str(path))
+    ids = ids_of(base)
+    want = np.array(reference(mx.array([ids]))[0].astype(mx.float32))
+    model = mlxinfer.load(TINY / base, adapters={"a": path})
+    np.testing.assert_allclose(model.logits(ids, adapter="a"), want, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_over_a_quantized_base_it_equals_mlx_lm(tmp_path):
+    from mlx_lm import convert, load
+
+    quantized = tmp_path / "q4"
+    convert(str(TINY / "qwen3"), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    for kind in ("lora", "dora"):
+        path = write_mlx_lm_adapter(quantized, tmp_path / kind, kind)
+        reference, _ = load(str(quantized), adapter_path=str(path))
+        want = np.array(reference(mx.array([ids_of("qwen3")]))[0].astype(mx.float32))
+        model = mlxinfer.load(quantized, adapters={"a": path}, cpu_weights="quantized")
+        np.testing.assert_allclose(model.logits(ids_of("qwen3"), adapter="a"), want, atol=2e-4)
+
+
+def test_rows_with_three_adapters_and_the_bare_base_batch_as_each_alone(tuned, scheduler_for):
+    prompts = {"lora": [3, 9, 27, 81], "dora": list(range(10, 30)), "down": [5, 6], None: [7, 70, 7, 70, 7]}
+    alone = {name: tuned.generate(p, max_tokens=16, adapter=name, use_cache=False) for name, p in prompts.items()}
+    assert len({tuple(r.token_ids) for r in alone.values()}) == 4
+    scheduler = scheduler_for(tuned, max_batch=4, prefill_chunk=8)
+    sizes = batch_sizes(scheduler)
+    collectors = {name: Collector() for name in prompts}
+    for name, prompt in prompts.items():
+        job = Job(prompt, collectors[name], max_tokens=16, use_cache=False, adapter=tuned.choose_adapter(name))
+        scheduler.submit(job)
+    assert max(sizes or [0]) <= 4
+    for name, collector in collectors.items():
+        collector.wait()
+        assert isinstance(collector.end, Finished)
+        assert collector.text == alone[name].text, name
+    assert max(sizes) == 4  # all four decoded together
+
+
+def test_the_prefix_cache_keys_kv_by_the_adapter(tuned):
+    prompt = list(range(40, 80))
+    fresh = {n: tuned.generate(prompt, max_tokens=8, adapter=n, use_cache=False).token_ids for n in ("lora", None)}
+    first = tuned.generate(prompt, max_tokens=8, adapter="lora")
+    base = tuned.generate(prompt, max_tokens=8)  # the same ids under the base: nothing of lora's KV is reused
+    other = tuned.generate(prompt, max_tokens=8, adapter="dora")
+    again = tuned.generate(prompt, max_tokens=8, adapter="lora")
+    assert first.token_ids == again.token_ids == fresh["lora"] and base.token_ids == fresh[None]
+    assert (base.stats.cached_tokens, other.stats.cached_tokens) == (0, 0)
+    assert again.stats.cached_tokens >= len(prompt) - 1
+
+
+def test_cache_keys_of_two_adapters_and_the_base_never_meet(tuned):
+    keys = {n: Job(list(range(200)), print, adapter=tuned.choose_adapter(n)).cache_ids for n in ("lora", "dora")}
+    base = Job(list(range(200)), print, adapter=NO_ADAPTER).cache_ids
+    assert base == list(range(200))
+    assert not set(keys["lora"]) & set(keys["dora"]) and not set(keys["lora"]) & set(base)
+    assert all(k < 0 for k in keys["lora"] + keys["dora"])  # never a token id
+
+
+def test_the_planner_and_repr_count_the_adapters(three, tuned):
+    bare = mlxinfer.load(TINY / "llama_classic")
+    held = sum(a.nbytes for a in tuned._adapters.adapters)
+    assert tuned.footprint.weights_bytes - bare.footprint.weights_bytes >= held
+    assert set(tuned.adapters) == {"lora", "dora", "down"} and tuned.adapters["dora"] == three["dora"]
+
+
+def test_reading_refuses_what_it_cannot_apply(tmp_path, three):
+    def folder(name: str, config: dict, tensors: dict | None = None, weights: str = "adapter_model.safetensors"):
+        path = tmp_path / name
+        path.mkdir()
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        if tensors is not None:
+            mx.save_safetensors(str(path / weights), tensors)
+        return path
+
+    peft = {"peft_type": "LORA", "r": 2, "lora_alpha": 4}
+    pair = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": mx.zeros((2, 64)),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": mx.zeros((64, 2))}  # fmt: skip
+    cases = {
+        "pickled": (folder("pickled", peft), "pickle"),
+        "full": (folder("full", {"fine_tune_type": "full"}, {"x": mx.zeros(1)}, "adapters.safetensors"), "fuse"),
+        "bias": (folder("bias", {**peft, "bias": "all"}, pair), "bias"),
+        "experts": (folder("experts", {**peft, "target_parameters": ["mlp.experts.gate_up_proj"]}, pair), "experts"),
+        "regex": (folder("regex", {**peft, "alpha_pattern": {"q_(proj)+": 2}}, pair), "regular expressions"),
+        "prompt": (folder("prompt", {"peft_type": "PROMPT_TUNING"}, pair), "PROMPT_TUNING"),
+        "lonely": (folder("lonely", peft, dict(list(pair.items())[:1])), "but not its pair"),
+    }
+    (cases["pickled"][0] / "adapter_model.bin").write_bytes(b"\x80\x04")
+    for name, (path, words) in cases.items():
+        with pytest.raises(AdapterError, match=words):
+            read_adapter(path)
+    (tmp_path / "crafted").mkdir()
+    (tmp_path / "crafted" / "adapter_config.json").write_text(json.dumps(peft))
+    (tmp_path / "crafted" / "adapter_model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(CorruptFileError):
+        read_adapter(tmp_path / "crafted")
+
+
+def test_an_adapter_for_another_base_is_one_line_naming_what_differs(three):
+    with pytest.raises(AdapterError, match=r"k_proj maps 64 -> 64 features in the adapter but 64 -> 32 in the model"):
+        mlxinfer.load(TINY / "llama_classic", adapters={"x": FIXTURES / "qwen3_moe_lora"})  # head_dim 32 there
+    with pytest.raises(AdapterError, match="replaces lm_head, which this model does not have"):
+        mlxinfer.load(TINY / "llama_classic", adapters={"x": FIXTURES / "qwen3_lora"})  # a tied head here
+    with pytest.raises(AdapterError, match="has no linear layer for"):
+        mlxinfer.load(TINY / "mistral3_vl", adapters={"x": FIXTURES / "phi3_lora"})  # phi3's fused qkv_proj
+    with pytest.raises(SamplingError, match="no adapter named 'nope'"):
+        mlxinfer.load(TINY / "llama_classic", adapters={"lora": three["lora"]}).generate([1, 2], adapter="nope")
+    with pytest.raises(AdapterError, match="adapter name"):
+        mlxinfer.load(TINY / "llama_classic", adapters={"a b": three["lora"]})
+
+
+@pytest.mark.slow
+def test_the_server_serves_base_and_adapters_by_name(tuned):
+    models = ModelSet()
+    models.add(tuned)
+    try:
+        with BackgroundServer(models, ServerSettings(port=0)) as running:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key="none")
+            listed = {m.id: m for m in client.models.list().data}
+            assert listed["llama_classic:dora"].model_extra["parent"] == "llama_classic"
+            for name in ("lora", "dora", None):
+                model = f"llama_classic:{name}" if name else "llama_classic"
+                got = client.completions.create(model=model, prompt="abc", max_tokens=12, temperature=0)
+                assert got.choices[0].text == tuned.generate("abc", max_tokens=12, adapter=name).text
+            tags = httpx.get(running.url + "/api/tags").json()["models"]
+            assert {"llama_classic:lora", "llama_classic:down"} <= {t["name"] for t in tags}
+            missing = httpx.post(running.url + "/v1/completions", json={"model": "llama_classic:nope", "prompt": "a"})
+            assert missing.status_code == 404
+    finally:
+        models.close()
+
+
+@pytest.mark.slow
+def test_the_cli_generates_with_an_adapter(three, tuned):
+    args = ["generate", str(TINY / "llama_classic"), "--adapter", str(three["dora"]), "-p", "abc", "--raw"]
+    result = CliRunner().invoke(main, [*args, "--max-tokens", "10", "--json", "--local"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["text"] == tuned.generate("abc", max_tokens=10, adapter="dora").text
