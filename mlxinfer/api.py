@@ -38,7 +38,7 @@ from .engine import (
     warm_alone,
     with_defaults,
 )
-from .errors import ConfigError, SamplingError, TokenizerError
+from .errors import AdapterError, ConfigError, SamplingError, TokenizerError
 from .formats.recommended_sampling import SamplingDefaults
 from .library import located
 from .memory import MemoryPlan, ModelFootprint, default_prefix_cache_bytes, hold_limits, machine_memory, plan_memory
@@ -385,11 +385,11 @@ class Model:
         return {a.name: a.path for a in self._adapters.adapters} if self._adapters else {}
 
     def choose_adapter(self, adapter: str | None) -> Chosen:
-        """What a request naming `adapter` (None: the bare base) runs with; SamplingError if none is called so."""
+        """What a request naming `adapter` (None: the bare base) runs with; AdapterError if none is called so."""
         if adapter is None:
             return NO_ADAPTER
         if self._adapters is None:
-            raise SamplingError(f"adapter {shown(adapter)}: this model was loaded without adapters")
+            raise AdapterError(f"adapter {shown(adapter)}: loaded without adapters (see load's adapters=)")
         return self._adapters.choose(adapter)
 
     def logits(

@@ -64,6 +64,11 @@ FORBIDDEN["distributed"] = {
     "convert",
     "quantize",
 }  # serve's ranks (a Model each), plan's split
+# Adapters sit on the loaded model (models/), below the engine that picks one per row; they know no request.
+FORBIDDEN["adapters"] = {"ui", "server", "engine", "cache", "api", "speed", "cli", "convert", "quantize", "library"}
+FORBIDDEN["adapters"] |= {"distributed", "chat", "grammar", "hub", "tokenizer"}
+for _room in ("models", "cache", "tokenizer", "formats", "memory", "library", "vision"):
+    FORBIDDEN[_room] |= {"adapters"}
 # Leaf modules that every room may use: they import nothing of ours but errors.
 LEAVES = ("untrusted", "disk", "local_server", "blas", "defaults", "paths")
 ROOMS = (

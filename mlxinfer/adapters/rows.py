@@ -23,7 +23,7 @@ from mlx.utils import tree_unflatten
 
 from ..errors import AdapterError
 from ..models.quantized import dequantize_blocks
-from ..untrusted import listed
+from ..untrusted import listed, shown
 from .fused import dora_factor
 from .reading import Adapter, LowRank
 
@@ -138,7 +138,8 @@ class AdapterSet:
         for i, adapter in enumerate(self.adapters):
             if adapter.name == name:
                 return i + 1
-        raise AdapterError(f"no adapter named {name!r} is loaded; loaded: {listed([a.name for a in self.adapters])}")
+        names = listed([a.name for a in self.adapters])
+        raise AdapterError(f"no adapter named {shown(name)} is loaded; loaded: {names}")
 
     def choose(self, name: str | None) -> Chosen:
         """What a request for adapter `name` runs with (None: the bare base)."""
