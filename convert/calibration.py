@@ -24,6 +24,7 @@ from mlxinfer.data import calibration_text
 from mlxinfer.models.cpu_weights import dequantize, quantized_layers
 from mlxinfer.models.loader import LoadedModel, load_model
 
+from .adapted_source import fuse_loaded
 from .sources import Source
 
 SENSITIVITY_TOKENS = 256  # calibration tokens per KL measurement (one forward pass per layer group)
@@ -179,6 +180,7 @@ def _load(source: Source) -> LoadedModel:
     layers = quantized_layers(loaded.model)
     if layers:
         dequantize(loaded.model, layers, loaded.compute_dtype)
+    fuse_loaded(loaded.model, source, loaded.compute_dtype)  # `convert --adapter`: the fine-tune is the source
     return loaded
 
 

@@ -26,6 +26,7 @@ from mlxinfer.models.cpu_weights import cpu_weights_mode, dense_fits
 from mlxinfer.models.dtype import choose_compute_dtype, dtype_name
 from mlxinfer.models.sizing import refuse_beyond_machine
 
+from .adapted_source import fuse_loaded
 from .calibration import source_path
 from .layer_bytes import kv_width, written_bytes
 from .sources import Source
@@ -121,6 +122,7 @@ def evaluate(source: Source, tokens: int, folder: Path, bpw: float, progress: bo
         bar.set_postfix_str("loading both models")
         # The source first: the output then fits in the memory its loading needed beyond the model.
         models: list[Any] = [load(source_path(source), cpu_weights=weights)]
+        fuse_loaded(models[0].runtime.decoder, source, getattr(mx, models[0].compute_dtype))  # `--adapter`'s
         models.append(load(folder, cpu_weights=weights))
         ids = models[1].tokenizer.encode(prose_text(), add_special_tokens=False)[:tokens]
         bar.reset(total=2 * len(ids))

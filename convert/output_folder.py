@@ -38,14 +38,16 @@ MANIFEST_KEYS = frozenset({"mlxinfer_version", "created", "source", "settings", 
 
 
 def write_manifest(folder: Path, source: str, settings: dict[str, Any], bpw: float, quality: Any,
-                   image_half: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """The output's manifest: what made it, from what, with which settings, its quality and its files' hashes."""
+                   image_half: str | None = None, adapter: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The output's manifest: what made it, from what (an adapter merged in, by its digest), with which settings,
+    its quality and its files' hashes."""
     from mlxinfer import __version__
 
     manifest = {
         "mlxinfer_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "source": source,
+        **({"adapter": adapter} if adapter else {}),
         "settings": settings,
         "bits_per_weight": bpw,
         "quality": quality.to_dict() if quality else None,

@@ -35,6 +35,7 @@ from mlxinfer.models.quantized import FLOAT_FORMATS
 from mlxinfer.models.sizing import check_checkpoint
 from mlxinfer.untrusted import first_line, shown_path
 
+from .adapted_source import AdaptedSource
 from .calibration import (
     CALIBRATIONS,
     awq_tensors,
@@ -91,6 +92,7 @@ class ConvertSettings:
     evaluate: bool = True
     eval_tokens: int = 512
     shard_bytes: int = DEFAULT_SHARD_BYTES
+    adapter: str | None = None  # a LoRA or DoRA folder merged into the float weights before quantizing
 
 
 @dataclass
@@ -181,6 +183,7 @@ def plan_conversion(
     out = check_output(out, force, [src_path] if os.path.lexists(src_path) else [])
     source = open_source(src)
     try:
+        source = AdaptedSource(source, settings.adapter) if settings.adapter is not None else source
         check_apart(source_path(source), out)  # a Hub id's files are found only once it is opened
         plan = _plan(source, out, settings, progress)
     except BaseException:
@@ -457,8 +460,9 @@ def _write_output(plan: ConversionPlan, progress: bool) -> tuple[list[str], floa
         plan.source.close()  # read to the end: its mapped pages must not count against the quality report
         bpw = 8 * data_bytes / plan.params
         quality = _evaluate_or_warn(plan, folder.path, bpw, progress) if plan.settings.evaluate else None
+        adapter = plan.source.identity() if isinstance(plan.source, AdaptedSource) else None
         manifest = write_manifest(folder.path, plan.source.description, asdict(plan.settings), bpw, quality,
-                                  image_half(plan.source, plan.dtype))  # fmt: skip
+                                  image_half(plan.source, plan.dtype), adapter)  # fmt: skip
         folder.commit()
     except OSError as e:  # one the writer did not already name (reading back our own files, say)
         folder.abort()

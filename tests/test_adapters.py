@@ -238,3 +238,24 @@ def test_the_cli_generates_with_an_adapter(three, tuned):
     result = CliRunner().invoke(main, [*args, "--max-tokens", "10", "--json", "--local"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["text"] == tuned.generate("abc", max_tokens=10, adapter="dora").text
+
+
+def test_convert_merges_the_adapter_before_quantizing(tmp_path):
+    adapter = FIXTURES / "qwen3_lora"
+    want = np.array(mx.load(str(adapter / "golden.safetensors"))["logits"])
+    args = ["convert", str(TINY / "qwen3"), "--adapter", str(adapter), "--bits", "16", "--dtype", "float32"]
+    result = CliRunner().invoke(main, [*args, "-o", str(tmp_path / "merged"), "--no-eval"])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose(mlxinfer.load(tmp_path / "merged").logits(ids_of("qwen3")), want, atol=5e-4)
+    manifest = json.loads((tmp_path / "merged" / "mlxinfer-manifest.json").read_text())
+    assert manifest["adapter"]["sha256"] == read_adapter(adapter).digest and manifest["adapter"]["written_by"] == "peft"
+    # Quantized, its quality report scores it against the merged float model (against the base, KL would be ~nats)
+    from mlxinfer.convert import convert
+
+    report = convert(TINY / "qwen3", tmp_path / "q8", bits=8, group_size=32, adapter=str(adapter), progress=False)
+    assert report.quality.mean_kl < 0.01
+    other = str(FIXTURES / "qwen3_moe_lora")  # head_dim 32: its k_proj is twice llama_classic's
+    wrong = CliRunner().invoke(main, ["convert", str(TINY / "llama_classic"), "--adapter", other,
+                                      "-o", str(tmp_path / "wrong"), "--no-eval"])  # fmt: skip
+    assert wrong.exit_code == 1 and "trained for another base model" in wrong.output
+    assert not (tmp_path / "wrong").exists()

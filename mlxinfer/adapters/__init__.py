@@ -1,9 +1,9 @@
 """Fine-tuning adapters (LoRA, DoRA) over a loaded base model: read from mlx-lm's or PEFT's folders, installed
 per row so that requests for different adapters share one batch and one copy of the base."""
 
-from .fused import fused
+from .fused import fuse_into, fused
 from .reading import Adapter, LowRank, read_adapter
 from .rows import BASE, NO_ADAPTER, AdapterSet, Chosen, install, selected
 
 __all__ = ["BASE", "NO_ADAPTER", "Adapter", "AdapterSet", "Chosen", "LowRank"]
-__all__ += ["fused", "install", "read_adapter", "selected"]
+__all__ += ["fuse_into", "fused", "install", "read_adapter", "selected"]

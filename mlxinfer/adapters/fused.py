@@ -1,14 +1,19 @@
 """The one home of what an adapter does to a weight: W + (a @ b)^T for LoRA, then DoRA's per-row rescaling.
 
 Used three ways: DoRA's factor for per-row application (rows.py), the merged weights `mlxinfer convert --adapter`
-quantizes (better than quantizing first), and nothing else re-derives it.
+quantizes (better than quantizing first), and a loaded model fused in place (`fuse_into`: the float model the
+converter calibrates on and compares with).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
 
-from .reading import LowRank
+from ..errors import AdapterError
+from ..models.quantized import dequantize_blocks
+from .reading import Adapter, LowRank
 
 
 def adapted(weight: mx.array, pair: LowRank) -> mx.array:
@@ -27,3 +32,31 @@ def fused(weight: mx.array, pair: LowRank) -> mx.array:
     """The merged weight (out, in), float32: what running the base with this pair computes, as one matrix."""
     merged = adapted(weight, pair)
     return merged if pair.magnitude is None else merged * dora_factor(weight, pair)[:, None]
+
+
+def dense_weight(module: nn.Module) -> mx.array:
+    """A linear layer's weight (out, in) as float32, dequantized where it is quantized."""
+    if isinstance(module, nn.QuantizedLinear):
+        args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
+        return dequantize_blocks(*args, getattr(module, "mode", "affine"))
+    return module.weight.astype(mx.float32)
+
+
+def fuse_into(model: nn.Module, adapter: Adapter, dtype: mx.Dtype) -> None:
+    """Merge `adapter` (named as `model`'s modules are) into `model`'s weights, in place: each adapted layer becomes
+    a float `dtype` nn.Linear holding the merged weight, each module it saves whole takes its tensors."""
+    modules = dict(model.named_modules())
+    merged = []
+    for path, pair in adapter.modules.items():
+        module = modules.get(path)
+        if type(module) not in (nn.Linear, nn.QuantizedLinear):
+            raise AdapterError(f"{adapter.path}: adapts {path}, which this model has no linear layer for")
+        weight = fused(dense_weight(module), pair)
+        if weight.shape[::-1] != (pair.a.shape[0], pair.b.shape[1]):
+            raise AdapterError(f"{adapter.path}: {path} does not fit this model's layer {tuple(weight.shape)}")
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
+        linear.update({"weight": weight.astype(dtype), **({"bias": module.bias} if "bias" in module else {})})
+        merged.append((path, linear))
+    model.update_modules(tree_unflatten(merged))
+    model.update(tree_unflatten([(k, v.astype(dtype)) for k, v in adapter.replaced.items()]))
+    mx.eval(model.parameters())

@@ -30,7 +30,7 @@ def with_adapters(loaded: LoadedModel, paths: Mapping[str, str | Path]) -> Loade
             raise AdapterError(f"adapter name {shown(name)}: use letters, digits, '_', '.' and '-' (at most 64)")
     if getattr(loaded.model, "sharded", False):
         raise AdapterError("adapters over a model split across ranks are not supported yet; serve it on one machine")
-    adapters = [_as_named_here(read_adapter(path, name), loaded.model) for name, path in paths.items()]
+    adapters = [named_as_in(read_adapter(path, name), loaded.model) for name, path in paths.items()]
     for adapter in adapters:
         _say_base(adapter, loaded)
     installed = install(loaded.model, adapters, loaded.compute_dtype)
@@ -46,7 +46,7 @@ TEXT_PREFIXES = sorted(
 )
 
 
-def _as_named_here(adapter: Adapter, model: nn.Module) -> Adapter:
+def named_as_in(adapter: Adapter, model: nn.Module) -> Adapter:
     """`adapter` with its modules under this model's names: a vision-language checkpoint's adapter names the text
     layers as its checkpoint does ("language_model.model.layers.0..."), which this loader renames."""
     here = {name for name, _ in model.named_modules()}

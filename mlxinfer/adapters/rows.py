@@ -22,9 +22,8 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..errors import AdapterError
-from ..models.quantized import dequantize_blocks
 from ..untrusted import listed, shown
-from .fused import dora_factor
+from .fused import dense_weight, dora_factor
 from .reading import Adapter, LowRank
 
 BASE = 0  # the slot of the bare base model
@@ -224,7 +223,7 @@ def _stacked(
         a[slot, :, : pair.rank] = pair.a.astype(dtype)
         b[slot, : pair.rank] = pair.b.astype(dtype)
         if pair.magnitude is not None:
-            weight = _dense(module) if weight is None else weight
+            weight = dense_weight(module) if weight is None else weight
             factors[slot] = dora_factor(weight, pair)
     dora = any(p is not None and p.magnitude is not None for p in pairs)
     return a, b, mx.stack(factors).astype(dtype) if dora else None
@@ -233,13 +232,6 @@ def _stacked(
 def _dims(module: nn.Module) -> tuple[int, int]:
     out_dims, columns = module.weight.shape
     return out_dims, columns * 32 // module.bits if isinstance(module, nn.QuantizedLinear) else columns
-
-
-def _dense(module: nn.Module) -> mx.array:
-    if isinstance(module, nn.QuantizedLinear):
-        args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
-        return dequantize_blocks(*args, getattr(module, "mode", "affine"))
-    return module.weight.astype(mx.float32)
 
 
 def _copies(modules: dict[str, nn.Module], path: str, adapters: Sequence[Adapter], dtype: mx.Dtype) -> dict:

@@ -65,6 +65,13 @@ from .common import errors_as_one_line
     default=None,
     help="Float type of unquantized tensors and scales [default: the source's 16-bit type].",
 )
+@click.option(
+    "--adapter",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="A LoRA or DoRA adapter folder (mlx-lm's or PEFT's) merged into the weights before they are quantized; "
+    "the manifest records its digest.",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--no-eval", is_flag=True, help="Skip the perplexity / KL quality report.")
 @click.option("--eval-tokens", type=click.IntRange(16), default=512, show_default=True)
@@ -83,12 +90,14 @@ def convert(
       mlxinfer convert ~/hf/model -o out --recipe sensitivity --bpw 4.75
       mlxinfer convert ~/hf/model -o out --method rtn        # round-to-nearest 4-bit, streaming, in seconds
       mlxinfer convert ~/hf/model -o out --mode nvfp4        # 4-bit floats, an FP8 scale per 16
+      mlxinfer convert ~/hf/model --adapter ~/adapters/sql -o sql-4bit   # the fine-tune, merged, then 4-bit
     """
     from mlxinfer.convert import ConvertSettings, plan_conversion, run_conversion
 
+    adapter = options.pop("adapter")
     settings = ConvertSettings(
         bits=int(bits) if bits else None, group_size=int(group_size) if group_size else None, evaluate=not no_eval,
-        **options,
+        adapter=str(adapter) if adapter is not None else None, **options,
     )  # fmt: skip
     plan = plan_conversion(src, out, settings, force=force)
     click.echo(plan.summary(), err=True)
