@@ -15,10 +15,12 @@ import json
 import os
 import threading
 import time
+from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
 
 import mlxinfer
+from mlxinfer.adapters import NO_ADAPTER, Chosen
 from mlxinfer.default_model import default_model_path
 from mlxinfer.engine import Delta, Failed, Finished, Job, SchedulerConfig, ServingThread
 from mlxinfer.speed.bandwidth import ceiling_tps, measure_bandwidth
@@ -29,8 +31,9 @@ LEVELS = (1, 2, 4, 8)
 PROMPT_TOKENS = 64
 
 
-def run_level(model: mlxinfer.Model, n: int, ids: list[int], decode: int) -> dict:
-    """One level: N requests at once; returns the all-rows-decoding window's aggregate rate."""
+def run_level(model: mlxinfer.Model, n: int, ids: list[int], decode: int, adapters: Sequence[Chosen] = ()) -> dict:
+    """One level: N requests at once (row i with `adapters[i]`, where given); returns the all-rows-decoding
+    window's aggregate rate."""
     firsts, lasts, counts, done = [0.0] * n, [0.0] * n, [0] * n, threading.Semaphore(0)
     errors = []
 
@@ -53,7 +56,8 @@ def run_level(model: mlxinfer.Model, n: int, ids: list[int], decode: int) -> dic
         start = time.perf_counter()
         for i in range(n):
             prompt = ids[i * 7 : i * 7 + PROMPT_TOKENS]  # a different prompt per row
-            job = Job(prompt_ids=prompt, on_event=on_event(i), max_tokens=decode, eos_token_ids=frozenset())
+            job = Job(prompt_ids=prompt, on_event=on_event(i), max_tokens=decode, eos_token_ids=frozenset(),
+                      adapter=adapters[i] if adapters else NO_ADAPTER)  # fmt: skip
             job.use_cache = False
             scheduler.submit(job)
         for _ in range(n):
