@@ -382,7 +382,7 @@ class Model:
     @property
     def adapters(self) -> dict[str, Path]:
         """The adapters loaded over this model (`load(..., adapters=...)`), {name for `adapter=`: folder}."""
-        return {a.name: a.path for a in self._adapters.adapters} if self._adapters else {}
+        return {a.name: a.path for a in self._adapters.loaded} if self._adapters else {}
 
     def choose_adapter(self, adapter: str | None) -> Chosen:
         """What a request naming `adapter` (None: the bare base) runs with; AdapterError if none is called so."""

@@ -161,7 +161,7 @@ def test_cache_keys_of_two_adapters_and_the_base_never_meet(tuned):
 
 def test_the_planner_and_repr_count_the_adapters(three, tuned):
     bare = mlxinfer.load(TINY / "llama_classic")
-    held = sum(a.nbytes for a in tuned._adapters.adapters)
+    held = sum(a.nbytes for a in tuned._adapters.loaded)
     assert tuned.footprint.weights_bytes - bare.footprint.weights_bytes >= held
     assert set(tuned.adapters) == {"lora", "dora", "down"} and tuned.adapters["dora"] == three["dora"]
 

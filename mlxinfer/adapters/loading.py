@@ -14,8 +14,8 @@ from ..errors import AdapterError
 from ..models.loader import LoadedModel
 from ..models.multimodal import WRAPPERS
 from ..untrusted import shown
+from .adapter_set import install
 from .reading import Adapter, read_adapter
-from .rows import install
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what a request names it by (`base:NAME` on the server)
