@@ -13,8 +13,8 @@ from typing import Any, Union
 import mlx.core as mx
 import numpy as np
 
-from .adapters import NO_ADAPTER, AdapterSet, Chosen, selected
-from .adapters.loading import with_adapters
+from .adapters import MAX_ADAPTERS, NO_ADAPTER, AdapterSet, Chosen, selected
+from .adapters.loading import add_adapter, with_adapters
 from .cache import PrefixCache, PrefixCacheStats, make_cache
 from .default_model import default_model_path
 from .defaults import DEFAULT_MAX_TOKENS, PREFILL_CHUNK_TOKENS
@@ -104,7 +104,6 @@ class Model:
         persist_prefixes: bool = True,
     ):
         self._loaded, self._draft = loaded, draft
-        self._adapters: AdapterSet | None = getattr(loaded.model, "adapters", None)
         self.sampling_defaults = _stated_sampling(loaded)
         if draft is not None:
             check_same_vocabulary(self.tokenizer, draft.tokenizer, str(loaded.path), str(draft.path))
@@ -380,17 +379,26 @@ class Model:
         return self.tokenizer.encode_chat(items)
 
     @property
+    def adapter_set(self) -> AdapterSet | None:
+        """The adapters' slots over this model (adapters/adapter_set.py), None where none was ever loaded."""
+        return getattr(self._loaded.model, "adapters", None)
+
+    @property
     def adapters(self) -> dict[str, Path]:
         """The adapters loaded over this model (`load(..., adapters=...)`), {name for `adapter=`: folder}."""
-        return {a.name: a.path for a in self._adapters.loaded} if self._adapters else {}
+        return {a.name: a.path for a in self.adapter_set.loaded} if self.adapter_set else {}
+
+    def load_adapter(self, name: str, path: str | Path, limit: int = MAX_ADAPTERS) -> None:
+        """Load one more adapter over this model, the least recently used idle one unloaded past `limit`."""
+        add_adapter(self._loaded, name, path, limit)
 
     def choose_adapter(self, adapter: str | None) -> Chosen:
         """What a request naming `adapter` (None: the bare base) runs with; AdapterError if none is called so."""
         if adapter is None:
             return NO_ADAPTER
-        if self._adapters is None:
+        if self.adapter_set is None:
             raise AdapterError(f"adapter {shown(adapter)}: loaded without adapters (see load's adapters=)")
-        return self._adapters.choose(adapter)
+        return self.adapter_set.choose(adapter)
 
     def logits(
         self, token_ids: Iterable[int], chunk_tokens: int = PREFILL_CHUNK_TOKENS, adapter: str | None = None

@@ -10,3 +10,7 @@ SERVER_PREFILL_CHUNK_TOKENS = 256  # per prefill step while other requests decod
 # not ask it to sample. The same for the CLI, the Python API and every server route.
 DEFAULT_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 SAMPLING_FIELDS = (*DEFAULT_SAMPLING, "seed")  # what a request may set about sampling, on every front end
+
+# Adapters a served model keeps loaded (the server's own, and the models folder's that requests name); a new one
+# past it unloads the least recently used idle one. `mlxinfer serve --max-adapters` sets it.
+DEFAULT_MAX_ADAPTERS = 8

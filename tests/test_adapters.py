@@ -22,7 +22,7 @@ import mlxinfer
 from mlxinfer.adapters import NO_ADAPTER, read_adapter
 from mlxinfer.cli import main
 from mlxinfer.engine import Finished, Job
-from mlxinfer.errors import AdapterError, CorruptFileError
+from mlxinfer.errors import AdapterError, BusyError, CorruptFileError
 from mlxinfer.server import ModelSet, ServerSettings
 from mlxinfer.server.uvicorn_host import BackgroundServer
 from tests.conftest import TINY, golden
@@ -159,9 +159,40 @@ def test_cache_keys_of_two_adapters_and_the_base_never_meet(tuned):
     assert all(k < 0 for k in keys["lora"] + keys["dora"])  # never a token id
 
 
+def test_adapters_load_later_and_the_least_recently_used_idle_one_makes_room(three, tuned, scheduler_for):
+    ids = ids_of("llama_classic")
+    alone = {name: tuned.logits(ids, adapter=name) for name in three}
+    model = mlxinfer.load(TINY / "llama_classic", prefix_cache_bytes=0)
+    bare = model.logits(ids)
+    model.load_adapter("down", three["down"], limit=2)  # rank 8 first: the others' ranks are padded to it
+    model.load_adapter("lora", three["lora"], limit=2)
+    running = model.adapter_set.take("down")  # older, but answering a request: never the one unloaded
+    model.load_adapter("dora", three["dora"], limit=2)
+    assert set(model.adapters) == {"down", "dora"}
+    other = model.adapter_set.take("dora")
+    with pytest.raises(BusyError, match="all 2 adapters"):
+        model.load_adapter("lora", three["lora"], limit=2)
+    model.adapter_set.give_back(running)
+    model.adapter_set.give_back(other)
+    model.load_adapter("lora", three["lora"], limit=2)  # down is the least recently used now: its slot is reused
+    assert set(model.adapters) == {"dora", "lora"}
+    for name in ("dora", "lora"):
+        np.testing.assert_allclose(model.logits(ids, adapter=name), alone[name], atol=1e-5)
+    np.testing.assert_allclose(model.logits(ids), bare, atol=1e-6)
+    prompts = {"dora": [3, 9, 27], "lora": [5, 6, 7, 8], None: [9, 9]}
+    want = {n: tuned.generate(p, max_tokens=10, adapter=n, use_cache=False).text for n, p in prompts.items()}
+    collectors = {name: Collector() for name in prompts}
+    scheduler = scheduler_for(model, max_batch=3)
+    for name, prompt in prompts.items():
+        scheduler.submit(
+            Job(prompt, collectors[name], max_tokens=10, use_cache=False, adapter=model.choose_adapter(name))
+        )
+    assert {n: c.wait().text for n, c in collectors.items()} == want
+
+
 def test_the_planner_and_repr_count_the_adapters(three, tuned):
     bare = mlxinfer.load(TINY / "llama_classic")
-    held = sum(a.nbytes for a in tuned._adapters.loaded)
+    held = sum(a.nbytes for a in tuned.adapter_set.loaded)
     assert tuned.footprint.weights_bytes - bare.footprint.weights_bytes >= held
     assert set(tuned.adapters) == {"lora", "dora", "down"} and tuned.adapters["dora"] == three["dora"]
 
@@ -233,6 +264,22 @@ def test_the_server_serves_base_and_adapters_by_name(tuned):
 
 
 @pytest.mark.slow
+def test_a_server_loads_a_named_adapter_on_its_first_request(three, tuned):
+    models = ModelSet(adapter_catalog=lambda name: three.get(name), max_adapters=1)
+    models.add(mlxinfer.load(TINY / "llama_classic"))
+    try:
+        with BackgroundServer(models, ServerSettings(port=0)) as running:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key="none")
+            for name in ("lora", "dora", "lora"):  # one kept loaded: each request for the other swaps them
+                got = client.completions.create(model=f"llama_classic:{name}", prompt="abc", max_tokens=12)
+                assert got.choices[0].text == tuned.generate("abc", max_tokens=12, adapter=name).text
+                assert set(models.get("llama_classic").model.adapters) == {name}
+            assert {"llama_classic:lora", "llama_classic:dora"} <= {m.id for m in client.models.list().data}
+    finally:
+        models.close()
+
+
+@pytest.mark.slow
 def test_the_cli_generates_with_an_adapter(three, tuned):
     args = ["generate", str(TINY / "llama_classic"), "--adapter", str(three["dora"]), "-p", "abc", "--raw"]
     result = CliRunner().invoke(main, [*args, "--max-tokens", "10", "--json", "--local"])
@@ -259,3 +306,20 @@ def test_convert_merges_the_adapter_before_quantizing(tmp_path):
                                       "-o", str(tmp_path / "wrong"), "--no-eval"])  # fmt: skip
     assert wrong.exit_code == 1 and "trained for another base model" in wrong.output
     assert not (tmp_path / "wrong").exists()
+
+
+def test_ls_lists_the_models_folders_adapters(tmp_path, monkeypatch, three):
+    import shutil
+
+    monkeypatch.setenv("MLXINFER_MODELS_DIR", str(tmp_path))
+    shutil.copytree(three["dora"], tmp_path / "poet")
+    shutil.copytree(TINY / "llama_classic", tmp_path / "llama")  # a model: config.json beside its weights
+    result = CliRunner().invoke(main, ["ls"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split()[1] for line in result.stdout.splitlines()[1:]}
+    assert rows["*:poet"] == "adapter" and rows["llama"] != "adapter"
+    from mlxinfer.library import find_adapter
+
+    assert (
+        find_adapter("poet") == tmp_path / "poet" and find_adapter("llama") is None and find_adapter("../poet") is None
+    )

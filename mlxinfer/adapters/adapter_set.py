@@ -23,6 +23,7 @@ from .reading import Adapter
 from .rows import BASE, NO_ADAPTER, Chosen, LowRankRows, ReplacedRows, Selection, linear_dims
 
 MAX_ADAPTERS = 64  # over one base; each adds a slot to every adapted module
+RETRY_S = 1  # what a request refused while every adapter slot runs others is told to wait
 LINEAR = (nn.Linear, nn.QuantizedLinear)
 WHOLE = (*LINEAR, nn.Embedding, nn.QuantizedEmbedding)  # what PEFT's modules_to_save may replace here
 
@@ -34,7 +35,8 @@ class AdapterSet:
         self._model, self.dtype = model, dtype
         self.adapters: list[Adapter | None] = []
         self.selection = Selection()
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # held while a pass with adapter rows is built, and while stacks are set
+        self._placing = threading.Lock()  # one adapter placed or removed at a time
         self._running: Counter[int] = Counter()  # requests running with each slot
         self._used_at: dict[int, float] = {}
 
@@ -81,53 +83,68 @@ class AdapterSet:
     def add(self, adapter: Adapter, limit: int = MAX_ADAPTERS) -> int:
         """Place `adapter` in a free slot (removing the least recently used idle adapter past `limit`); its slot.
         BusyError when every one of `limit` adapters is running a request."""
-        with self.lock:
+        with self._placing:
             if any(a.name == adapter.name for a in self.loaded):
                 raise AdapterError(f"an adapter named {shown(adapter.name)} is loaded already")
             self._check(adapter)
             self._make_room(min(limit, MAX_ADAPTERS))
             slot = next((i + 1 for i, a in enumerate(self.adapters) if a is None), len(self.adapters) + 1)
             self._place(slot, adapter)
-            self.adapters[slot - 1 : slot] = [adapter]
-            self._used_at[slot] = time.monotonic()
+            with self.lock:
+                self.adapters[slot - 1 : slot] = [adapter]
+                self._used_at[slot] = time.monotonic()
             return slot
 
     def remove(self, name: str) -> None:
         """Free adapter `name`'s slot (it must not be running a request)."""
-        with self.lock:
+        with self._placing:
+            self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        with self.lock:  # a request taking it now would find it gone, never half-removed
             slot = self.slot(name)
             if self._running[slot]:
-                raise BusyError(f"adapter {shown(name)} is running a request; remove it once it is idle")
-            self._place(slot, None)
+                raise BusyError(f"adapter {shown(name)} is running a request; remove it once it is idle", RETRY_S)
             self.adapters[slot - 1] = None
+        self._place(slot, None)
 
     def _make_room(self, limit: int) -> None:
         while len(self.loaded) >= limit:
             idle = [s for s, a in enumerate(self.adapters, start=1) if a is not None and not self._running[s]]
             if not idle:
-                raise BusyError(f"all {limit} adapters this model keeps loaded are running requests; retry shortly")
-            self.remove(self.adapters[min(idle, key=lambda s: self._used_at.get(s, 0.0)) - 1].name)
+                raise BusyError(f"all {limit} adapters this model keeps loaded are running requests; retry shortly",
+                                RETRY_S)  # fmt: skip
+            self._remove(self.adapters[min(idle, key=lambda s: self._used_at.get(s, 0.0)) - 1].name)
 
     def _place(self, slot: int, adapter: Adapter | None) -> None:
         """Write `adapter`'s pairs and copies into `slot` of every wrapper (None: empty the slot), wrapping the
-        modules it is the first to adapt."""
+        modules it is the first to adapt. The new stacks are made and evaluated first; only setting them, between
+        two passes, holds `lock` (a pass being built waits that long, not for the adapter's loading)."""
         modules = dict(self._model.named_modules())
-        new = []
-        for path in adapter.modules if adapter is not None else ():
-            if not isinstance(modules[path], LowRankRows):
-                new.append((path, LowRankRows(modules[path], self.selection, self.dtype)))
-        for path in {k.rsplit(".", 1)[0] for k in adapter.replaced} if adapter is not None else ():
-            if not isinstance(modules[path], ReplacedRows):
-                new.append((path, ReplacedRows(modules[path], self.selection)))
-        if new:
-            self._model.update_modules(tree_unflatten(new))
-            modules = dict(self._model.named_modules())
-        for path, module in modules.items():
+        wraps = {p: LowRankRows(modules[p], self.selection, self.dtype) for p in (adapter.modules if adapter else ())
+                 if not isinstance(modules[p], LowRankRows)}  # fmt: skip
+        saved = {k.rsplit(".", 1)[0] for k in adapter.replaced} if adapter is not None else set()
+        wraps |= {
+            p: ReplacedRows(modules[p], self.selection) for p in saved if not isinstance(modules[p], ReplacedRows)
+        }
+        slots = max(slot, len(self.adapters)) + 1  # every slot a running row may index
+        staged = []
+        for path, module in {**modules, **wraps}.items():
+            module = wraps.get(path, module)
             if isinstance(module, LowRankRows):
                 pair = adapter.modules.get(path) if adapter is not None else None
-                module.place(slot, pair, self.dtype, lambda m=module: dense_weight(m.base))
+                staged.append(
+                    (module, module.staged(slot, slots, pair, self.dtype, lambda m=module: dense_weight(m.base)))
+                )
             elif isinstance(module, ReplacedRows):
-                module.place(slot, _copy(module.base, path, adapter, self.dtype) if adapter is not None else None)
+                copy = _copy(module.base, path, adapter, self.dtype) if adapter is not None else None
+                staged.append((module, module.staged(slot, copy)))
+        with self.lock:
+            for module, values in staged:
+                for key, value in values.items():
+                    setattr(module, key, value)
+            if wraps:
+                self._model.update_modules(tree_unflatten(list(wraps.items())))
 
     def _check(self, adapter: Adapter) -> None:
         """Every module the adapter names is one this model has, of the shape the adapter's tensors say."""

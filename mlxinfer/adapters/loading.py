@@ -14,7 +14,7 @@ from ..errors import AdapterError
 from ..models.loader import LoadedModel
 from ..models.multimodal import WRAPPERS
 from ..untrusted import shown
-from .adapter_set import install
+from .adapter_set import MAX_ADAPTERS, AdapterSet, install
 from .reading import Adapter, read_adapter
 
 log = logging.getLogger(__name__)
@@ -25,19 +25,35 @@ def with_adapters(loaded: LoadedModel, paths: Mapping[str, str | Path]) -> Loade
     """`loaded` with the adapters in `paths` ({name: folder}) installed over it; its weights_bytes counts them."""
     if not isinstance(paths, Mapping):
         raise AdapterError(f"adapters must map names to folders, e.g. {{'sql': 'adapters/sql'}}; got {shown(paths)}")
-    for name in paths:
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise AdapterError(f"adapter name {shown(name)}: use letters, digits, '_', '.' and '-' (at most 64)")
-    if getattr(loaded.model, "sharded", False):
-        raise AdapterError("adapters over a model split across ranks are not supported yet; serve it on one machine")
-    adapters = [named_as_in(read_adapter(path, name), loaded.model) for name, path in paths.items()]
-    for adapter in adapters:
-        _say_base(adapter, loaded)
+    adapters = [_read(loaded, name, path) for name, path in paths.items()]
     installed = install(loaded.model, adapters, loaded.compute_dtype)
     log.info("%s: %d adapter(s) installed (%s), %.1f MB", loaded.path, len(adapters),
              ", ".join(f"{a.name}: {a.kind} rank {a.rank}, {len(a.modules)} modules" for a in adapters),
              installed.nbytes / 1e6)  # fmt: skip
     return replace(loaded, weights_bytes=loaded.weights_bytes + installed.nbytes)
+
+
+def add_adapter(loaded: LoadedModel, name: str, path: str | Path, limit: int = MAX_ADAPTERS) -> Adapter:
+    """One more adapter over `loaded` (which may have none yet), removing the least recently used idle one past
+    `limit`; BusyError when all of `limit` are running requests."""
+    adapter = _read(loaded, name, path)
+    adapters = getattr(loaded.model, "adapters", None)
+    if adapters is None:  # the first: a set of one (two threads never get here at once: the device thread loads)
+        loaded.model.adapters = adapters = AdapterSet(loaded.model, loaded.compute_dtype)
+    adapters.add(adapter, limit)
+    log.info("%s: adapter %s loaded (%s rank %d, %d modules)", loaded.path, name, adapter.kind, adapter.rank,
+             len(adapter.modules))  # fmt: skip
+    return adapter
+
+
+def _read(loaded: LoadedModel, name: str, path: str | Path) -> Adapter:
+    if getattr(loaded.model, "sharded", False):
+        raise AdapterError("adapters over a model split across ranks are not supported yet; serve it on one machine")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise AdapterError(f"adapter name {shown(name)}: use letters, digits, '_', '.' and '-' (at most 64)")
+    adapter = named_as_in(read_adapter(path, name), loaded.model)
+    _say_base(adapter, loaded)
+    return adapter
 
 
 # A vision-language model's text layers, under the names its checkpoint gives them -> the names they have here.

@@ -87,24 +87,25 @@ class LowRankRows(nn.Module):
         z = mx.gather_mm(mx.gather_mm(rows, self.a, rhs_indices=slots), self.b, rhs_indices=slots).reshape(shape)
         return z, self.factor[slots].reshape(-1, *([1] * (x.ndim - 2)), shape[-1]) if dora else None
 
-    def place(self, slot: int, pair: LowRank | None, dtype: mx.Dtype, weight: Callable[[], mx.array]) -> None:
-        """Put `pair` (None: nothing) in `slot`, growing the stacks to hold it. New arrays, never written in place:
-        passes already built keep reading the ones they had. `weight`: the base's float weight (DoRA's factor)."""
-        slots, rank = max(self.a.shape[0], slot + 1), max(self.a.shape[2], pair.rank if pair else 0)
-        a = _padded(self.a, slots, 2, rank)
-        b = _padded(self.b, slots, 1, rank)
+    def staged(self, slot: int, slots: int, pair: LowRank | None, dtype: mx.Dtype,
+               weight: Callable[[], mx.array]) -> dict[str, mx.array]:  # fmt: skip
+        """New stacks (evaluated) with `pair` (None: nothing) in `slot` and room for `slots` slots: set them on the
+        module between passes (`setattr`), never written in place, so passes already built keep what they read.
+        `weight`: the base's float weight, for DoRA's factor."""
+        slots, rank = max(self.a.shape[0], slots), max(self.a.shape[2], pair.rank if pair else 0)
+        a, b = _padded(self.a, slots, 2, rank), _padded(self.b, slots, 1, rank)
         new_a, new_b = mx.zeros(a.shape[1:], dtype), mx.zeros(b.shape[1:], dtype)
         if pair is not None:
             new_a[:, : pair.rank] = pair.a.astype(dtype)
             new_b[: pair.rank] = pair.b.astype(dtype)
-        self.a, self.b = _with_row(a, slot, new_a), _with_row(b, slot, new_b)
+        out = {"a": _with_row(a, slot, new_a), "b": _with_row(b, slot, new_b)}
         dora = pair is not None and pair.magnitude is not None
         if "factor" in self or dora:
-            factor = self.factor if "factor" in self else mx.ones((1, b.shape[2]), dtype)
-            factor = _padded(factor, slots, 1, 0, fill=1.0)
+            factor = _padded(self.factor if "factor" in self else mx.ones((1, b.shape[2]), dtype), slots, 1, 0, 1.0)
             row = dora_factor(weight(), pair).astype(dtype) if dora else mx.ones((b.shape[2],), dtype)
-            self.factor = _with_row(factor, slot, row)
-        mx.eval(self.parameters())
+            out["factor"] = _with_row(factor, slot, row)
+        mx.eval(out)
+        return out
 
 
 class ReplacedRows(nn.Module):
@@ -120,10 +121,10 @@ class ReplacedRows(nn.Module):
     def weight(self) -> mx.array:  # what callers read a module's shape from (the vocabulary, say)
         return self.base.weight
 
-    def place(self, slot: int, copy: nn.Module | None) -> None:
-        """Slot `slot` runs `copy` (None: the base's own module)."""
+    def staged(self, slot: int, copy: nn.Module | None) -> dict[str, dict[str, nn.Module]]:
+        """The copies with slot `slot` running `copy` (None: the base's own module), to set between passes."""
         copies = {k: v for k, v in self.copies.items() if k != str(slot)}
-        self.copies = {**copies, **({str(slot): copy} if copy is not None else {})}
+        return {"copies": {**copies, **({str(slot): copy} if copy is not None else {})}}
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._per_row(lambda module: module(x))

@@ -10,7 +10,18 @@ from typing import Any
 import click
 
 from ..display import mib, plural
-from ..library import ADDED, LocalModel, add_model, details, find_model, list_models, models_dir, remove_model
+from ..library import (
+    ADDED,
+    LocalModel,
+    add_model,
+    details,
+    disk_bytes,
+    find_model,
+    list_models,
+    local_adapters,
+    models_dir,
+    remove_model,
+)
 from ..untrusted import plain, shown_path
 from .common import errors_as_one_line, load_model
 from .planning import plan
@@ -38,18 +49,22 @@ def ls_models(as_json: bool, add_path: Path | None) -> None:
     if add_path is not None:
         added = add_model(add_path)
         click.echo(f"added {added.name} ({added.path})", err=True)
-    models = list_models()
+    models, adapters = list_models(), local_adapters()
     if as_json:
-        click.echo(json.dumps([m.to_dict() for m in models], indent=1))
+        listed = [m.to_dict() for m in models] + [{"name": a.name, "adapter": True, "path": str(a)} for a in adapters]
+        click.echo(json.dumps(listed, indent=1))
         return
-    if not models:
+    if not models and not adapters:
         click.echo("no models yet: `mlxinfer pull ORG/NAME` downloads one, `mlxinfer ls --add PATH` adds one", err=True)
         return
     rows = [("NAME", "FAMILY", "SUPPORT", "BITS", "SIZE", "LAST USED", "PATH")]
     rows += [_model_row(m) for m in models]
+    rows += [(f"*:{a.name}", "adapter", "-", "-", mib(disk_bytes(a)[0]), "-", shown_path(a)) for a in adapters]
     widths = [min(48, max(len(row[i]) for row in rows)) for i in range(len(rows[0]) - 1)]
     for row in rows:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+    if adapters:
+        click.echo("*:NAME: an adapter a server loads over a model when a request names MODEL:NAME", err=True)
 
 
 def _model_row(model: LocalModel) -> tuple[str, ...]:

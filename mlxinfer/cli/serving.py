@@ -10,9 +10,10 @@ from typing import Any
 
 import click
 
+from ..adapters import MAX_ADAPTERS
 from ..api import Model
 from ..default_model import default_model_path
-from ..defaults import SERVER_PREFILL_CHUNK_TOKENS
+from ..defaults import DEFAULT_MAX_ADAPTERS, SERVER_PREFILL_CHUNK_TOKENS
 from ..display import mib
 from ..engine import SchedulerConfig
 from ..errors import ServerConfigError
@@ -116,7 +117,15 @@ from .options import ADAPTER_HELP, adapter_pairs, dtype_option, speculation_opti
     "adapters",
     multiple=True,
     metavar="[NAME=]PATH",
-    help=ADAPTER_HELP + " Requests name it MODEL:NAME; repeat for more (they batch together).",
+    help=ADAPTER_HELP + " Requests name it MODEL:NAME; repeat for more (they batch together). Adapter folders in "
+    "the models folder load on the first request that names them.",
+)
+@click.option(
+    "--max-adapters",
+    type=click.IntRange(1, MAX_ADAPTERS),
+    default=DEFAULT_MAX_ADAPTERS,
+    show_default=True,
+    help="Adapters a model keeps loaded; a new one unloads the least recently used idle one.",
 )
 @speculation_options
 @errors_as_one_line
@@ -164,7 +173,7 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
     if o["hostfile"] is not None:
         models, llm = _distributed_models(model, settings, dtype, kv_bits, o)
     else:
-        models = _resident_models(settings, keep_alive, dtype, kv_bits)
+        models = _resident_models(settings, keep_alive, dtype, kv_bits, o["max_adapters"])
         speculation = {"draft_model": settings.draft_model, "speculate": settings.speculate}
         llm = load_model(model, dtype, quiet=False, kv_bits=kv_bits, adapters=adapters, **speculation)
     record_use(llm.path)
@@ -187,9 +196,13 @@ def serve(model: str | None, kv_bits: str | None, dtype: str | None, **options: 
         withdraw(settings.local_token)
 
 
-def _resident_models(settings: Any, keep_alive: float, dtype: str | None, kv_bits: str | None) -> Any:
+def _resident_models(
+    settings: Any, keep_alive: float, dtype: str | None, kv_bits: str | None, max_adapters: int = DEFAULT_MAX_ADAPTERS
+) -> Any:
     """The server's models: more load by name on request (the list `mlxinfer ls` shows), within the memory
-    the planner sees now, and each unloads `keep_alive` seconds after its last request."""
+    the planner sees now, and each unloads `keep_alive` seconds after its last request; adapters in the models
+    folder load over a model when a request names MODEL:ADAPTER, `max_adapters` a model."""
+    from ..library import find_adapter
     from ..memory import machine_memory
     from ..server import ModelSet
     from ..server.model_pool import local_catalog
@@ -201,6 +214,8 @@ def _resident_models(settings: Any, keep_alive: float, dtype: str | None, kv_bit
         keep_alive_s=keep_alive,
         budget_bytes=machine_memory().usable_bytes(),
         config=settings.scheduler,
+        adapter_catalog=find_adapter,
+        max_adapters=max_adapters,
     )
 
 

@@ -4,7 +4,7 @@ catalog: models in a folder and their size · hf_cache: the Hugging Face hub cac
 last uses (two small JSON files) · local_model: what one model is · listing: ls, find, add, rm · copying: cp ·
 show: details, chat template and sampling."""
 
-from .catalog import disk_bytes, local_models, model_name, models_dir
+from .catalog import disk_bytes, find_adapter, local_adapters, local_models, model_name, models_dir
 from .copying import copy_model
 from .hf_cache import hf_cache_dir
 from .listing import add_model, find_model, list_models, located, remove_model
@@ -23,6 +23,8 @@ __all__ = [
     "describe",
     "details",
     "disk_bytes",
+    "find_adapter",
+    "local_adapters",
     "find_model",
     "hf_cache_dir",
     "list_models",

@@ -83,6 +83,36 @@ def is_loadable(path: Path, *, read_magic: bool = True) -> bool:
         return False
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA/DoRA adapter folder (mlx-lm's or PEFT's), not a model
+
+
+def local_adapters(folder: Path | None = None) -> list[Path]:
+    """Adapter folders directly inside `folder` (default: models_dir()), sorted by name: a server loads one when a
+    request names `MODEL:ADAPTER`."""
+    folder = folder or models_dir()
+    try:
+        found = [p for p in folder.iterdir() if _is_adapter(p)] if folder.is_dir() else []
+    except OSError as e:
+        log.warning("skipping models folder %s: %s", folder, e.strerror or e)
+        return []
+    return sorted(found, key=lambda p: p.name.lower())
+
+
+def find_adapter(name: str) -> Path | None:
+    """The adapter folder called `name` in the models folder, or None (a name is one plain path component)."""
+    if not name or name.startswith(".") or Path(name).name != name:
+        return None
+    path = models_dir() / name
+    return path if _is_adapter(path) else None
+
+
+def _is_adapter(path: Path) -> bool:
+    try:
+        return path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").exists()
+    except OSError:
+        return False
+
+
 def model_name(path: Path) -> str:
     """What a model at `path` is called: a GGUF file's stem, or the folder's name."""
     return path.stem if path.suffix == ".gguf" and not path.is_dir() else path.name

@@ -27,7 +27,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..adapters import BASE, NO_ADAPTER, Chosen
 from ..api import Model, load
+from ..defaults import DEFAULT_MAX_ADAPTERS
 from ..display import mib
 from ..engine import SchedulerConfig, ServingThread, call_on_device_thread
 from ..formats.recommended_sampling import SamplingDefaults
@@ -94,6 +96,8 @@ class ModelSet:
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         scheduler: Callable[..., ServingThread] = ServingThread,
+        adapter_catalog: Callable[[str], Path | None] | None = None,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ) -> None:
         self._scheduler = scheduler  # a distributed model's is rank 0's, which the other ranks follow
         self._slots: dict[str, _Slot] = {}
@@ -104,6 +108,10 @@ class ModelSet:
         self._reaper: threading.Thread | None = None
         self._closed = self._dirty = False
         self._loading_bytes = 0  # memory reserved for models being loaded now (the budget counts them)
+        # Adapters a request may name as MODEL:NAME beyond those a model was given (the models folder's), each
+        # loaded over its model on first use; `max_adapters` per model stay loaded.
+        self._adapter_catalog, self.max_adapters = adapter_catalog, max_adapters
+        self._adapter_loading = threading.Lock()
 
     def add(self, model: Model, config: SchedulerConfig | None = None, name: str | None = None) -> ServedModel:
         """Serve a loaded model; if it is unloaded later, it reloads from the same path and settings
@@ -174,7 +182,8 @@ class ModelSet:
         """`name`'s model, held for a request (never unloaded until `release`), if it is loaded now."""
         slot = self._find(name, allow_paths)
         with self._lock:
-            return self._hold(slot) if slot is not None else None
+            served = self._hold(slot) if slot is not None else None
+        return self._with_adapter(served, name) if served is not None else None
 
     def acquire(self, name: str | None, allow_paths: bool = False) -> ServedModel:
         """The model called `name` (with no name, the first), loaded if it is not, and held for a request until
@@ -198,6 +207,23 @@ class ModelSet:
                     self._serve(slot, model)
                     served = self._hold(slot)
         self._arm()
+        return self._with_adapter(served, name)
+
+    def _with_adapter(self, served: ServedModel, name: str | None) -> ServedModel:
+        """`served`, with the adapter `name` asks for ("model:adapter") loaded over it if it is not yet (on the
+        device thread; released and raised if it cannot be)."""
+        adapter = name.rpartition(":")[2] if name and name != served.id and ":" in name else None
+        slot = self._slots.get(served.id)
+        path = slot.adapters.get(adapter) if slot is not None and adapter is not None else None
+        if path is None or adapter in served.model.adapters:
+            return served
+        try:
+            with self._adapter_loading:  # one load at a time: a second request for it finds it loaded
+                if adapter not in served.model.adapters:
+                    call_on_device_thread(lambda: served.model.load_adapter(adapter, path, self.max_adapters))
+        except BaseException:
+            self.release(served)
+            raise
         return served
 
     def get(self, name: str | None, allow_paths: bool = False) -> ServedModel:
@@ -365,12 +391,18 @@ class ModelSet:
     # -- what is served ---------------------------------------------------
 
     def _named(self, name: str) -> _Slot | None:
-        """The slot `name` names: its id, or "id:adapter" for one of its adapters."""
+        """The slot `name` names: its id, or "id:adapter" for one of its adapters (those it was given, or one in
+        the models folder, which it then knows)."""
         slot = self._slots.get(name)
         if slot is None and ":" in name:
             base, _, adapter = name.rpartition(":")
             slot = self._slots.get(base)
-            return slot if slot is not None and adapter in slot.adapters else None
+            if slot is None or adapter in slot.adapters:
+                return slot
+            path = self._adapter_catalog(adapter) if self._adapter_catalog is not None else None
+            if path is None:
+                return None
+            slot.adapters = {**slot.adapters, adapter: path}
         return slot
 
     @property
@@ -457,12 +489,19 @@ class ModelSet:
         _free_memory()
 
 
-def adapter_named(name: str | None, served: ServedModel) -> str | None:
-    """The adapter a request's `model` ("id:adapter") names on the model `served`; None for the bare model."""
-    if not name or name == served.id or ":" not in name:
-        return None
+def take_adapter(name: str | None, served: ServedModel) -> Chosen:
+    """The adapter a request's `model` ("id:adapter") names on `served`, counted as running until `give_back`
+    (never unloaded under it); the bare model for any other name."""
+    adapters = served.model.adapter_set
+    if adapters is None or not name or name == served.id or ":" not in name:
+        return NO_ADAPTER
     base, _, adapter = name.rpartition(":")
-    return adapter if base == served.id and adapter in served.model.adapters else None
+    return adapters.take(adapter) if base == served.id else NO_ADAPTER
+
+
+def give_back(served: ServedModel, chosen: Chosen) -> None:
+    if chosen.slot != BASE and served.model.adapter_set is not None:
+        served.model.adapter_set.give_back(chosen)
 
 
 def _stop(served: ServedModel | None, reason: str) -> None:

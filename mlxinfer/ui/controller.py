@@ -19,7 +19,7 @@ from ..api import Model, load
 from ..display import mib
 from ..engine import GenerationStats, call_on_device_thread
 from ..errors import ServerConfigError
-from ..library import local_models
+from ..library import find_adapter, local_models
 from ..local_server import find_server, new_token, publish, withdraw
 from ..memory import machine_memory
 from ..server import BackgroundServer, ModelSet, ServerSettings
@@ -50,7 +50,8 @@ class MenubarController:
         self.settings, self.models_dir, self._loader, self._open_url = settings, models_dir, loader, open_url
         self.default_model = default_model
         budget = machine_memory().usable_bytes()  # as `mlxinfer serve`: other models load on request within it
-        self.models = ModelSet(catalog=local_catalog, loader=loader, budget_bytes=budget, config=settings.scheduler)
+        self.models = ModelSet(catalog=local_catalog, loader=loader, budget_bytes=budget, config=settings.scheduler,
+                               adapter_catalog=find_adapter)  # fmt: skip
         self.server: BackgroundServer | None = None
         self.current: Path | None = None
         self.last_stats: GenerationStats | None = None
