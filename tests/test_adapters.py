@@ -176,6 +176,7 @@ def test_adapters_load_later_and_the_least_recently_used_idle_one_makes_room(thr
     model.adapter_set.give_back(other)
     model.load_adapter("lora", three["lora"], limit=2)  # down is the least recently used now: its slot is reused
     assert set(model.adapters) == {"dora", "lora"}
+    assert model.adapter_set.uncounted == model.adapter_set.nbytes > 0  # a server's budget adds it to the footprint
     for name in ("dora", "lora"):
         np.testing.assert_allclose(model.logits(ids, adapter=name), alone[name], atol=1e-5)
     np.testing.assert_allclose(model.logits(ids), bare, atol=1e-6)
@@ -194,6 +195,7 @@ def test_the_planner_and_repr_count_the_adapters(three, tuned):
     bare = mlxinfer.load(TINY / "llama_classic")
     held = sum(a.nbytes for a in tuned.adapter_set.loaded)
     assert tuned.footprint.weights_bytes - bare.footprint.weights_bytes >= held
+    assert tuned.adapter_set.uncounted == 0  # all in the footprint already
     assert set(tuned.adapters) == {"lora", "dora", "down"} and tuned.adapters["dora"] == three["dora"]
 
 

@@ -39,17 +39,17 @@ class AdapterSet:
         self._placing = threading.Lock()  # one adapter placed or removed at a time
         self._running: Counter[int] = Counter()  # requests running with each slot
         self._used_at: dict[int, float] = {}
+        self.nbytes = 0  # what the slots hold: the stacked pairs (padded ranks, the base's zero slot) and copies
+        self.counted = 0  # of it, what the model's footprint counts (the adapters it was loaded with)
 
     @property
     def loaded(self) -> list[Adapter]:
         return [a for a in self.adapters if a is not None]
 
     @property
-    def nbytes(self) -> int:
-        """What the slots hold: the stacked pairs (padded ranks, the base's zero slot) and whole-module copies."""
-        wrappers = [m for _, m in self._model.named_modules() if isinstance(m, LowRankRows | ReplacedRows)]
-        own = [v for w in wrappers for k, v in tree_flatten(w.parameters()) if not k.startswith("base.")]
-        return sum(v.nbytes for v in own)
+    def uncounted(self) -> int:
+        """Bytes the adapters loaded since the model's footprint was taken hold beyond it."""
+        return max(0, self.nbytes - self.counted)
 
     def slot(self, name: str | None) -> int:
         """The slot of adapter `name` (None: the bare base)."""
@@ -145,6 +145,10 @@ class AdapterSet:
                     setattr(module, key, value)
             if wraps:
                 self._model.update_modules(tree_unflatten(list(wraps.items())))
+        wrappers = [m for _, m in self._model.named_modules() if isinstance(m, LowRankRows | ReplacedRows)]
+        self.nbytes = sum(
+            v.nbytes for w in wrappers for k, v in tree_flatten(w.parameters()) if not k.startswith("base.")
+        )
 
     def _check(self, adapter: Adapter) -> None:
         """Every module the adapter names is one this model has, of the shape the adapter's tensors say."""

@@ -27,6 +27,7 @@ def with_adapters(loaded: LoadedModel, paths: Mapping[str, str | Path]) -> Loade
         raise AdapterError(f"adapters must map names to folders, e.g. {{'sql': 'adapters/sql'}}; got {shown(paths)}")
     adapters = [_read(loaded, name, path) for name, path in paths.items()]
     installed = install(loaded.model, adapters, loaded.compute_dtype)
+    installed.counted = installed.nbytes  # in the weights_bytes below: the planner and the server's budget count it
     log.info("%s: %d adapter(s) installed (%s), %.1f MB", loaded.path, len(adapters),
              ", ".join(f"{a.name}: {a.kind} rank {a.rank}, {len(a.modules)} modules" for a in adapters),
              installed.nbytes / 1e6)  # fmt: skip

@@ -511,9 +511,10 @@ def _stop(served: ServedModel | None, reason: str) -> None:
 
 
 def _memory_of(served: ServedModel) -> int:
-    """A loaded model's own memory: its weights and what its prefix caches hold."""
+    """A loaded model's own memory: its weights, adapters loaded since, and what its prefix caches hold."""
     model = served.model
-    return model.footprint.weights_bytes + model.cache_stats.bytes_held
+    adapters = model.adapter_set.uncounted if model.adapter_set is not None else 0
+    return model.footprint.weights_bytes + adapters + model.cache_stats.bytes_held
 
 
 def _looks_like_path(name: str) -> bool:
