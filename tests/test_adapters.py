@@ -159,36 +159,55 @@ def test_cache_keys_of_two_adapters_and_the_base_never_meet(tuned):
     assert all(k < 0 for k in keys["lora"] + keys["dora"])  # never a token id
 
 
-def test_adapters_load_later_and_the_least_recently_used_idle_one_makes_room(three, tuned, scheduler_for):
-    ids = ids_of("llama_classic")
-    alone = {name: tuned.logits(ids, adapter=name) for name in three}
+def test_adapters_load_later_and_the_least_recently_used_idle_one_makes_room(three, tmp_path, scheduler_for):
+    def write(name: str, keys: list[str], rank: int) -> Path:
+        return write_mlx_lm_adapter(TINY / "llama_classic", tmp_path / name, rank=rank, seed=rank, keys=keys)
+
+    paths = {**three, "v": write("v", ["self_attn.v_proj"], 2), "q": write("q", ["self_attn.q_proj"], 6)}
+    alone = {n: mlxinfer.load(TINY / "llama_classic", adapters={n: paths[n]}) for n in ("down", "v", "q", "dora")}
     model = mlxinfer.load(TINY / "llama_classic", prefix_cache_bytes=0)
-    bare = model.logits(ids)
-    model.load_adapter("down", three["down"], limit=2)  # rank 8 first: the others' ranks are padded to it
-    model.load_adapter("lora", three["lora"], limit=2)
-    running = model.adapter_set.take("down")  # older, but answering a request: never the one unloaded
-    model.load_adapter("dora", three["dora"], limit=2)
-    assert set(model.adapters) == {"down", "dora"}
-    other = model.adapter_set.take("dora")
-    with pytest.raises(BusyError, match="all 2 adapters"):
-        model.load_adapter("lora", three["lora"], limit=2)
-    model.adapter_set.give_back(running)
-    model.adapter_set.give_back(other)
-    model.load_adapter("lora", three["lora"], limit=2)  # down is the least recently used now: its slot is reused
-    assert set(model.adapters) == {"dora", "lora"}
+    ids, bare = ids_of("llama_classic"), model.logits(ids_of("llama_classic"))
+    model.load_adapter("down", paths["down"], limit=2)
+    model.load_adapter("v", paths["v"], limit=2)
+    held = [model.adapter_set.take("v")]  # answering a request: never the one unloaded
+    model.load_adapter("q", paths["q"], limit=2)  # down goes; q takes its slot, below v's, wrapping q_proj anew
+    assert set(model.adapters) == {"v", "q"}
     assert model.adapter_set.uncounted == model.adapter_set.nbytes > 0  # a server's budget adds it to the footprint
-    for name in ("dora", "lora"):
-        np.testing.assert_allclose(model.logits(ids, adapter=name), alone[name], atol=1e-5)
-    np.testing.assert_allclose(model.logits(ids), bare, atol=1e-6)
-    prompts = {"dora": [3, 9, 27], "lora": [5, 6, 7, 8], None: [9, 9]}
-    want = {n: tuned.generate(p, max_tokens=10, adapter=n, use_cache=False).text for n, p in prompts.items()}
+    held.append(model.adapter_set.take("q"))
+    with pytest.raises(BusyError, match="all 2 adapters"):
+        model.load_adapter("dora", paths["dora"], limit=2)
+    prompts = {"q": [3, 9, 27], "v": [5, 6, 7, 8], None: [9, 9]}
+    want = {n: (alone[n] if n else model).generate(p, max_tokens=10, adapter=n, use_cache=False).text
+            for n, p in prompts.items()}  # fmt: skip
     collectors = {name: Collector() for name in prompts}
     scheduler = scheduler_for(model, max_batch=3)
     for name, prompt in prompts.items():
         scheduler.submit(
             Job(prompt, collectors[name], max_tokens=10, use_cache=False, adapter=model.choose_adapter(name))
         )
-    assert {n: c.wait().text for n, c in collectors.items()} == want
+    assert {n: c.wait().text for n, c in collectors.items()} == want  # rows of both slots and the base, one batch
+    for chosen in held:  # v given back first: the least recently used
+        model.adapter_set.give_back(chosen)
+    model.load_adapter("dora", paths["dora"], limit=2)
+    assert set(model.adapters) == {"q", "dora"}
+    for name in ("q", "dora"):
+        np.testing.assert_allclose(model.logits(ids, adapter=name), alone[name].logits(ids, adapter=name), atol=1e-5)
+    np.testing.assert_allclose(model.logits(ids), bare, atol=1e-6)
+
+
+def test_a_pass_built_on_another_thread_meanwhile_runs_the_base(tuned):
+    import threading
+
+    from mlxinfer.adapters import selected
+
+    ids, decoder, got = ids_of("llama_classic"), tuned.runtime.decoder, {}
+    with selected(decoder, [tuned.choose_adapter("lora").slot]):  # as the scheduler, building a step
+        other = threading.Thread(target=lambda: got.update(base=np.array(decoder(mx.array([ids]))[0])))
+        other.start()
+        other.join()
+        mine = np.array(decoder(mx.array([ids]))[0])
+    np.testing.assert_allclose(got["base"], tuned.logits(ids), atol=1e-6)  # as a server's embeddings pass
+    np.testing.assert_allclose(mine, tuned.logits(ids, adapter="lora"), atol=1e-6)
 
 
 def test_the_planner_and_repr_count_the_adapters(three, tuned):
@@ -261,6 +280,8 @@ def test_the_server_serves_base_and_adapters_by_name(tuned):
             assert {"llama_classic:lora", "llama_classic:down"} <= {t["name"] for t in tags}
             missing = httpx.post(running.url + "/v1/completions", json={"model": "llama_classic:nope", "prompt": "a"})
             assert missing.status_code == 404
+            embedded = httpx.post(running.url + "/v1/embeddings", json={"model": "llama_classic:lora", "input": "a"})
+            assert embedded.status_code == 400 and "base model" in embedded.json()["error"]["message"]
     finally:
         models.close()
 

@@ -13,6 +13,7 @@ the weights, so it is computed once, when the adapter is placed.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,8 +46,10 @@ class Chosen:
 NO_ADAPTER = Chosen()
 
 
-class Selection:
-    """Which adapter each row of the forward pass being built uses (read while the graph is built)."""
+class Selection(threading.local):
+    """Which adapter each row of the forward pass being built uses (read while the graph is built). Each thread
+    has its own: a server's embeddings pass, built on another thread while the scheduler builds a step with
+    adapter rows, runs the base."""
 
     def __init__(self) -> None:
         self.uniform: int | None = BASE  # every row's slot, when they share one

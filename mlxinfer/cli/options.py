@@ -78,7 +78,7 @@ def adapter_pairs(values: tuple[str, ...] | list[str]) -> dict[str, Path]:
     """--adapter values, [NAME=]PATH each, as load()'s {name: folder}; a name given twice is a usage error."""
     pairs: dict[str, Path] = {}
     for value in values:
-        name, _, path = value.rpartition("=") if "=" in value and not Path(value).exists() else ("", "", value)
+        name, _, path = value.partition("=") if "=" in value and not Path(value).exists() else ("", "", value)
         folder = Path(path).expanduser()
         name = name or folder.resolve().name
         if name in pairs:

@@ -22,7 +22,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from ..adapters import Chosen
 from ..defaults import MAX_TOKENS  # above it, the engine's own check answers (max_tokens out of range)
 from ..engine import Event, Finished, GenerationStats, Job, RequestSources, with_defaults
 from ..errors import MlxInferError
@@ -33,7 +32,7 @@ from .errors import APIError, as_api_error
 from .guard import shows_token
 from .limits import WorkGate
 from .metrics import Metrics
-from .model_pool import ModelSet, ServedModel, give_back, take_adapter
+from .model_pool import ModelSet, ServedModel
 from .schema import ChatRequest, GenerationParams
 from .settings import ServerSettings
 from .structured import Prepared, prepare_chat
@@ -156,16 +155,13 @@ class API:
         if it cannot be queued)."""
         name = request.headers.get(ANSWER_HEADER) if self.trusted(request) else None
 
-        adapter = take_adapter(params.model, served)
-
         def release() -> None:
             if name is not None:
                 self._named.pop(name, None)
-            give_back(served, adapter)
             self.models.release(served, params.keep_alive)
 
         try:
-            job, events = self._queue(served, prepared, params, adapter)
+            job, events = self._queue(served, prepared, params)
         except BaseException:
             release()
             raise
@@ -183,9 +179,7 @@ class API:
             running.served.scheduler.cancel(running.job)
         return running is not None
 
-    def _queue(
-        self, served: ServedModel, prepared: Prepared, params: GenerationParams, adapter: Chosen
-    ) -> tuple[Job, JobEvents]:
+    def _queue(self, served: ServedModel, prepared: Prepared, params: GenerationParams) -> tuple[Job, JobEvents]:
         ids = prepared.ids
         room = served.model.context_tokens - len(ids)
         if room < 1:
@@ -216,7 +210,7 @@ class API:
             keep_special_tokens=prepared.keep_special_tokens,
             speculate=served.model.speculate,
             images=prepared.images,
-            adapter=adapter,
+            adapter=served.adapter,  # held with the model: `release` gives both back
         )
         served.scheduler.submit(job)
         return job, events

@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,11 +41,12 @@ log = logging.getLogger("mlxinfer.server")
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default: five minutes after the last request
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServedModel:
     id: str
     model: Model
     scheduler: ServingThread
+    adapter: Chosen = NO_ADAPTER  # what a request holding it runs with ("id:adapter"): held until `release`
 
 
 @dataclass
@@ -210,21 +211,22 @@ class ModelSet:
         return self._with_adapter(served, name)
 
     def _with_adapter(self, served: ServedModel, name: str | None) -> ServedModel:
-        """`served`, with the adapter `name` asks for ("model:adapter") loaded over it if it is not yet (on the
-        device thread; released and raised if it cannot be)."""
+        """`served` running the adapter `name` asks for ("model:adapter"), loaded over it first if it is not (on
+        the device thread) and held until `release`, never unloaded under the request; released and raised if it
+        cannot be."""
         adapter = name.rpartition(":")[2] if name and name != served.id and ":" in name else None
         slot = self._slots.get(served.id)
         path = slot.adapters.get(adapter) if slot is not None and adapter is not None else None
-        if path is None or adapter in served.model.adapters:
+        if path is None:
             return served
         try:
-            with self._adapter_loading:  # one load at a time: a second request for it finds it loaded
+            with self._adapter_loading:  # loads one at a time, and nothing unloads it between its load and hold
                 if adapter not in served.model.adapters:
                     call_on_device_thread(lambda: served.model.load_adapter(adapter, path, self.max_adapters))
+                return replace(served, adapter=served.model.adapter_set.take(adapter))
         except BaseException:
             self.release(served)
             raise
-        return served
 
     def get(self, name: str | None, allow_paths: bool = False) -> ServedModel:
         """The model called `name`, loaded if it is not (a use: its keep-alive counts again from now)."""
@@ -235,9 +237,11 @@ class ModelSet:
     def release(self, served: ServedModel, keep_alive_s: float | None = None) -> None:
         """A request that held `served` ended: it stays loaded for `keep_alive_s` from now (as in Ollama, each
         request's own; None: the set's default)."""
+        if served.adapter.slot != BASE and served.model.adapter_set is not None:
+            served.model.adapter_set.give_back(served.adapter)
         with self._lock:
             slot = self._slots.get(served.id)
-            if slot is not None and slot.served is served:
+            if slot is not None and slot.served is not None and slot.served.scheduler is served.scheduler:
                 slot.in_flight = max(0, slot.in_flight - 1)
                 slot.last_used, slot.keep_alive_s = self._clock(), keep_alive_s
         self._arm()
@@ -487,21 +491,6 @@ class ModelSet:
         for served in closing:
             _stop(served, reason)
         _free_memory()
-
-
-def take_adapter(name: str | None, served: ServedModel) -> Chosen:
-    """The adapter a request's `model` ("id:adapter") names on `served`, counted as running until `give_back`
-    (never unloaded under it); the bare model for any other name."""
-    adapters = served.model.adapter_set
-    if adapters is None or not name or name == served.id or ":" not in name:
-        return NO_ADAPTER
-    base, _, adapter = name.rpartition(":")
-    return adapters.take(adapter) if base == served.id else NO_ADAPTER
-
-
-def give_back(served: ServedModel, chosen: Chosen) -> None:
-    if chosen.slot != BASE and served.model.adapter_set is not None:
-        served.model.adapter_set.give_back(chosen)
 
 
 def _stop(served: ServedModel | None, reason: str) -> None:

@@ -74,6 +74,8 @@ def routes(api: API) -> list[Route]:
             try:
                 if served is None:  # a model that must load first loads outside the gate, as core.API's
                     served = await run_in_threadpool(api.models.acquire, body.model, trusted)
+                if served.adapter.slot:
+                    raise APIError(400, f"embeddings come from the base model; name {served.id!r}", "model")
                 if ids is None:
                     ids = await api.preparing.run(prepare, served.model, body, admitted=True)
                 return await passes.run(reply, served, ids, body, started)
