@@ -144,8 +144,9 @@ class Model:
         drafting = self._drafting
         return drafting.prefix_cache.budget_bytes if drafting is not None and drafting.prefix_cache else 0
 
-    def warm(self, prefix: Prompt, *, chat: bool | None = None) -> int:
-        """Prefill `prefix` once and keep its KV in memory and on disk, for every later prompt that starts with it.
+    def warm(self, prefix: Prompt, *, chat: bool | None = None, adapter: str | None = None) -> int:
+        """Prefill `prefix` once and keep its KV in memory and on disk, for every later prompt that starts with it
+        (with `adapter`, those that run with that adapter: KV is kept under the adapter's content).
 
         A list of messages (a system prompt, a document to ask about) is rendered
         without the assistant's turn, so later chats that continue it match. Returns
@@ -155,12 +156,13 @@ class Model:
             >>> model.warm([{"role": "system", "content": open("manual.txt").read()}])
         """
         ids, images = self._prefix_ids(prefix, chat)
+        chosen = self.choose_adapter(adapter)
         store = self.prefix_cache.store
         if store is None:  # no tokenizer, or the model files could not be fingerprinted (warned at load)
             log.warning("%s: warming the prefix in memory only; it will not be kept on disk", self.path)
         else:
             store.check_room(len(ids))  # a full or unwritable cache folder fails now, not after the prefill
-        warm_alone(self.runtime, ids, images=images)
+        warm_alone(self.runtime, ids, images=images, adapter=chosen)
         return len(ids)
 
     def _prefix_ids(self, prefix: Prompt, chat: bool | None) -> tuple[list[int], PromptImages | None]:

@@ -169,12 +169,24 @@ def test_the_prefix_cache_keys_kv_by_the_adapter(tuned):
     assert again.stats.cached_tokens >= len(prompt) - 1
 
 
+def test_a_prefix_warmed_under_an_adapter_is_resumed_from_disk_under_it_alone(three):
+    document = list(range(20, 90))
+    first = mlxinfer.load(TINY / "llama_classic", adapters=three)
+    assert first.warm(document, adapter="dora") == len(document)
+    later = mlxinfer.load(TINY / "llama_classic", adapters=three)  # a new process's model: the store on disk
+    asked = {n: later.generate(document + [5, 6], max_tokens=4, adapter=n) for n in ("dora", "lora", None)}
+    assert asked["dora"].stats.cached_tokens == len(document)
+    assert asked["lora"].stats.cached_tokens == asked[None].stats.cached_tokens == 0
+    fresh = mlxinfer.load(TINY / "llama_classic", adapters=three, prefix_cache_bytes=0)
+    assert asked["dora"].token_ids == fresh.generate(document + [5, 6], max_tokens=4, adapter="dora").token_ids
+
+
 def test_cache_keys_of_two_adapters_and_the_base_never_meet(tuned):
     keys = {n: Job(list(range(200)), print, adapter=tuned.choose_adapter(n)).cache_ids for n in ("lora", "dora")}
     base = Job(list(range(200)), print, adapter=NO_ADAPTER).cache_ids
     assert base == list(range(200))
     assert not set(keys["lora"]) & set(keys["dora"]) and not set(keys["lora"]) & set(base)
-    assert all(k < 0 for k in keys["lora"] + keys["dora"])  # never a token id
+    assert all(-(2**31) < k < 0 for k in keys["lora"] + keys["dora"])  # never a token id; int32, as prefix files
 
 
 def test_adapters_load_later_and_the_least_recently_used_idle_one_makes_room(three, tmp_path, scheduler_for):

@@ -20,7 +20,7 @@ from ..errors import AdapterError, BusyError
 from ..untrusted import listed, shown
 from .fused import dense_weight
 from .reading import Adapter
-from .rows import BASE, NO_ADAPTER, Chosen, LowRankRows, ReplacedRows, Selection, linear_dims
+from .rows import BASE, KEY_SPACE, NO_ADAPTER, Chosen, LowRankRows, ReplacedRows, Selection, linear_dims
 
 MAX_ADAPTERS = 64  # over one base; each adds a slot to every adapted module
 RETRY_S = 1  # what a request refused while every adapter slot runs others is told to wait
@@ -65,7 +65,7 @@ class AdapterSet:
         """What a request for adapter `name` runs with (None: the bare base)."""
         slot = self.slot(name)
         adapter = self.adapters[slot - 1] if slot != BASE else None
-        return Chosen(slot, int(adapter.digest[:15], 16) or 1) if adapter is not None else NO_ADAPTER
+        return Chosen(slot, int(adapter.digest[:15], 16) % KEY_SPACE or 1) if adapter is not None else NO_ADAPTER
 
     def take(self, name: str | None) -> Chosen:
         """`choose`, and the adapter counted as running a request (never removed) until `give_back`."""

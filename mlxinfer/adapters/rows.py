@@ -25,7 +25,12 @@ from .fused import dora_factor
 from .reading import LowRank
 
 BASE = 0  # the slot of the bare base model
-KEY_SPACE = 1 << 62  # an adapter's prefix-cache keys are negative, as image tokens' are: never a real token id
+# An adapter's prefix-cache keys are negative int32s, as image tokens' are (prefix files store int32 ids): never a
+# real token id. Each adapter shifts the ids by its own salt, so within one adapter no two tokens share a key, and
+# the same prompt under two adapters differs unless their salts do not (1 in 2**31). Two adapters' keys meet only
+# where one's prompt is the other's with every id shifted by their salts' difference, which must be under the
+# vocabulary's size (1 in about 10**4 pairs for a 128k vocabulary): a prompt of shifted ids, not one anybody sends.
+KEY_SPACE = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class Chosen:
     """The adapter a request runs with: its slot in the model, and what the prefix cache keys its tokens by."""
 
     slot: int = BASE
-    key: int = 0  # from the adapter's digest (0: the bare base, whose keys are its token ids)
+    key: int = 0  # its salt, from the adapter's digest (0: the bare base, whose keys are its token ids)
 
     def keyed(self, ids: list[int]) -> list[int]:
         """`ids` as the prefix cache keys them under this adapter: KV computed under one adapter is never

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from ..adapters import NO_ADAPTER, Chosen
 from ..cache import PrefixCache
 from ..defaults import MAX_TOKENS, PREFILL_CHUNK_TOKENS
 from ..errors import SamplingError
@@ -56,11 +57,15 @@ def run_alone(runtime: ModelRuntime, job: Job, config: SchedulerConfig = SINGLE)
 
 
 def warm_alone(
-    runtime: ModelRuntime, ids: list[int], chunk: int = PREFILL_CHUNK_TOKENS, images: PromptImages | None = None
+    runtime: ModelRuntime,
+    ids: list[int],
+    chunk: int = PREFILL_CHUNK_TOKENS,
+    images: PromptImages | None = None,
+    adapter: Chosen = NO_ADAPTER,
 ) -> None:
-    """Prefill `ids` (with `images` at their tokens) and keep their state in the prefix cache and on disk
-    (MemoryBudgetError if it cannot fit)."""
-    job = Job(ids, on_event=_unset, max_tokens=1, prefill_chunk=chunk, warm=True, images=images)
+    """Prefill `ids` (with `images` at their tokens, under `adapter`) and keep their state in the prefix cache and
+    on disk (MemoryBudgetError if it cannot fit)."""
+    job = Job(ids, on_event=_unset, max_tokens=1, prefill_chunk=chunk, warm=True, images=images, adapter=adapter)
     for _ in run_alone(runtime, job):
         pass
 
