@@ -320,7 +320,8 @@ def test_the_server_serves_base_and_adapters_by_name(tuned):
 
 @pytest.mark.slow
 def test_a_server_loads_a_named_adapter_on_its_first_request(three, tuned):
-    models = ModelSet(adapter_catalog=lambda name: three.get(name), max_adapters=1)
+    folders = {**three, "wrong": FIXTURES / "qwen3_moe_lora"}  # the last trained for another model
+    models = ModelSet(adapter_catalog=folders.get, max_adapters=1)
     models.add(mlxinfer.load(TINY / "llama_classic"))
     try:
         with BackgroundServer(models, ServerSettings(port=0)) as running:
@@ -330,6 +331,9 @@ def test_a_server_loads_a_named_adapter_on_its_first_request(three, tuned):
                 assert got.choices[0].text == tuned.generate("abc", max_tokens=12, adapter=name).text
                 assert set(models.get("llama_classic").model.adapters) == {name}
             assert {"llama_classic:lora", "llama_classic:dora"} <= {m.id for m in client.models.list().data}
+            wrong = httpx.post(running.url + "/v1/completions", json={"model": "llama_classic:wrong", "prompt": "a"})
+            assert wrong.status_code == 400 and "another base model" in wrong.json()["error"]["message"]
+            assert set(models.get("llama_classic").model.adapters) == {"lora"}  # nothing changed by it
     finally:
         models.close()
 

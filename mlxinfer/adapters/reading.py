@@ -19,7 +19,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..errors import AdapterError
-from ..formats.safetensors_header import read_header
+from ..formats.safetensors_header import DTYPE_BYTES, read_header
+from ..memory import machine_memory
 from ..untrusted import is_finite_number, listed, read_json_object, shown
 
 CONFIG = "adapter_config.json"
@@ -97,6 +98,10 @@ def read_adapter(path: str | Path, name: str | None = None) -> Adapter:
     header = read_header(weights_path)  # a crafted header is a CorruptFileError before MLX reads anything
     if len(header) > MAX_TENSORS:
         raise AdapterError(f"{weights_path}: {len(header)} tensors, more than an adapter's {MAX_TENSORS}")
+    nbytes = sum(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in header.values())
+    if nbytes > machine_memory().usable_bytes() // 2:  # read whole: bounded before a byte of it is
+        raise AdapterError(f"{weights_path}: {nbytes / 2**30:.1f} GiB of tensors, more than half of this machine's "
+                           "usable memory; an adapter is low-rank and small")  # fmt: skip
     tensors = mx.load(str(weights_path))
     read = _peft if peft else _mlx_lm
     kind, modules, replaced, base = read(config, tensors, str(weights_path))

@@ -7,6 +7,7 @@ from starlette.responses import JSONResponse
 
 from ..defaults import SAMPLING_FIELDS
 from ..errors import (
+    AdapterError,
     BusyError,
     ChatTemplateError,
     ClusterError,
@@ -81,6 +82,8 @@ def as_api_error(error: Exception) -> APIError:
         return APIError(400, str(error), param=name if name in PARAMS else None)
     if isinstance(error, (ChatTemplateError, TokenizerError)):
         return APIError(400, str(error), param="messages")
+    if isinstance(error, AdapterError):  # the adapter the request named cannot run over this model
+        return APIError(400, str(error), param="model", code="adapter_error")
     if isinstance(error, BusyError):
         return APIError(
             429, f"the server is busy: {error}; retry later", code="busy", retry_after_s=error.retry_after_s
