@@ -334,6 +334,7 @@ def test_a_server_loads_a_named_adapter_on_its_first_request(three, tuned):
             wrong = httpx.post(running.url + "/v1/completions", json={"model": "llama_classic:wrong", "prompt": "a"})
             assert wrong.status_code == 400 and "another base model" in wrong.json()["error"]["message"]
             assert set(models.get("llama_classic").model.adapters) == {"lora"}  # nothing changed by it
+            assert [(r["adapters"], r["max_adapters"]) for r in models.ps()] == [(["lora"], 1)]
     finally:
         models.close()
 

@@ -270,6 +270,8 @@ def ps(as_json: bool) -> None:
     for row in rows:
         click.echo(f"{row['name']:<40} {mib(row['memory_bytes'], 0):>10} {row['in_flight']:>9}  "
                    f"{_unloads(row):<14} {row['path']}")  # fmt: skip
+        if row.get("adapters"):  # an older server's rows have none
+            click.echo(f"  adapters ({len(row['adapters'])} of {row['max_adapters']}): {', '.join(row['adapters'])}")
     if not rows:
         click.echo(f"no models loaded (the server at {server.url} loads one on its first request)", err=True)
 

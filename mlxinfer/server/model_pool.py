@@ -459,6 +459,8 @@ class ModelSet:
                     "loaded_at": slot.loaded_at,
                     "expires_in_s": None if expires is None or math.isinf(expires) else round(expires, 1),
                     "keep_alive_forever": expires is not None and math.isinf(expires),
+                    "adapters": sorted(served.model.adapters),  # loaded now, at most max_adapters
+                    "max_adapters": self.max_adapters,
                 }
             )
         return rows
