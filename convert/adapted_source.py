@@ -29,6 +29,11 @@ class AdaptedSource:
     def __init__(self, source: Source, adapter_path: str | Path):
         self._source = source
         self.adapter = read_adapter(adapter_path)
+        experts = [path for path, pair in self.adapter.modules.items() if pair.per_expert]
+        if experts:
+            raise ConversionError(f"{self.adapter.path}: adapts MoE experts ({listed(experts)}), which `convert "
+                                  "--adapter` does not merge yet; load the adapter over the converted model instead "
+                                  "(mlxinfer.load(..., adapters=...), serve --adapter)")  # fmt: skip
         self._pairs = {_plain(path): pair for path, pair in self.adapter.modules.items()}
         self._saved = {_plain(name): value for name, value in self.adapter.replaced.items()}
         self.tensors = dict(source.tensors)

@@ -94,18 +94,33 @@ def test_a_peft_adapter_equals_peft_merged_into_the_weights(fixture):
 
 @pytest.mark.parametrize(
     "base, kind",
-    [("llama_classic", "lora"), ("llama_classic", "dora"), ("qwen3", "lora")]
-    + [pytest.param(b, "lora", marks=pytest.mark.slow) for b in ("gemma3", "qwen3_5_vl", "mistral3_vl")],
+    [("llama_classic", "lora"), ("llama_classic", "dora"), ("qwen3", "lora"), ("mixtral", "lora")]
+    + [pytest.param(b, "lora", marks=pytest.mark.slow) for b in ("gemma3", "qwen3_5_vl", "mistral3_vl", "deepseek_v3")],
 )
 def test_an_mlx_lm_adapter_equals_mlx_lm_loading_it(base, kind, tmp_path):
+    # mixtral and deepseek_v3: mlx-lm's LoRA adapts every expert (LoRASwitchLinear); 72 tokens run its sorted path
     from mlx_lm import load
 
     path = write_mlx_lm_adapter(TINY / base, tmp_path / kind, kind)
     reference, _ = load(str(TINY / base), adapter_path=str(path))
-    ids = ids_of(base)
-    want = np.array(reference(mx.array([ids]))[0].astype(mx.float32))
     model = mlxinfer.load(TINY / base, adapters={"a": path})
-    np.testing.assert_allclose(model.logits(ids, adapter="a"), want, atol=1e-4)
+    for ids in (ids_of(base), ids_of(base) * 3):
+        want = np.array(reference(mx.array([ids]))[0].astype(mx.float32))
+        np.testing.assert_allclose(model.logits(ids, adapter="a"), want, atol=1e-4)
+
+
+def test_rows_of_different_expert_adapters_in_one_pass_equal_each_alone(tmp_path):
+    from mlxinfer.adapters import selected
+
+    paths = {n: write_mlx_lm_adapter(TINY / "mixtral", tmp_path / n, seed=s) for n, s in (("a", 1), ("b", 2))}
+    model = mlxinfer.load(TINY / "mixtral", adapters=paths)
+    decoder, rows = model.runtime.decoder, mx.array([ids_of("mixtral")[:20]] * 3)
+    slots = [model.choose_adapter(n).slot for n in ("a", None, "b")]
+    with selected(decoder, slots):  # 3 rows x 20 tokens x 2 experts: past 64 pairs, run sorted by expert
+        together = np.array(decoder(rows))
+    for i, slot in enumerate(slots):
+        with selected(decoder, [slot]):
+            np.testing.assert_allclose(together[i], np.array(decoder(rows[i : i + 1]))[0], atol=1e-4)
 
 
 @pytest.mark.slow

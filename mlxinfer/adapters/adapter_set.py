@@ -18,14 +18,16 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import AdapterError, BusyError
 from ..untrusted import listed, shown
+from .experts import PROJECTIONS, ExpertRows, expert_dims
 from .fused import dense_weight
-from .reading import Adapter
+from .reading import Adapter, LowRank
 from .rows import BASE, KEY_SPACE, NO_ADAPTER, Chosen, LowRankRows, ReplacedRows, Selection, linear_dims
 
 MAX_ADAPTERS = 64  # over one base; each adds a slot to every adapted module
 RETRY_S = 1  # what a request refused while every adapter slot runs others is told to wait
 LINEAR = (nn.Linear, nn.QuantizedLinear)
 WHOLE = (*LINEAR, nn.Embedding, nn.QuantizedEmbedding)  # what PEFT's modules_to_save may replace here
+WRAPPERS = (LowRankRows, ReplacedRows, ExpertRows)
 
 
 class AdapterSet:
@@ -121,21 +123,25 @@ class AdapterSet:
         modules it is the first to adapt. The new stacks are made and evaluated first; only setting them, between
         two passes, holds `lock` (a pass being built waits that long, not for the adapter's loading)."""
         modules = dict(self._model.named_modules())
-        wraps = {p: LowRankRows(modules[p], self.selection, self.dtype) for p in (adapter.modules if adapter else ())
-                 if not isinstance(modules[p], LowRankRows)}  # fmt: skip
+        pairs = adapter.modules if adapter is not None else {}
+        low = {path: pair for path, pair in pairs.items() if not pair.per_expert}
+        experts: dict[str, dict[str, LowRank]] = {}  # an MoE layer -> its projections' per-expert pairs
+        for path, pair in pairs.items():
+            if pair.per_expert:
+                layer, name = path.rsplit(".", 1)
+                experts.setdefault(layer, {})[name] = pair
         saved = {k.rsplit(".", 1)[0] for k in adapter.replaced} if adapter is not None else set()
-        wraps |= {
-            p: ReplacedRows(modules[p], self.selection) for p in saved if not isinstance(modules[p], ReplacedRows)
-        }
+        wraps = {p: LowRankRows(modules[p], self.selection, self.dtype) for p in low if type(modules[p]) in LINEAR}
+        wraps |= {p: ExpertRows(modules[p], self.selection, self.dtype) for p in experts if _is_glu(modules[p])}
+        wraps |= {p: ReplacedRows(modules[p], self.selection) for p in saved if type(modules[p]) in WHOLE}
         slots = max(slot, len(self.adapters)) + 1  # every slot a running row may index
         staged = []
         for path, module in {**modules, **wraps}.items():
-            module = wraps.get(path, module)
             if isinstance(module, LowRankRows):
-                pair = adapter.modules.get(path) if adapter is not None else None
-                staged.append(
-                    (module, module.staged(slot, slots, pair, self.dtype, lambda m=module: dense_weight(m.base)))
-                )
+                weight = lambda m=module: dense_weight(m.base)  # noqa: E731 - DoRA's, read only where needed
+                staged.append((module, module.staged(slot, slots, low.get(path), self.dtype, weight)))
+            elif isinstance(module, ExpertRows):
+                staged.append((module, module.staged(slot, slots, experts.get(path, {}), self.dtype)))
             elif isinstance(module, ReplacedRows):
                 copy = _copy(module.base, path, adapter, self.dtype) if adapter is not None else None
                 staged.append((module, module.staged(slot, copy)))
@@ -145,7 +151,7 @@ class AdapterSet:
                     setattr(module, key, value)
             if wraps:
                 self._model.update_modules(tree_unflatten(list(wraps.items())))
-        wrappers = [m for _, m in self._model.named_modules() if isinstance(m, LowRankRows | ReplacedRows)]
+        wrappers = [m for _, m in self._model.named_modules() if isinstance(m, WRAPPERS)]
         self.nbytes = sum(
             v.nbytes for w in wrappers for k, v in tree_flatten(w.parameters()) if not k.startswith("base.")
         )
@@ -154,12 +160,15 @@ class AdapterSet:
         """Every module the adapter names is one this model has, of the shape the adapter's tensors say."""
         modules = dict(self._model.named_modules())
         for path, pair in sorted(adapter.modules.items()):  # the first layer that differs is named
-            module = _unwrapped(modules.get(path))
-            if type(module) not in LINEAR:
-                _misfit(adapter, path, module, modules)
-            out_dims, in_dims = linear_dims(module)
-            if pair.a.shape[0] != in_dims or pair.b.shape[1] != out_dims:
-                raise AdapterError(f"{adapter.path}: {path} maps {pair.a.shape[0]} -> {pair.b.shape[1]} features in "
+            if pair.per_expert:
+                out_dims, in_dims = _check_experts(adapter, path, pair, modules)
+            else:
+                module = _unwrapped(modules.get(path))
+                if type(module) not in LINEAR:
+                    _misfit(adapter, path, module, modules)
+                out_dims, in_dims = linear_dims(module)
+            if pair.a.shape[-2] != in_dims or pair.b.shape[-1] != out_dims:
+                raise AdapterError(f"{adapter.path}: {path} maps {pair.a.shape[-2]} -> {pair.b.shape[-1]} features in "
                                    f"the adapter but {in_dims} -> {out_dims} in the model; it was trained for "
                                    "another base model")  # fmt: skip
         for name, value in adapter.replaced.items():
@@ -189,7 +198,30 @@ def install(model: nn.Module, adapters: Sequence[Adapter], dtype: mx.Dtype) -> A
 
 
 def _unwrapped(module: nn.Module | None) -> nn.Module | None:
-    return module.base if isinstance(module, LowRankRows | ReplacedRows) else module
+    return module.base if isinstance(module, WRAPPERS) else module
+
+
+def _is_glu(module: nn.Module | None) -> bool:
+    """mlx-lm's SwitchGLU: an MoE layer's experts, stacked per projection (SwitchLinear or its quantized kind)."""
+    return (
+        module is not None
+        and all(getattr(module, name, None) is not None for name in PROJECTIONS)
+        and hasattr(module, "activation")
+    )
+
+
+def _check_experts(adapter: Adapter, path: str, pair: LowRank, modules: dict[str, nn.Module]) -> tuple[int, int]:
+    """(out, in) of one expert of the projection `path` names, which must be an MoE layer's with as many experts."""
+    layer, name = path.rsplit(".", 1)
+    glu = _unwrapped(modules.get(layer))
+    if not _is_glu(glu) or name not in PROJECTIONS:
+        raise AdapterError(f"{adapter.path}: has per-expert pairs for {path}, which is not an MoE layer's "
+                           "projection in this model; it was trained for another architecture")  # fmt: skip
+    experts = getattr(glu, name).weight.shape[0]
+    if pair.a.shape[0] != experts:
+        raise AdapterError(f"{adapter.path}: {path} has pairs for {pair.a.shape[0]} experts; the model's layer has "
+                           f"{experts}: it was trained for another base model")  # fmt: skip
+    return expert_dims(glu, name)
 
 
 def _misfit(adapter: Adapter, path: str, module: nn.Module | None, modules: dict[str, nn.Module]) -> None:

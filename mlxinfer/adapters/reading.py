@@ -47,13 +47,18 @@ PEFT_REFUSED = {
 class LowRank:
     """One module's update: `x @ a @ b` added to its output (DoRA: then each output rescaled, see rows.py)."""
 
-    a: mx.array  # (in, rank)
-    b: mx.array  # (rank, out), the adapter's scale folded in
+    a: mx.array  # (in, rank); per expert (experts, in, rank)
+    b: mx.array  # (rank, out), the adapter's scale folded in; per expert (experts, rank, out)
     magnitude: mx.array | None = None  # DoRA's learned norm of each output row, (out,)
 
     @property
     def rank(self) -> int:
-        return self.a.shape[1]
+        return self.a.shape[-1]
+
+    @property
+    def per_expert(self) -> bool:
+        """A pair per expert of an MoE layer's projection: a (experts, in, rank), b (experts, rank, out)."""
+        return self.a.ndim == 3
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,11 @@ def _mlx_lm(config: dict[str, Any], tensors: dict[str, mx.array], source: str) -
     modules = {}
     for module, got in parts.items():
         a, b, m = got.get("lora_a"), got.get("lora_b"), got.get("m")
-        _check_pair(module, a, b, source, "lora_a", "lora_b")
+        if a is not None and b is not None and a.ndim == 3:  # LoRASwitchLinear: (experts, rank, in), (.., out, rank)
+            if kind == "dora":
+                raise AdapterError(f"{source}: {module}: DoRA on MoE experts is not a thing mlx-lm writes")
+            a, b = a.swapaxes(-1, -2), b.swapaxes(-1, -2)
+        _check_pair(module, a, b, source, "lora_a", "lora_b", experts=True)
         modules[module] = _low_rank(module, a, (b * scale), m if kind == "dora" else None, kind, source)
     return kind, modules, {}, _text(config.get("model"))
 
@@ -179,14 +188,17 @@ def _grouped(tensors: dict[str, mx.array], suffixes: tuple[str, ...], source: st
     return out
 
 
-def _check_pair(module: str, a: mx.array | None, b: mx.array | None, source: str, a_name: str, b_name: str) -> None:
-    """`a` (in, rank) and `b` (rank, out) as x @ a @ b uses them."""
+def _check_pair(module: str, a: mx.array | None, b: mx.array | None, source: str, a_name: str, b_name: str,
+                experts: bool = False) -> None:  # fmt: skip
+    """`a` (in, rank) and `b` (rank, out) as x @ a @ b uses them; with `experts`, also a pair per expert (experts,
+    in, rank) and (experts, rank, out)."""
     if a is None or b is None:
         raise AdapterError(f"{source}: {module} has {a_name if a is not None else b_name} but not its pair")
-    if a.ndim != 2 or b.ndim != 2:
-        what = "per-expert LoRA (MoE experts) is not applied yet" if max(a.ndim, b.ndim) == 3 else "must be 2-D"
+    dims = (2, 3) if experts else (2,)
+    if a.ndim != b.ndim or a.ndim not in dims or (a.ndim == 3 and a.shape[0] != b.shape[0]):
+        what = "LoRA on raw expert tensors is not applied yet" if a.ndim == 3 else "must both be 2-D"
         raise AdapterError(f"{source}: {module}: {what} (shapes {tuple(a.shape)} and {tuple(b.shape)})")
-    if a.shape[1] != b.shape[0] or not 0 < a.shape[1] <= MAX_RANK:
+    if a.shape[-1] != b.shape[-2] or not 0 < a.shape[-1] <= MAX_RANK:
         raise AdapterError(f"{source}: {module}: {a_name} and {b_name} disagree on the rank or it is past "
                            f"{MAX_RANK} (shapes {tuple(a.shape)} and {tuple(b.shape)})")  # fmt: skip
     if not (mx.issubdtype(a.dtype, mx.floating) and mx.issubdtype(b.dtype, mx.floating)):

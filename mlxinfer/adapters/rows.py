@@ -100,17 +100,14 @@ class LowRankRows(nn.Module):
         """New stacks (evaluated) with `pair` (None: nothing) in `slot` and room for `slots` slots: set them on the
         module between passes (`setattr`), never written in place, so passes already built keep what they read.
         `weight`: the base's float weight, for DoRA's factor."""
-        slots, rank = max(self.a.shape[0], slots), max(self.a.shape[2], pair.rank if pair else 0)
-        a, b = _padded(self.a, slots, 2, rank), _padded(self.b, slots, 1, rank)
-        new_a, new_b = mx.zeros(a.shape[1:], dtype), mx.zeros(b.shape[1:], dtype)
-        if pair is not None:
-            new_a[:, : pair.rank] = pair.a.astype(dtype)
-            new_b[: pair.rank] = pair.b.astype(dtype)
-        out = {"a": _with_row(a, slot, new_a), "b": _with_row(b, slot, new_b)}
+        slots = max(self.a.shape[0], slots)
+        a, b = (pair.a.astype(dtype), pair.b.astype(dtype)) if pair is not None else (None, None)
+        out = {"a": with_row_padded(self.a, slot, slots, 2, a), "b": with_row_padded(self.b, slot, slots, 1, b)}
         dora = pair is not None and pair.magnitude is not None
         if "factor" in self or dora:
-            factor = _padded(self.factor if "factor" in self else mx.ones((1, b.shape[2]), dtype), slots, 1, 0, 1.0)
-            row = dora_factor(weight(), pair).astype(dtype) if dora else mx.ones((b.shape[2],), dtype)
+            width = out["b"].shape[2]
+            factor = _padded(self.factor if "factor" in self else mx.ones((1, width), dtype), slots, 1, 0, 1.0)
+            row = dora_factor(weight(), pair).astype(dtype) if dora else mx.ones((width,), dtype)
             out["factor"] = _with_row(factor, slot, row)
         mx.eval(out)
         return out
@@ -183,6 +180,18 @@ def _padded(x: mx.array, slots: int, axis: int, width: int, fill: float = 0.0) -
         widths[axis] = (0, width - x.shape[axis])
         x = mx.pad(x, widths)
     return x
+
+
+def with_row_padded(x: mx.array, slot: int, slots: int, axis: int, row: mx.array | None) -> mx.array:
+    """`x` (slots first) grown to `slots` slots and, along its rank axis `axis`, to `row`'s rank, with slot `slot`
+    holding `row` zero-padded (None: zeros). A new array: `x` itself is never written."""
+    x = _padded(x, slots, axis, row.shape[axis - 1] if row is not None else 0)
+    new = mx.zeros(x.shape[1:], x.dtype)
+    if row is not None:
+        span = [slice(None)] * new.ndim
+        span[axis - 1] = slice(0, row.shape[axis - 1])
+        new[tuple(span)] = row
+    return _with_row(x, slot, new)
 
 
 def _with_row(x: mx.array, slot: int, row: mx.array) -> mx.array:
