@@ -381,6 +381,10 @@ def test_convert_merges_the_adapter_before_quantizing(tmp_path):
                                       "-o", str(tmp_path / "wrong"), "--no-eval"])  # fmt: skip
     assert wrong.exit_code == 1 and "trained for another base model" in wrong.output
     assert not (tmp_path / "wrong").exists()
+    experts = write_mlx_lm_adapter(TINY / "mixtral", tmp_path / "experts")
+    moe = CliRunner().invoke(main, ["convert", str(TINY / "mixtral"), "--adapter", str(experts), "-o",
+                                    str(tmp_path / "moe"), "--no-eval"])  # fmt: skip
+    assert moe.exit_code == 1 and "does not merge yet" in moe.output and not (tmp_path / "moe").exists()
 
 
 def test_ls_lists_the_models_folders_adapters(tmp_path, monkeypatch, three):
