@@ -36,7 +36,7 @@ class ExpertRows(nn.Module):
             return self.base(x, indices)
         # The row's slot of each (token, expert): rows are the leading axis of `indices`, (rows, positions, k).
         slot = selection.uniform if selection.uniform is not None else selection.slots.reshape(-1, 1, 1)
-        picked = slot * self.experts + indices
+        picked = (slot * self.experts + indices).astype(indices.dtype)  # the router's index type, on every backend
         x = mx.expand_dims(x, (-2, -3))
         indices = mx.stop_gradient(indices)
         ordered = indices.size >= 64  # as SwitchGLU: many pairs run sorted by expert
