@@ -137,6 +137,17 @@ def test_over_a_quantized_base_it_equals_mlx_lm(tmp_path):
         np.testing.assert_allclose(model.logits(ids_of("qwen3"), adapter="a"), want, atol=2e-4)
 
 
+def tokens_into(tokens: list[int], collector: Collector):
+    """A job's listener: each delta's token appended to `tokens`, every event handed to `collector`."""
+
+    def on_event(event) -> None:
+        if isinstance(event, Delta) and event.token is not None:
+            tokens.append(event.token)
+        collector(event)
+
+    return on_event
+
+
 def greedy(model: mlxinfer.Model, prompt: list[int], adapter: str | None, tokens: int) -> list[int]:
     """Greedy tokens from whole-sequence logits (Model.logits), a path apart from the engine's batches."""
     out: list[int] = []
@@ -152,24 +163,33 @@ def test_rows_with_three_adapters_and_the_bare_base_batch_as_each_alone(tuned, s
     scheduler = scheduler_for(tuned, max_batch=4, prefill_chunk=8)
     sizes = batch_sizes(scheduler)
     got: dict[str | None, list[int]] = {name: [] for name in want}
-
-    def collect(name: str | None, collector: Collector):
-        def on_event(event) -> None:
-            if isinstance(event, Delta) and event.token is not None:
-                got[name].append(event.token)
-            collector(event)
-
-        return on_event
-
     collectors = {name: Collector() for name in want}
     for name in want:
-        job = Job(prompt, collect(name, collectors[name]), max_tokens=12, use_cache=False, eos_token_ids=frozenset(),
-                  adapter=tuned.choose_adapter(name))  # fmt: skip
+        job = Job(prompt, tokens_into(got[name], collectors[name]), max_tokens=12, use_cache=False,
+                  eos_token_ids=frozenset(), adapter=tuned.choose_adapter(name))  # fmt: skip
         scheduler.submit(job)
     for collector in collectors.values():
         assert isinstance(collector.wait().end, Finished)
     assert got == want
     assert max(sizes) == 4  # all four decoded together
+
+
+def test_latent_attention_decodes_its_kv_b_proj_adapter_as_the_whole_sequence_does(scheduler_for):
+    # deepseek_v3's PEFT adapter adapts kv_b_proj, held here as per-head halves folded into the query and the output
+    # (mlx-lm's MLA): a prompt runs it one way (its keys and values), each decode step the other (folded).
+    model = mlxinfer.load(TINY / "deepseek_v3", adapters={"tuned": FIXTURES / "deepseek_v3_lora"}, prefix_cache_bytes=0)
+    prompt = ids_of("deepseek_v3")[:12]
+    want = {name: greedy(model, prompt, name, 8) for name in ("tuned", None)}
+    assert want["tuned"] != want[None]
+    scheduler = scheduler_for(model, max_batch=2)
+    got: dict[str | None, list[int]] = {name: [] for name in want}
+    collectors = {name: Collector() for name in want}
+    for name in want:  # the two rows decode together: each its own half-pairs, or none
+        scheduler.submit(Job(prompt, tokens_into(got[name], collectors[name]), max_tokens=8, eos_token_ids=frozenset(),
+                             adapter=model.choose_adapter(name)))  # fmt: skip
+    for collector in collectors.values():
+        collector.wait()
+    assert got == want
 
 
 def test_the_prefix_cache_keys_kv_by_the_adapter(tuned):

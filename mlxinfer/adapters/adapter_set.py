@@ -20,6 +20,7 @@ from ..errors import AdapterError, BusyError
 from ..untrusted import listed, shown
 from .experts import PROJECTIONS, ExpertRows, expert_dims
 from .fused import dense_weight
+from .latent import KEYS, SPLIT, VALUES, LatentRows, split_dims
 from .reading import Adapter, LowRank
 from .rows import BASE, KEY_SPACE, NO_ADAPTER, Chosen, LowRankRows, ReplacedRows, Selection, linear_dims
 
@@ -27,7 +28,7 @@ MAX_ADAPTERS = 64  # over one base; each adds a slot to every adapted module
 RETRY_S = 1  # what a request refused while every adapter slot runs others is told to wait
 LINEAR = (nn.Linear, nn.QuantizedLinear)
 WHOLE = (*LINEAR, nn.Embedding, nn.QuantizedEmbedding)  # what PEFT's modules_to_save may replace here
-WRAPPERS = (LowRankRows, ReplacedRows, ExpertRows)
+WRAPPERS = (LowRankRows, ReplacedRows, ExpertRows, LatentRows)
 
 
 class AdapterSet:
@@ -124,7 +125,9 @@ class AdapterSet:
         two passes, holds `lock` (a pass being built waits that long, not for the adapter's loading)."""
         modules = dict(self._model.named_modules())
         pairs = adapter.modules if adapter is not None else {}
-        low = {path: pair for path, pair in pairs.items() if not pair.per_expert}
+        # MLA's kv_b_proj, which this model holds as its two halves: by the attention layer
+        latent = {p.rsplit(".", 1)[0]: pair for p, pair in pairs.items() if p.endswith(SPLIT) and p not in modules}
+        low = {path: pair for path, pair in pairs.items() if not pair.per_expert and path in modules}
         experts: dict[str, dict[str, LowRank]] = {}  # an MoE layer -> its projections' per-expert pairs
         for path, pair in pairs.items():
             if pair.per_expert:
@@ -134,6 +137,11 @@ class AdapterSet:
         wraps = {p: LowRankRows(modules[p], self.selection, self.dtype) for p in low if type(modules[p]) in LINEAR}
         wraps |= {p: ExpertRows(modules[p], self.selection, self.dtype) for p in experts if _is_glu(modules[p])}
         wraps |= {p: ReplacedRows(modules[p], self.selection) for p in saved if type(modules[p]) in WHOLE}
+        for attention in latent:
+            for role in (KEYS, VALUES):
+                path = f"{attention}.{role}"
+                if not isinstance(modules[path], LatentRows):
+                    wraps[path] = LatentRows(modules[path], role, self.selection, self.dtype)
         slots = max(slot, len(self.adapters)) + 1  # every slot a running row may index
         staged = []
         for path, module in {**modules, **wraps}.items():
@@ -142,6 +150,8 @@ class AdapterSet:
                 staged.append((module, module.staged(slot, slots, low.get(path), self.dtype, weight)))
             elif isinstance(module, ExpertRows):
                 staged.append((module, module.staged(slot, slots, experts.get(path, {}), self.dtype)))
+            elif isinstance(module, LatentRows):
+                staged.append((module, module.staged(slot, slots, latent.get(path.rsplit(".", 1)[0]), self.dtype)))
             elif isinstance(module, ReplacedRows):
                 copy = _copy(module.base, path, adapter, self.dtype) if adapter is not None else None
                 staged.append((module, module.staged(slot, copy)))
@@ -162,6 +172,11 @@ class AdapterSet:
         for path, pair in sorted(adapter.modules.items()):  # the first layer that differs is named
             if pair.per_expert:
                 out_dims, in_dims = _check_experts(adapter, path, pair, modules)
+            elif path.endswith(SPLIT) and path not in modules and split_dims(modules.get(path.rsplit(".", 1)[0])):
+                if pair.magnitude is not None:
+                    raise AdapterError(f"{adapter.path}: DoRA on {path} (split here into per-head halves) is not "
+                                       "applied yet")  # fmt: skip
+                in_dims, out_dims = split_dims(modules[path.rsplit(".", 1)[0]])
             else:
                 module = _unwrapped(modules.get(path))
                 if type(module) not in LINEAR:
