@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlxinfer.adapters import Adapter, LowRank, fuse_into, fused, read_adapter
 from mlxinfer.adapters.loading import TEXT_PREFIXES, named_as_in
 from mlxinfer.errors import ConversionError
+from mlxinfer.models.config import ModelConfig
 from mlxinfer.untrusted import listed
 
 from .sources import Quantized, Source, Tensor
@@ -74,11 +75,11 @@ class AdaptedSource:
         self._source.close()
 
 
-def fuse_loaded(model: nn.Module, source: Any, dtype: mx.Dtype) -> None:
+def fuse_loaded(model: nn.Module, source: Any, dtype: mx.Dtype, config: ModelConfig) -> None:
     """Merge the adapter of an AdaptedSource into `model` (the source loaded by the runtime), in place."""
     adapter: Adapter | None = getattr(source, "adapter", None)
     if adapter is not None:
-        fuse_into(model, named_as_in(adapter, model), dtype)
+        fuse_into(model, named_as_in(adapter, model, config.spec.fused_outputs), dtype)
 
 
 def _plain(name: str) -> str:

@@ -180,7 +180,8 @@ def _load(source: Source) -> LoadedModel:
     layers = quantized_layers(loaded.model)
     if layers:
         dequantize(loaded.model, layers, loaded.compute_dtype)
-    fuse_loaded(loaded.model, source, loaded.compute_dtype)  # `convert --adapter`: the fine-tune is the source
+    # `convert --adapter`: the fine-tune is the source
+    fuse_loaded(loaded.model, source, loaded.compute_dtype, loaded.config)
     return loaded
 
 

@@ -122,7 +122,8 @@ def evaluate(source: Source, tokens: int, folder: Path, bpw: float, progress: bo
         bar.set_postfix_str("loading both models")
         # The source first: the output then fits in the memory its loading needed beyond the model.
         models: list[Any] = [load(source_path(source), cpu_weights=weights)]
-        fuse_loaded(models[0].runtime.decoder, source, getattr(mx, models[0].compute_dtype))  # `--adapter`'s
+        reference = models[0]  # with `--adapter`, the adapter merged in: the output is measured against that
+        fuse_loaded(reference.runtime.decoder, source, getattr(mx, reference.compute_dtype), reference.config)
         models.append(load(folder, cpu_weights=weights))
         ids = models[1].tokenizer.encode(prose_text(), add_special_tokens=False)[:tokens]
         bar.reset(total=2 * len(ids))

@@ -7,7 +7,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import AdapterError
@@ -15,7 +17,7 @@ from ..models.loader import LoadedModel
 from ..models.multimodal import WRAPPERS
 from ..untrusted import shown
 from .adapter_set import MAX_ADAPTERS, AdapterSet, install
-from .reading import Adapter, read_adapter
+from .reading import Adapter, LowRank, read_adapter
 
 log = logging.getLogger(__name__)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what a request names it by (`base:NAME` on the server)
@@ -52,7 +54,7 @@ def _read(loaded: LoadedModel, name: str, path: str | Path) -> Adapter:
         raise AdapterError("adapters over a model split across ranks are not supported yet; serve it on one machine")
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise AdapterError(f"adapter name {shown(name)}: use letters, digits, '_', '.' and '-' (at most 64)")
-    adapter = named_as_in(read_adapter(path, name), loaded.model)
+    adapter = named_as_in(read_adapter(path, name), loaded.model, loaded.config.spec.fused_outputs)
     _say_base(adapter, loaded)
     return adapter
 
@@ -63,9 +65,12 @@ TEXT_PREFIXES = sorted(
 )
 
 
-def named_as_in(adapter: Adapter, model: nn.Module) -> Adapter:
+def named_as_in(
+    adapter: Adapter, model: nn.Module, fused_outputs: Mapping[str, tuple[str, ...]] = MappingProxyType({})
+) -> Adapter:
     """`adapter` with its modules under this model's names: a vision-language checkpoint's adapter names the text
-    layers as its checkpoint does ("language_model.model.layers.0..."), which this loader renames."""
+    layers as its checkpoint does ("language_model.model.layers.0..."), which this loader renames; a fused layer
+    the runtime splits by output rows (the family's `fused_outputs`) splits its pair the same way."""
     here = {name for name, _ in model.named_modules()}
 
     def renamed(path: str) -> str:
@@ -73,9 +78,24 @@ def named_as_in(adapter: Adapter, model: nn.Module) -> Adapter:
             return path
         return next((new + path[len(old) :] for old, new in TEXT_PREFIXES if path.startswith(old)), path)
 
-    modules = {renamed(path): pair for path, pair in adapter.modules.items()}
+    modules: dict[str, LowRank] = {}
+    for path, pair in adapter.modules.items():
+        path = renamed(path)
+        fused = next((k for k in fused_outputs if path.endswith("." + k)), None) if path not in here else None
+        parts = [path[: -len(fused)] + p for p in fused_outputs[fused]] if fused is not None else []
+        if parts and all(p in here for p in parts):
+            modules.update(zip(parts, _split_outputs(pair, len(parts))))
+        else:
+            modules[path] = pair
     saved = {f"{renamed(k.rsplit('.', 1)[0])}.{k.rsplit('.', 1)[1]}": v for k, v in adapter.replaced.items()}
     return replace(adapter, modules=modules, replaced=saved)
+
+
+def _split_outputs(pair: LowRank, parts: int) -> list[LowRank]:
+    """`pair` on a fused layer as one pair per equal block of its output rows (DoRA's magnitudes per row too)."""
+    bs = mx.split(pair.b, parts, axis=-1)
+    ms = mx.split(pair.magnitude, parts) if pair.magnitude is not None else [None] * parts
+    return [LowRank(pair.a, b, m) for b, m in zip(bs, ms)]
 
 
 def _say_base(adapter: Adapter, loaded: LoadedModel) -> None:

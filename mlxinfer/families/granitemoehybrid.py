@@ -160,5 +160,10 @@ SPECS = {
         mlx_sanitize=True,
         adapt=adapt,
         hf_class="GraniteMoeHybridForCausalLM",
+        # The dense variant's shared MLP, which mlx-lm's sanitize splits into a plain MLP (gate rows, then up)
+        fused_outputs={
+            "shared_mlp.input_linear": ("mlp.gate_proj", "mlp.up_proj"),
+            "shared_mlp.output_linear": ("mlp.down_proj",),
+        },  # fmt: skip
     ),
 }

@@ -108,6 +108,9 @@ class ArchSpec:
     # `adapt(model, config)` makes mlx-lm's freshly built layers compute what transformers does (and may
     # replace `model.mlx_sanitize`): the family file's layer adapters, run when such a model is built.
     adapt: Callable[[DecoderLM, ModelConfig], None] | None = None
+    # A fused linear layer of the checkpoint that the runtime splits by output rows into the modules named, in
+    # order (paths after the layer's prefix): an adapter's pair on it splits the same way (adapters/loading.py).
+    fused_outputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # Flags the Gemma families share (their embeddings scaled by sqrt(hidden_size), tied heads, tanh GELU).
