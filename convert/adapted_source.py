@@ -30,12 +30,10 @@ class AdaptedSource:
     def __init__(self, source: Source, adapter_path: str | Path):
         self._source = source
         self.adapter = read_adapter(adapter_path)
-        experts = [path for path, pair in self.adapter.modules.items() if pair.per_expert]
-        if experts:
-            raise ConversionError(f"{self.adapter.path}: adapts MoE experts ({listed(experts)}), which `convert "
-                                  "--adapter` does not merge yet; load the adapter over the converted model instead "
-                                  "(mlxinfer.load(..., adapters=...), serve --adapter)")  # fmt: skip
-        self._pairs = {_plain(path): pair for path, pair in self.adapter.modules.items()}
+        # mlx-lm's per-expert pairs name the runtime's stacked experts: merged as the output is written (`merged`)
+        self._experts = {f"{p}.weight": pair for p, pair in self.adapter.modules.items() if pair.per_expert}
+        self._pending = set(self._experts)
+        self._pairs = {_plain(p): pair for p, pair in self.adapter.modules.items() if not pair.per_expert}
         self._saved = {_plain(name): value for name, value in self.adapter.replaced.items()}
         self.tensors = dict(source.tensors)
         self._merged: dict[str, LowRank] = {}
@@ -64,6 +62,26 @@ class AdaptedSource:
             return value
         weight = value.rows(0, math.prod(value.shape[:-1])) if isinstance(value, Quantized) else value
         return fused(weight, pair)
+
+    def merged(self, name: str, value: mx.array | Quantized) -> mx.array | Quantized:
+        """An output tensor (the runtime's layout) with the adapter's per-expert pairs for it merged in."""
+        pair = self._experts.get(name)
+        if pair is None:
+            return value
+        experts, rows = pair.a.shape[0], pair.b.shape[-1]
+        weight = value.rows(0, experts * rows).reshape(experts, rows, -1) if isinstance(value, Quantized) else value
+        if tuple(weight.shape) != (experts, rows, pair.a.shape[1]):
+            raise ConversionError(f"{self.adapter.path}: {name} is {tuple(weight.shape)} in the model but "
+                                  f"{(experts, rows, pair.a.shape[1])} in the adapter; it was trained for another "
+                                  "base model")  # fmt: skip
+        self._pending.discard(name)
+        return fused(weight, pair)
+
+    def check_merged(self) -> None:
+        """Every per-expert pair found its tensor (the output is not the fine-tune otherwise)."""
+        if self._pending:
+            raise ConversionError(f"{self.adapter.path}: adapts {listed(sorted(self._pending))}, which this model "
+                                  "has no experts for; it was trained for another base model")  # fmt: skip
 
     def identity(self) -> dict[str, Any]:
         """What the manifest records of the adapter merged in."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..errors import AdapterError
 from ..models.quantized import dequantize_blocks
@@ -17,8 +18,9 @@ from .reading import Adapter, LowRank
 
 
 def adapted(weight: mx.array, pair: LowRank) -> mx.array:
-    """`weight` (out, in) plus the pair's update, in float32, before DoRA's rescaling."""
-    return weight.astype(mx.float32) + (pair.a.astype(mx.float32) @ pair.b.astype(mx.float32)).T
+    """`weight` (out, in), or per expert (experts, out, in), plus the pair's update, in float32, before DoRA's
+    rescaling."""
+    return weight.astype(mx.float32) + (pair.a.astype(mx.float32) @ pair.b.astype(mx.float32)).swapaxes(-1, -2)
 
 
 def dora_factor(weight: mx.array, pair: LowRank) -> mx.array:
@@ -35,8 +37,9 @@ def fused(weight: mx.array, pair: LowRank) -> mx.array:
 
 
 def dense_weight(module: nn.Module) -> mx.array:
-    """A linear layer's weight (out, in) as float32, dequantized where it is quantized."""
-    if isinstance(module, nn.QuantizedLinear):
+    """A linear layer's weight (out, in), or an MoE projection's (experts, out, in), as float32, dequantized where
+    it is quantized."""
+    if "scales" in module:
         args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
         return dequantize_blocks(*args, getattr(module, "mode", "affine"))
     return module.weight.astype(mx.float32)
@@ -49,14 +52,18 @@ def fuse_into(model: nn.Module, adapter: Adapter, dtype: mx.Dtype) -> None:
     merged = []
     for path, pair in adapter.modules.items():
         module = modules.get(path)
-        if type(module) not in (nn.Linear, nn.QuantizedLinear):
-            raise AdapterError(f"{adapter.path}: adapts {path}, which this model has no linear layer for")
-        weight = fused(dense_weight(module), pair)
-        if weight.shape[::-1] != (pair.a.shape[0], pair.b.shape[1]):
-            raise AdapterError(f"{adapter.path}: {path} does not fit this model's layer {tuple(weight.shape)}")
-        linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
-        linear.update({"weight": weight.astype(dtype), **({"bias": module.bias} if "bias" in module else {})})
-        merged.append((path, linear))
+        kinds = (SwitchLinear, QuantizedSwitchLinear) if pair.per_expert else (nn.Linear, nn.QuantizedLinear)
+        if type(module) not in kinds:
+            raise AdapterError(f"{adapter.path}: adapts {path}, which this model has no such layer for")
+        base = dense_weight(module)
+        if base.shape != (*pair.a.shape[:-2], pair.b.shape[-1], pair.a.shape[-2]):
+            raise AdapterError(f"{adapter.path}: {path} does not fit this model's layer {tuple(base.shape)}")
+        weight = fused(base, pair).astype(dtype)
+        *experts, rows, columns = weight.shape
+        bias = "bias" in module
+        layer = SwitchLinear(columns, rows, experts[0], bias=bias) if experts else nn.Linear(columns, rows, bias=bias)
+        layer.update({"weight": weight, **({"bias": module.bias} if bias else {})})
+        merged.append((path, layer))
     model.update_modules(tree_unflatten(merged))
     model.update(tree_unflatten([(k, v.astype(dtype)) for k, v in adapter.replaced.items()]))
     mx.eval(model.parameters())
