@@ -331,3 +331,16 @@ def test_mlx_lms_quantized_default_on_a_cpu_says_why_it_is_slow(monkeypatch):
     assert runner.slow_note(RunSpec("mlx-lm", str(MODEL), "4-bit", "matched", None, [3], decode_tokens=1)) == ""
     monkeypatch.setattr(runner.mx, "default_device", lambda: mx.gpu)
     assert runner.slow_note(spec) == ""
+
+
+@pytest.mark.slow
+def test_adapter_bench_runs_every_stream_each_way_and_counts_the_adapters():
+    from bench.adapter_bench import ADAPTERS, STREAMS, measure
+
+    result = measure(TINY / "llama_classic", rank=4, decode=4)
+    for run in ("together", "apart", "bare_base"):
+        assert result[run]["tokens"] == STREAMS * 4 and result[run]["aggregate_tps"] > 0, run
+    # llama_classic: hidden 64, MLP 128, 4 query and 2 KV heads of 16; rank 4 in float32, a slot per adapter and
+    # the base's zero slot: (in + out) x rank per projection and layer
+    features = (64 + 64) + 2 * (64 + 32) + (64 + 64) + 3 * (64 + 128)
+    assert result["held_bytes"] - result["base_bytes"] == 2 * features * 4 * 4 * (ADAPTERS + 1)
