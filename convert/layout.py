@@ -36,10 +36,21 @@ def output_shapes(source: Source, names: list[str], sanitize: Sanitize | None) -
 def converted_tensors(
     source: Source, names: list[str], sanitize: Sanitize | None
 ) -> Iterator[tuple[str, mx.array | Quantized]]:
-    """(output name, value) for every output tensor, one at a time.
+    """(output name, value) for every output tensor, one at a time; a source that merges an adapter into the
+    output layout (`convert --adapter`'s per-expert pairs) merges each as it passes.
 
     Drop each value once it is written: a lazy output still holds the tensors it is made of, and an
     evaluated one its bytes."""
+    merged = getattr(source, "merged", lambda name, value: value)
+    for name, value in _converted(source, names, sanitize):
+        yield name, merged(name, value)
+    if hasattr(source, "check_merged"):
+        source.check_merged()
+
+
+def _converted(
+    source: Source, names: list[str], sanitize: Sanitize | None
+) -> Iterator[tuple[str, mx.array | Quantized]]:
     if sanitize is None:
         for name in names:
             yield name, source.read(name)

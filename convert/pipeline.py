@@ -478,16 +478,12 @@ def _write_tensors(plan: ConversionPlan, folder: Path, progress: bool, rounded: 
     writer = ShardWriter(folder, plan.settings.shard_bytes, header_bound(_written_names(plan, shapes)))
     try:
         with tqdm(total=plan.params, unit="", unit_scale=True, desc="converting weights", disable=not progress) as bar:
-            adapted = plan.source if isinstance(plan.source, AdaptedSource) else None
             for name, value in converted_tensors(plan.source, plan.names, plan.sanitize):
-                value = adapted.merged(name, value) if adapted is not None else value
                 for out_name, array in _encode(plan, name, value, rounded):
                     writer.add(text_prefix(plan.source) + out_name, array)
                 del value  # evaluated, its bytes (or, lazy, the tensors it was made of) are not needed again
                 bar.update(math.prod(shapes[name]))
                 bar.set_postfix_str(name, refresh=False)
-        if adapted is not None:
-            adapted.check_merged()
         if rounded:  # a calibrated tensor no output tensor took: the output would not be what was fitted
             raise ConversionError(f"{shown_path(plan.out)}: calibrated tensors never written: {', '.join(rounded)}")
         vision = write_vision(plan.source, writer, plan.dtype)  # not counted in the language model's bits per weight

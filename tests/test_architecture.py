@@ -333,3 +333,14 @@ def test_one_module_parses_gguf_headers():
     signs = (b'b"GGUF"', b"b'GGUF'", b"GGUFReader", b"0x46554747")
     readers = [p.relative_to(ROOT) for p in files if any(sign in p.read_bytes() for sign in signs)]
     assert readers == [Path("mlxinfer/formats/gguf_file.py")]
+
+
+@pytest.mark.slow
+def test_importing_the_runtime_or_the_converter_never_imports_mlx_lm_or_transformers():
+    # mlx-lm's package imports transformers (about 200 MB of a process): the converter's memory forecasts and a
+    # server's footprint assume neither is there until a model that needs mlx-lm's code is built.
+    code = "import sys, mlxinfer.api, mlxinfer.server, mlxinfer.convert, mlxinfer.cli; "
+    code += "print(sorted(m for m in ('mlx_lm', 'transformers', 'torch') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

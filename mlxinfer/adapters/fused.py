@@ -7,10 +7,11 @@ converter calibrates on and compares with).
 
 from __future__ import annotations
 
+import importlib
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..errors import AdapterError
 from ..models.quantized import dequantize_blocks
@@ -52,8 +53,8 @@ def fuse_into(model: nn.Module, adapter: Adapter, dtype: mx.Dtype) -> None:
     merged = []
     for path, pair in adapter.modules.items():
         module = modules.get(path)
-        kinds = (SwitchLinear, QuantizedSwitchLinear) if pair.per_expert else (nn.Linear, nn.QuantizedLinear)
-        if type(module) not in kinds:
+        kinds = ("SwitchLinear", "QuantizedSwitchLinear") if pair.per_expert else ("Linear", "QuantizedLinear")
+        if type(module).__name__ not in kinds:  # mlx-lm's switch layers, named: importing mlx-lm costs 200 MB
             raise AdapterError(f"{adapter.path}: adapts {path}, which this model has no such layer for")
         base = dense_weight(module)
         if base.shape != (*pair.a.shape[:-2], pair.b.shape[-1], pair.a.shape[-2]):
@@ -61,9 +62,18 @@ def fuse_into(model: nn.Module, adapter: Adapter, dtype: mx.Dtype) -> None:
         weight = fused(base, pair).astype(dtype)
         *experts, rows, columns = weight.shape
         bias = "bias" in module
-        layer = SwitchLinear(columns, rows, experts[0], bias=bias) if experts else nn.Linear(columns, rows, bias=bias)
+        layer = (
+            _switch_linear(module)(columns, rows, experts[0], bias=bias)
+            if experts
+            else nn.Linear(columns, rows, bias=bias)
+        )
         layer.update({"weight": weight, **({"bias": module.bias} if bias else {})})
         merged.append((path, layer))
     model.update_modules(tree_unflatten(merged))
     model.update(tree_unflatten([(k, v.astype(dtype)) for k, v in adapter.replaced.items()]))
     mx.eval(model.parameters())
+
+
+def _switch_linear(module: nn.Module) -> type:
+    """mlx-lm's SwitchLinear, from the module `module`'s class came from (imported already: the model holds it)."""
+    return importlib.import_module(type(module).__module__).SwitchLinear
