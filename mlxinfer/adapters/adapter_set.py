@@ -17,9 +17,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..errors import AdapterError, BusyError
+from ..models.quantized import dense_weight, unpacked_columns
 from ..untrusted import listed, shown
 from .experts import PROJECTIONS, ExpertRows, expert_dims
-from .fused import dense_weight
 from .latent import KEYS, SPLIT, VALUES, LatentRows, split_dims
 from .reading import Adapter, LowRank
 from .rows import BASE, KEY_SPACE, NO_ADAPTER, Chosen, LowRankRows, ReplacedRows, Selection, linear_dims
@@ -253,8 +253,7 @@ def _misfit(adapter: Adapter, path: str, module: nn.Module | None, modules: dict
 def _whole_shape(module: nn.Module) -> tuple[int, int]:
     if type(module) in LINEAR:
         return linear_dims(module)
-    rows, columns = module.weight.shape
-    return rows, columns * 32 // module.bits if isinstance(module, nn.QuantizedEmbedding) else columns
+    return module.weight.shape[0], unpacked_columns(module)
 
 
 def _copy(base: nn.Module, path: str, adapter: Adapter, dtype: mx.Dtype) -> nn.Module | None:

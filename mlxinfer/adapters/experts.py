@@ -14,6 +14,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.quantized import unpacked_columns
 from .reading import LowRank
 from .rows import BASE, Selection, with_row_padded
 
@@ -79,8 +80,7 @@ class ExpertRows(nn.Module):
 def expert_dims(glu: nn.Module, name: str) -> tuple[int, int]:
     """(out, in) of one expert of projection `name`, quantized or not."""
     module = getattr(glu, name)
-    _, out_dims, columns = module.weight.shape
-    return out_dims, columns * 32 // module.bits if hasattr(module, "bits") else columns
+    return module.weight.shape[1], unpacked_columns(module)
 
 
 def _empty(glu: nn.Module, name: str, experts: int, dtype: mx.Dtype) -> dict[str, mx.array]:

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from ..errors import AdapterError
-from ..models.quantized import dequantize_blocks
+from ..models.quantized import dense_weight
 from .reading import Adapter, LowRank
 
 
@@ -35,15 +35,6 @@ def fused(weight: mx.array, pair: LowRank) -> mx.array:
     """The merged weight (out, in), float32: what running the base with this pair computes, as one matrix."""
     merged = adapted(weight, pair)
     return merged if pair.magnitude is None else merged * dora_factor(weight, pair)[:, None]
-
-
-def dense_weight(module: nn.Module) -> mx.array:
-    """A linear layer's weight (out, in), or an MoE projection's (experts, out, in), as float32, dequantized where
-    it is quantized."""
-    if "scales" in module:
-        args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
-        return dequantize_blocks(*args, getattr(module, "mode", "affine"))
-    return module.weight.astype(mx.float32)
 
 
 def fuse_into(model: nn.Module, adapter: Adapter, dtype: mx.Dtype) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.quantized import unpacked_columns
 from .reading import LowRank
 from .rows import BASE, Selection, with_row_padded
 
@@ -25,7 +26,7 @@ class LatentRows(nn.Module):
     def __init__(self, base: nn.Module, role: str, selection: Selection, dtype: mx.Dtype):
         super().__init__()
         heads, width = latent_dims(base, role)
-        latent = base.weight.shape[1] if role == KEYS else _columns(base)
+        latent = base.weight.shape[1] if role == KEYS else unpacked_columns(base)
         self.base, self.role, self._selection = base, role, selection
         self.a = mx.zeros((1, latent, 1), dtype)  # (slots, C, r): slot 0 the base's zeros
         self.up = mx.zeros((1, heads, 1, width), dtype)  # (slots, H, r, qk or v)
@@ -61,7 +62,7 @@ class LatentRows(nn.Module):
 
 def latent_dims(module: nn.Module, role: str) -> tuple[int, int]:
     """(heads, width) of one half: qk for embed_q ((H, C, qk)), v for unembed_out ((H, v, C))."""
-    return module.weight.shape[0], _columns(module) if role == KEYS else module.weight.shape[1]
+    return module.weight.shape[0], unpacked_columns(module) if role == KEYS else module.weight.shape[1]
 
 
 def split_dims(attention: nn.Module | None) -> tuple[int, int] | None:
@@ -71,9 +72,3 @@ def split_dims(attention: nn.Module | None) -> tuple[int, int] | None:
         return None
     heads, qk = latent_dims(keys, KEYS)
     return keys.weight.shape[1], heads * (qk + latent_dims(values, VALUES)[1])
-
-
-def _columns(module: nn.Module) -> int:
-    """A MultiLinear's last axis, unpacked where it is quantized."""
-    columns = module.weight.shape[-1]
-    return columns * 32 // module.bits if hasattr(module, "bits") else columns

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..models.quantized import unpacked_columns
 from .fused import dora_factor
 from .reading import LowRank
 
@@ -167,8 +168,7 @@ def selected(model: nn.Module, slots: Sequence[int]) -> Iterator[None]:
 
 def linear_dims(module: nn.Module) -> tuple[int, int]:
     """(out, in) features of a linear layer, quantized or not."""
-    out_dims, columns = module.weight.shape
-    return out_dims, columns * 32 // module.bits if isinstance(module, nn.QuantizedLinear) else columns
+    return module.weight.shape[0], unpacked_columns(module)
 
 
 def _padded(x: mx.array, slots: int, axis: int, width: int, fill: float = 0.0) -> mx.array:

@@ -30,7 +30,7 @@ from mlx.nn.layers.distributed import (
 from mlx.utils import tree_unflatten
 
 from ..errors import ConfigError
-from .quantized import dequantize_blocks, widened
+from .quantized import dense_weight, dequantize_blocks, widened
 
 MODES = ("auto", "dense", "quantized")
 DENSE_SHARE = 0.25  # float32 weights may take at most this share of the planner's usable memory
@@ -134,7 +134,7 @@ def dequantize(model: nn.Module, layers: dict[str, nn.Module], dtype: mx.Dtype =
     """Swap each quantized layer for its float twin in `dtype` (the same values, on the quantization grid)."""
     swapped = []
     for name, module in layers.items():
-        weight = _dense_weight(module).astype(dtype)
+        weight = dense_weight(module).astype(dtype)
         if isinstance(module, nn.QuantizedEmbedding):
             twin = nn.Embedding(*weight.shape)
         elif isinstance(module, _SHARDED):  # tensor parallel: the same share of the rows or columns, as floats
@@ -212,11 +212,6 @@ def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
     """`model`'s quantized linear layers and embeddings, by path; experts (gather kernels) are left out."""
     kinds = (nn.QuantizedLinear, *_SHARDED)  # experts (gather kernels) stay as stored
     return {n: m for n, m in model.named_modules() if type(m) in kinds or isinstance(m, nn.QuantizedEmbedding)}
-
-
-def _dense_weight(module: nn.Module) -> mx.array:
-    args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
-    return dequantize_blocks(*args, getattr(module, "mode", "affine"))
 
 
 def _dense_bytes(layers: dict[str, nn.Module]) -> int:

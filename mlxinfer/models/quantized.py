@@ -56,6 +56,21 @@ def dequantize_blocks(
     return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
+def dense_weight(module: nn.Module) -> mx.array:
+    """A module's weight as float32: dequantized (a block at a time) where it is quantized, whatever its leading
+    axes (a linear layer's (out, in), an MoE projection's (experts, out, in))."""
+    if "scales" in module:
+        args = (module.weight, module.scales, module.get("biases"), module.group_size, module.bits)
+        return dequantize_blocks(*args, getattr(module, "mode", "affine"))
+    return module.weight.astype(mx.float32)
+
+
+def unpacked_columns(module: nn.Module) -> int:
+    """A module's weight's last axis in values: packed words unpacked where it is quantized."""
+    columns = module.weight.shape[-1]
+    return columns * 32 // module.bits if "scales" in module else columns
+
+
 class QuantizedLookup(nn.QuantizedEmbedding):
     """nn.QuantizedEmbedding whose looked-up rows come out in `dtype`, the compute dtype, dequantized at that width.
 
