@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxinfer.adapters import Adapter, LowRank, fuse_into, fused, read_adapter
-from mlxinfer.adapters.loading import TEXT_PREFIXES, named_as_in
+from mlxinfer.adapters.loading import named_as_in, text_name  # the adapter's names and the source's meet
 from mlxinfer.errors import ConversionError
 from mlxinfer.models.config import ModelConfig
 from mlxinfer.untrusted import listed
@@ -33,18 +33,18 @@ class AdaptedSource:
         # mlx-lm's per-expert pairs name the runtime's stacked experts: merged as the output is written (`merged`)
         self._experts = {f"{p}.weight": pair for p, pair in self.adapter.modules.items() if pair.per_expert}
         self._pending = set(self._experts)
-        self._pairs = {_plain(p): pair for p, pair in self.adapter.modules.items() if not pair.per_expert}
-        self._saved = {_plain(name): value for name, value in self.adapter.replaced.items()}
+        self._pairs = {text_name(p): pair for p, pair in self.adapter.modules.items() if not pair.per_expert}
+        self._saved = {text_name(name): value for name, value in self.adapter.replaced.items()}
         self.tensors = dict(source.tensors)
         self._merged: dict[str, LowRank] = {}
         for name, tensor in source.tensors.items():
-            pair = self._pairs.get(_plain(name.removesuffix(".weight"))) if name.endswith(".weight") else None
+            pair = self._pairs.get(text_name(name.removesuffix(".weight"))) if name.endswith(".weight") else None
             if pair is not None:
                 _check_fits(self.adapter, name, tensor, pair)
                 self._merged[name] = pair
                 self.tensors[name] = Tensor(tensor.shape, "F32", 4 * math.prod(tensor.shape))
-        found = {_plain(n.removesuffix(".weight")) for n in self._merged}
-        missing = sorted(set(self._pairs) - found) + sorted(set(self._saved) - {_plain(n) for n in source.tensors})
+        found = {text_name(n.removesuffix(".weight")) for n in self._merged}
+        missing = sorted(set(self._pairs) - found) + sorted(set(self._saved) - {text_name(n) for n in source.tensors})
         if missing:
             raise ConversionError(f"{self.adapter.path}: adapts {listed(missing)}, which {source.description} has no "
                                   "tensor for; it was trained for another base model")  # fmt: skip
@@ -53,7 +53,7 @@ class AdaptedSource:
         return getattr(self._source, name)
 
     def read(self, name: str) -> mx.array | Quantized:
-        saved = self._saved.get(_plain(name))
+        saved = self._saved.get(text_name(name))
         if saved is not None:
             return saved
         value = self._source.read(name)
@@ -98,12 +98,6 @@ def fuse_loaded(model: nn.Module, source: Any, dtype: mx.Dtype, config: ModelCon
     adapter: Adapter | None = getattr(source, "adapter", None)
     if adapter is not None:
         fuse_into(model, named_as_in(adapter, model, config.spec.fused_outputs), dtype)
-
-
-def _plain(name: str) -> str:
-    """A tensor or module name with a vision-language checkpoint's text prefix taken off, so the adapter's names
-    and the source's meet whichever way each spells the text layers."""
-    return next((new + name[len(old) :] for old, new in TEXT_PREFIXES if name.startswith(old)), name)
 
 
 def _check_fits(adapter: Adapter, name: str, tensor: Tensor, pair: LowRank) -> None:

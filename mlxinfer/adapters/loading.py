@@ -65,6 +65,11 @@ TEXT_PREFIXES = sorted(
 )
 
 
+def text_name(name: str) -> str:
+    """A tensor or module name with a vision-language checkpoint's text prefix turned into this loader's."""
+    return next((new + name[len(old) :] for old, new in TEXT_PREFIXES if name.startswith(old)), name)
+
+
 def named_as_in(
     adapter: Adapter, model: nn.Module, fused_outputs: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 ) -> Adapter:
@@ -74,9 +79,7 @@ def named_as_in(
     here = {name for name, _ in model.named_modules()}
 
     def renamed(path: str) -> str:
-        if path in here:
-            return path
-        return next((new + path[len(old) :] for old, new in TEXT_PREFIXES if path.startswith(old)), path)
+        return path if path in here else text_name(path)
 
     modules: dict[str, LowRank] = {}
     for path, pair in adapter.modules.items():
