@@ -59,9 +59,10 @@ class DecodeBatch:
 
     `step(pipelined=True)` queues the next step on the device before the tokens
     of this one reach the caller (the device works on step n+1 while the caller
-    handles step n); the loop asks for it only while the rows stay as they are
-    (one sequence, nobody waiting), and the queued step is taken first by the
-    next `step`. Rows join and leave only when nothing is queued.
+    handles step n); the loop asks for it while no row joins (nobody waiting or
+    prefilling) and no row may verify drafts, and the queued step is taken first by
+    the next `step`. Rows join only when nothing is queued. A row that ends leaves
+    one step late: its token from the queued step is dropped with it.
 
     Under a grammar the next mask needs this step's token, so what is queued is
     the next forward pass alone: it runs while the caller handles this token and
@@ -104,12 +105,20 @@ class DecodeBatch:
             return self.model.head(self.model.hidden(fed, self.cache, None, shifts))
 
     def leave(self, rows: list[int]) -> None:
+        """Drop `rows`. A queued step goes on for the others: the rows' own next tokens are dropped from it (the
+        cache's rows for them, which the step wrote into, go with them)."""
         if rows:
             self.cache = drop_rows(self.cache, rows) if self.cache is not None else None
             gone = set(rows)
-            self.rows = [s for i, s in enumerate(self.rows) if i not in gone]
+            kept = [i for i in range(len(self.rows)) if i not in gone]
+            self.rows = [self.rows[i] for i in kept]
             self._refresh_shifts()
-            self._queued = self._queued_logits = None  # computed for rows that changed (only ever one, now gone)
+            if not kept:
+                self._queued = self._queued_logits = None
+            elif self.pending:
+                index = mx.array(kept)
+                self._queued = self._queued[index] if self._queued is not None else None
+                self._queued_logits = self._queued_logits[index] if self._queued_logits is not None else None
 
     @property
     def nbytes(self) -> int:
@@ -128,7 +137,7 @@ class DecodeBatch:
     def step(self, pipelined: bool = False) -> list[int]:
         """Feed every row its last drawn token; returns the next token of each row."""
         assert self.cache is not None
-        if self.constrained:
+        if self.constrained or self._queued_logits is not None:  # (queued under a grammar whose row has left)
             return self._masked_step(pipelined)
         picked = self._queued if self._queued is not None else self._launch(mx.array([s.token for s in self.rows]))
         self._queued = self._launch(picked) if pipelined else None
@@ -141,7 +150,9 @@ class DecodeBatch:
         # Host work while the device runs the forward pass: each grammar's mask for this step.
         allowed = allowed_tokens([s.job.constraint for s in self.rows], logits.shape[-1])
         picked = mx.stack([s.sampler(logits[i], allowed[i]) for i, s in enumerate(self.rows)])
-        self._queued_logits = self._forward(picked) if pipelined else None
+        self._queued_logits = self._forward(picked) if pipelined and self.constrained else None
+        # Once the last row under a grammar has left, the next step is queued whole, its tokens sampled too.
+        self._queued = self._launch(picked) if pipelined and not self.constrained else None
         return picked.tolist()
 
     def _forward(self, tokens: mx.array) -> mx.array:

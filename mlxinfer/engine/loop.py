@@ -14,8 +14,8 @@ Each turn drops cancelled and expired requests, admits waiting ones while the
 batch has a free place and the memory budget allows, runs one prefill chunk of
 the request being admitted, then one decode step for every running sequence. So
 a long prompt delays running streams by one chunk at a time, never by its whole
-prefill, and a finished sequence's place is taken at the next turn. A lone
-sequence with nobody waiting decodes pipelined (engine/batch.py).
+prefill, and a finished sequence's place is taken at the next turn. While no
+request is about to join, the batch decodes pipelined (engine/batch.py).
 """
 
 from __future__ import annotations
@@ -163,7 +163,10 @@ class BatchLoop:
         runner = self.runner
         if not runner.rows:
             return
-        emitted, checked = runner.decode_step(alone=not self.admission.waiting and runner.prefilling is None)
+        # Nobody joins at the next turn: nobody prefills, and nobody waits or the batch has no free place.
+        full = len(runner.rows) >= self.config.max_batch
+        settled = runner.prefilling is None and (full or not self.admission.waiting)
+        emitted, checked = runner.decode_step(settled)
         ended = []
         for row, (sequence, tokens) in enumerate(zip(runner.rows, emitted)):
             if sequence.speculation is not None:  # its policy learns how many of its drafts were kept

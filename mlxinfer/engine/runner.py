@@ -115,17 +115,17 @@ class ModelRunner:
         mx.eval(token)
         return p.sequence, p.run.cache, int(token.item())
 
-    def decode_step(self, alone: bool) -> tuple[list[list[int]], int | None]:
+    def decode_step(self, settled: bool) -> tuple[list[list[int]], int | None]:
         """One step of every row: each row's tokens to emit (all rows as many), and the drafts each verified
-        (None: a plain step). `alone`: nobody waits or prefills, so a lone row may be pipelined."""
+        (None: a plain step). `settled`: no row joins before the next step, so it may be queued now (pipelined)."""
         rows = len(self.batch.rows)
         drafted = None if self.batch.pending else self._drafts()
         started = time.perf_counter()
         if drafted is None:
-            # A lone sequence with nobody waiting keeps the device busy while its tokens are handled
-            # (unless it may speculate next: a draft needs this step's token).
-            lone = alone and rows == 1 and not self.batch.rows[0].may_speculate
-            emitted = [[token] for token in self.batch.step(pipelined=lone)]
+            # With nobody waiting to join, the device works on the next step while this one's tokens are handled
+            # (unless a row may speculate next: a draft needs this step's token).
+            pipelined = settled and self.config.pipelined and not any(s.may_speculate for s in self.batch.rows)
+            emitted = [[token] for token in self.batch.step(pipelined=pipelined)]
         else:
             emitted = self.batch.verify(*drafted)
         checked = len(drafted[0][0].tokens) if drafted else None

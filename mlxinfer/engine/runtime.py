@@ -37,6 +37,7 @@ class SchedulerConfig:
     max_queue: int = 64  # requests waiting for a place; more are refused (BusyError)
     prefill_chunk: int = SERVER_PREFILL_CHUNK_TOKENS  # tokens per prefill step, between decode steps
     snapshot_every: int = SNAPSHOT_EVERY  # tokens between state snapshots (models with uncuttable layers)
+    pipelined: bool = True  # queue the next decode step while this one's tokens are handled (off: to measure it)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "prefill_chunk", "snapshot_every"):
