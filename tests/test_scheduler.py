@@ -14,6 +14,7 @@ from mlxinfer.cache.batch import add_row, drop_rows, row_cache
 from mlxinfer.engine import Delta, Failed, Finished, Job, SamplingParams, SchedulerConfig, ServingThread
 from mlxinfer.errors import BusyError, MemoryBudgetError, RequestTimeoutError, SamplingError, ShutdownError
 from mlxinfer.memory import MachineMemory
+from mlxinfer.models.config import FULL
 from tests.conftest import ARCHITECTURES, TINY
 
 PROMPTS = [
@@ -172,6 +173,16 @@ def test_a_pipelined_batch_drops_the_rows_that_end_and_decodes_the_others_as_alo
         assert collector.wait().ids == greedy(prompt, n)
     pipelined_rows = [rows for rows, pipelined in steps if pipelined]
     assert 3 in pipelined_rows and 2 in pipelined_rows, str(steps)  # pipelined with all three rows, and after one left
+
+
+def test_a_decode_step_of_rows_of_one_length_needs_no_mask(tiny_llama):
+    # A mask costs an op per layer and, on a GPU, a slower attention kernel: a lone row or rows without left
+    # padding see every key they hold. Padding to hide still gets its mask.
+    lm = tiny_llama._loaded.model
+    assert lm.mask(1, 10, FULL, left_padding=[0]) is None and lm.mask(1, 10, FULL, left_padding=[0, 0]) is None
+    mask = lm.mask(1, 10, FULL, left_padding=[0, 3])
+    assert mask.shape == (2, 1, 1, 11) and mask[1, 0, 0].tolist() == [False] * 3 + [True] * 8
+    assert mask[0].all().item()
 
 
 def test_quantized_kv_rows_batch_like_single_requests(smol_path, scheduler_for):

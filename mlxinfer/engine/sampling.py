@@ -184,7 +184,8 @@ def filter_logits(logits: mx.array, top_k: int = 0, top_p: float = 1.0, min_p: f
     """Set the logits of tokens outside top-k / top-p / min-p to -inf."""
     neg_inf = mx.array(-math.inf, dtype=logits.dtype)
     if 0 < top_k < logits.shape[-1]:
-        kth = mx.sort(logits, axis=-1)[..., -top_k, None]  # one per row: logits may be (rows, vocab)
+        # The k-th largest, one per row (logits may be (rows, vocab)): a partition, linear in the vocabulary.
+        kth = -mx.partition(-logits, top_k - 1, axis=-1)[..., top_k - 1, None]
         logits = mx.where(logits < kth, neg_inf, logits)
     if top_p < 1.0:
         probs = mx.softmax(logits, axis=-1)

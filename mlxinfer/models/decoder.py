@@ -177,6 +177,8 @@ class DecoderLM(nn.Module):
         # Keys cover positions [key_start, offset + length); query i sits at offset + i.
         window = self.layout.sliding_window if kind == SLIDING else None
         keys = offset + length - key_start
+        if left_padding is not None and not any(left_padding):  # rows of one length (a lone one): nothing to hide
+            left_padding = None
         if left_padding is None and length == 1 and (window is None or keys <= window):
             return None
         query = mx.arange(offset, offset + length)[:, None]
