@@ -3,8 +3,8 @@
 On an Apple GPU a small model's decode step takes 2-8 ms, so the Python around each step decides speed there. A
 model small enough that MLX's own work per step is a fraction of a millisecond shows that host work on any
 machine: a llama of 4 layers, 256 wide, with the tiny fixtures' byte-level tokenizer padded to 512 ids (random
-weights, float32, written by transformers: bench/hybrid_models.build_checkpoint). A real vocabulary would not do
-here: on this CPU reading a 49,152 x 256 float32 head alone takes ~6 ms a token. Every case decodes the same
+weights, float32, in transformers' layout). A real vocabulary would not do here: on this CPU reading a
+49,152 x 256 float32 head alone takes ~6 ms a token. Every case decodes the same
 prompt ids for the same number of tokens, greedily, and at temperature 1 among the 64 likeliest (a random
 model's greedy answer repeats itself, so prompt lookup drafts it; sampled, nothing is drafted); the runs are
 interleaved, case after case, and each case's best run is kept (the spread on a shared machine is one-sided:
@@ -30,6 +30,7 @@ import cProfile
 import json
 import os
 import pstats
+import shutil
 import time
 from collections.abc import Callable
 from datetime import date
@@ -37,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxinfer.paths import cache_dir
 from mlxinfer.speed.conditions import conditions
 
-from .hybrid_models import BOS_ID, EOS_ID, Shape, build_checkpoint
+from .hybrid_models import BOS_ID, EOS_ID, Shape, write_tokenizer
 
 SHAPE = Shape(
     "a llama of 4 layers, hidden 256, 512 byte-level ids (random weights): dispatch-bound on any device",
@@ -63,20 +65,48 @@ TOP_K = 64  # sampled cases: far above where a special token's logit of 0 ranks
 
 
 def prepare_fixture(root: Path | None = None) -> Path:
-    """The dispatch-bound llama, built once and cached. Its special tokens' embeddings are zero, so their logits
-    are 0, the middle of a random model's: greedy and top-k sampling never pick them (an EOS would end a run early,
-    and mlx-lm's streaming detokenizer has no text for the others)."""
-    from safetensors.numpy import load_file, save_file
+    """The dispatch-bound llama, built once and cached, in transformers' layout, written with NumPy alone (so that a
+    GPU machine runs this bench without torch). Its special tokens' embeddings are zero, so their logits are 0, the
+    middle of a random model's: greedy and top-k sampling never pick them (an EOS would end a run early, and
+    mlx-lm's streaming detokenizer has no text for the others)."""
+    from safetensors.numpy import save_file
 
     out = (root or cache_dir() / "bench-models") / "host-bench-llama-256x4-v512"
     if (out / "config.json").exists():
         return out
-    folder = build_checkpoint(SHAPE, out.with_name(out.name + ".build"))
-    weights = load_file(folder / "model.safetensors")
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = {**SHAPE.config, "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6}
+    config.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=BOS_ID, torch_dtype="float32")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    weights = _random_llama(config)
     weights["model.embed_tokens.weight"][SPECIAL_IDS] = 0
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    os.replace(folder, out)
+    save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    write_tokenizer(tmp, config["vocab_size"], config["max_position_embeddings"])
+    os.replace(tmp, out)
     return out
+
+
+def _random_llama(c: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A llama's tensors, normal with transformers' initializer range (0.02), norms at 1."""
+    rng = np.random.default_rng(0)
+    hidden, inner, head = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], hidden)}
+    for i in range(c["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes |= {layer + "self_attn.q_proj.weight": (q, hidden), layer + "self_attn.k_proj.weight": (kv, hidden),
+                   layer + "self_attn.v_proj.weight": (kv, hidden), layer + "self_attn.o_proj.weight": (hidden, q),
+                   layer + "mlp.gate_proj.weight": (inner, hidden), layer + "mlp.up_proj.weight": (inner, hidden),
+                   layer + "mlp.down_proj.weight": (hidden, inner)}  # fmt: skip
+    weights = {name: (0.02 * rng.standard_normal(shape)).astype(np.float32) for name, shape in shapes.items()}
+    norms = ["model.norm.weight"] + [
+        f"model.layers.{i}.{n}.weight"
+        for i in range(c["num_hidden_layers"])
+        for n in ("input_layernorm", "post_attention_layernorm")
+    ]
+    return weights | {name: np.ones(hidden, np.float32) for name in norms}
 
 
 Run = Callable[[], tuple[int, str]]  # a case's run: how many tokens it made, and what speculation did

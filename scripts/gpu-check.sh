@@ -4,7 +4,9 @@
 #   2. parity on the tiny fixtures (tests/test_parity.py against transformers' golden outputs);
 #   3. the real default model's answer to "What is the capital of France?";
 #   4. prefill and decode tok/s with the fraction of the bandwidth ceiling at batch 1, 2, 4 and 8, for the
-#      8-bit model (the issue's goal: decode at batch 1 at least 80% of the ceiling).
+#      8-bit model (the issue's goal: decode at batch 1 at least 80% of the ceiling);
+#   5. host work per token against mlx-lm and a bare loop, and pipelined batches on and off, on a dispatch-bound
+#      fixture (bench/host_bench.py, written with NumPy: no torch needed).
 # Figures land in $OUT (default: bench/results/gpu-<date>); record them in bench/README.md with their conditions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,4 +43,9 @@ python -m mlxinfer.cli convert "$(python -c 'from mlxinfer.default_model import 
   -o "$eight" --bits 8 --no-eval
 python -m mlxinfer.cli bench "$eight" --json > "$OUT/bench-8bit.json"
 python -m bench.batch_bench --model "$eight" --weights quantized --decode 128 --out "$OUT"
+
+echo "== host work per token and pipelined batches (issue 37), dispatch-bound fixture"
+python -m bench.host_bench --runs 3 --out "$OUT"
+fixture=$(python -c 'from bench.host_bench import prepare_fixture as p; print(p())')
+python -m bench.batch_bench --model "$fixture" --weights auto --decode 200 --rounds 3 --out "$OUT"
 echo "figures in $OUT"
