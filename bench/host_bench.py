@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxinfer.paths import cache_dir
-from mlxinfer.speed.conditions import conditions
+from mlxinfer.speed.conditions import conditions, described
 
 from .hybrid_models import BOS_ID, EOS_ID, Shape, write_tokenizer
 
@@ -204,12 +204,9 @@ def figures(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    c = report["conditions"]
     head = (
-        f"{c['chip']} ({c['cores']} cores) · {c['os']} · backend {c['backend']} · mlx {c['versions']['mlx']} · "
-        f"mlx-lm {c['versions']['mlx-lm']} · mlxinfer {c['versions']['mlxinfer']}; {report['tokens']} tokens per "
-        f"run, best of {report['rounds']} interleaved rounds; load average at start "
-        f"{report['load_average_at_start'][0]:.1f}"
+        f"{described(report['conditions'])}; {report['tokens']} tokens per run, best of {report['rounds']} "
+        f"interleaved rounds; load average at start {report['load_average_at_start'][0]:.1f}"
     )
     parts = [head]
     for temperature, table in report["by_temperature"].items():

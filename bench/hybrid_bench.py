@@ -246,12 +246,11 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(f: dict[str, Any]) -> str:
-    c = f["conditions"]
+    from mlxinfer.speed.conditions import described
+
     head = (
-        f"{c['chip']} ({c['cores']} cores, {c['memory_bytes'] / 2**30:.0f} GiB) · {c['os']} · backend {c['backend']} · "
-        f"mlx {c['versions']['mlx']} · mlx-lm {c['versions']['mlx-lm']} · mlxinfer {c['versions']['mlxinfer']}; "
-        f"{f['compute_dtype']} compute, random weights (speed only); load average at start "
-        f"{f['load_average_at_start'][0]:.1f}"
+        f"{described(f['conditions'])}; {f['compute_dtype']} compute, random weights (speed only); load average at "
+        f"start {f['load_average_at_start'][0]:.1f}"
     )
     return "\n\n".join([head, _shared_prefix_table(f), _decode_table(f), _models_table(f)])
 

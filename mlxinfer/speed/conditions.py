@@ -35,6 +35,15 @@ def conditions() -> dict[str, Any]:
     }
 
 
+def described(c: dict[str, Any]) -> str:
+    """`conditions()` in one line, as result tables head them: the machine, the backend and the engines' versions."""
+    versions = c["versions"]
+    return (
+        f"{c['chip']} ({c['cores']} cores, {c['memory_bytes'] / 2**30:.0f} GiB) · {c['os']} · backend {c['backend']} · "
+        f"mlx {versions['mlx']} · mlx-lm {versions['mlx-lm']} · mlxinfer {versions['mlxinfer']}"
+    )
+
+
 def _backend() -> str:
     if mx.default_device().type != mx.DeviceType.gpu:
         return "cpu"
