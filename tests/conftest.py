@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -117,28 +114,6 @@ def private_user_dirs(tmp_path_factory: pytest.TempPathFactory, default_cache: P
         # between tests comparing outputs. tests/test_cpu_speed.py runs "auto" and "dense" on purpose.
         mp.setenv("MLXINFER_CPU_WEIGHTS", "quantized")
         yield
-
-
-# The README's default conversion: minutes of DWQ, started with the run by the session fixture below.
-HEAD_START_TEST = "tests/test_convert.py::test_real_checkpoint_converts_and_mlx_lm_agrees[4]"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def head_start(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, private_user_dirs):
-    """When the run holds the test of the README's default conversion, that conversion starts now, in a process
-    group of its own (tests/head_start.py): started when test_convert.py's turn came, it ran alone at the end of
-    the run. Every worker starts one; the first to take the conversion's lock makes it, the others find it made.
-    The process ends with the run's pytest if that goes first (an interrupted run)."""
-    from tests.shared_conversions import run_folder
-
-    if any(item.nodeid == HEAD_START_TEST for item in request.session.items):
-        root = run_folder(tmp_path_factory)
-        pytest_pid = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
-        log = open(root / f"head-start-{os.getpid()}.log", "w")  # noqa: SIM115 - the child writes it until it ends
-        command = [sys.executable, "-m", "tests.head_start", str(root), str(pytest_pid)]
-        subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True, cwd=Path(__file__).parents[1])
-        log.close()
-    yield
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ import mlxinfer
 from mlxinfer.cli import main
 from mlxinfer.errors import ConversionError
 from tests.conftest import TINY, golden
-from tests.shared_conversions import README_DEFAULT, converted_once, once_per_run, run_folder
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ANSWER = "The capital of France is Paris."
@@ -56,6 +55,24 @@ def mlx_lm_greedy(folder: Path, ids: list[int], n: int, eos: int, dequantize: bo
 DENSE = "dense"
 
 
+def once_per_run(tmp_path_factory: pytest.TempPathFactory, name: str, make) -> Path:
+    """The folder `name`, filled by make(folder) once per test run: pytest-xdist's workers share it (the first
+    makes it under a lock, the others wait for it: --dist loadfile keeps this file on one worker, not the other
+    files that may come to need the same conversion)."""
+    from tests.model_cache import locked
+
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # the run's folder, above each worker's
+    folder = root / name
+    with locked(root / f"{name}.lock"):
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            (folder / ".made").touch()
+    return folder
+
+
 @pytest.fixture(scope="module")
 def readme_8bit(smol_hf, tmp_path_factory) -> Path:
     """The README's 8-bit conversion line, with a quality report on 512 tokens: enough text for a
@@ -67,20 +84,38 @@ def readme_8bit(smol_hf, tmp_path_factory) -> Path:
             result = cli(str(smol_hf), "-o", str(folder / "SmolLM2-8bit"), "--bits", "8", "--eval-tokens", "512")
         assert result.exit_code == 0, result.output
 
-    return once_per_run(run_folder(tmp_path_factory), "readme-8bit", make) / "SmolLM2-8bit"
+    return once_per_run(tmp_path_factory, "readme-8bit", make) / "SmolLM2-8bit"
+
+
+def convert_in_a_process(smol_hf: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`mlxinfer convert smol_hf -o out FLAGS` in a process of its own, so that its peak memory is the conversion's
+    alone. With the quantized kernels, as conftest pins them: the forecast counts the output's weights as
+    written, not dequantized to float32."""
+    command = [sys.executable, "-m", "mlxinfer.cli", "convert", str(smol_hf), "-o", str(out), *flags]
+    env = {**os.environ, "MLXINFER_CPU_WEIGHTS": "quantized"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-1500:]
+    return done
 
 
 def shared_conversion(tmp_path_factory, smol_hf: Path, name: str, *flags: str):
     """(the finished process, its output folder): `convert_in_a_process` once per test run."""
-    folder = converted_once(run_folder(tmp_path_factory), smol_hf, name, *flags)
+
+    def make(folder: Path) -> None:
+        done = convert_in_a_process(smol_hf, folder / name, *flags)
+        (folder / "stdout").write_text(done.stdout)
+        (folder / "stderr").write_text(done.stderr)
+
+    folder = once_per_run(tmp_path_factory, name, make)
     stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
     return subprocess.CompletedProcess("mlxinfer convert", 0, stdout, stderr), folder / name
 
 
 @pytest.fixture(scope="module")
 def readme_conversion(smol_hf, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """tests/shared_conversions.README_DEFAULT, started when the run starts (tests/head_start.py)."""
-    return shared_conversion(tmp_path_factory, smol_hf, *README_DEFAULT)
+    """The README's 4-bit conversion line (`--bits 4`: the learned default) with the quality report on 128 tokens:
+    the one end-to-end run of the default recipe (about 4.5 minutes here)."""
+    return shared_conversion(tmp_path_factory, smol_hf, "SmolLM2-4bit", "--bits", "4", "--eval-tokens", "128")
 
 
 @pytest.fixture(scope="module")
