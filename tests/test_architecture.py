@@ -329,7 +329,7 @@ def test_the_hub_code_makes_no_http_calls_of_its_own():
 
 def test_one_module_parses_gguf_headers():
     """formats/gguf_file.py is the one reader: nothing else checks the magic or uses the gguf package's reader."""
-    files = [*modules().values(), *(ROOT / "bench").rglob("*.py")]
+    files = [*modules().values(), *(ROOT / "bench").rglob("*.py"), *(ROOT / "bench").rglob("*.sh")]
     signs = (b'b"GGUF"', b"b'GGUF'", b"GGUFReader", b"0x46554747")
     readers = [p.relative_to(ROOT) for p in files if any(sign in p.read_bytes() for sign in signs)]
     assert readers == [Path("mlxinfer/formats/gguf_file.py")]
