@@ -19,7 +19,7 @@ import mlxinfer
 from mlxinfer.formats.gguf_file import GGUFFile, QuantizedTensor
 from mlxinfer.formats.gguf_kquants import pack_bits
 from mlxinfer.formats.gguf_requant import FINE_BITS, REQUANTIZED
-from mlxinfer.models.gguf import gguf_tensors
+from mlxinfer.models.gguf import gguf_tensors, note_requantized
 from tests.test_gguf import write_tiny_gguf
 
 Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 = (gguf.GGMLQuantizationType[k] for k in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"))
@@ -228,6 +228,21 @@ def test_the_load_line_says_what_was_rounded_once_more(tmp_path, caplog):
     with GGUFFile(path) as f:  # the forecast counts the grid the tensor is held on: 6 bits, a scale and bias per 32
         held = gguf_tensors(f, compute_size=4)["model.layers.0.mlp.gate_proj.weight"].loaded_bytes
     assert held == 512 * 256 * 6 // 8 + 2 * (512 * 256 // 32) * 4
+
+
+def test_iq2_tensors_are_held_at_3_bits_and_the_load_line_says_so(tmp_path, caplog):
+    """On MLX's 2-bit grid an IQ2 file answers nonsense (bench/README.md): its tensors are held at 3 bits, group 64,
+    and the load line says why the model takes more memory than its file."""
+    kind = gguf.GGMLQuantizationType.IQ2_XXS
+    path = write_one(tmp_path / "iq2.gguf", kind, any_blocks(kind, 4, 512, seed=3), (4, 512))
+    with GGUFFile(path) as f, caplog.at_level("WARNING", logger="mlxinfer"):
+        note_requantized(f)
+        t = f.read("blk.0.ffn_down.weight")
+    assert (t.bits, t.group_size) == (3, 64)
+    assert [r.getMessage() for r in caplog.records] == [
+        "iq2.gguf: 1 IQ2_XXS tensors to MLX 3-bit group 64: rounded once more (no MLX group holds these blocks as "
+        "they are); IQ1/IQ2 at 3 bits, more memory than the file: on MLX's 2-bit grid they answer nonsense"
+    ]
 
 
 def test_an_iq4_nl_row_no_group_of_64_divides_falls_back_to_groups_of_32(tmp_path):

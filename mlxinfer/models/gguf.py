@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import ConfigError, CorruptFileError, UnsupportedModelError, WeightMismatchError
 from ..formats.gguf_file import AFFINE, MXFP4, REPACKED, SCALE_BYTES, GGUFFile, QuantizedTensor, TensorInfo
-from ..formats.gguf_requant import REQUANTIZED
+from ..formats.gguf_requant import HELD_WIDER, REQUANTIZED
 from ..untrusted import is_int, plain, shown
 from .gguf_arch import BARE, TOP_NAMES, GGUFArch, Meta, architecture, common_config, conventions_of, layer_name
 from .gguf_rope import llama3_from_rope_freqs
@@ -48,7 +48,7 @@ def gguf_weights(
     its Hugging Face name; the others are never read."""
     weights: dict[str, mx.array] = {}
     _note_mxfp4(gguf)
-    _note_requantized(gguf)
+    note_requantized(gguf)
     for hf_name, name in hf_names(gguf).items():
         if keep is not None and not keep(hf_name):
             continue
@@ -66,7 +66,7 @@ def _note_mxfp4(gguf: GGUFFile) -> None:
         log.info("%s: %d MXFP4 tensors (e.g. %s) are kept as MLX mxfp4", gguf.path, len(mxfp4), plain(mxfp4[0]))
 
 
-def _note_requantized(gguf: GGUFFile) -> None:
+def note_requantized(gguf: GGUFFile) -> None:
     """One line for the types no MLX group holds as they are (gguf_requant.py): what each becomes."""
     from gguf import GGMLQuantizationType
 
@@ -77,6 +77,8 @@ def _note_requantized(gguf: GGUFFile) -> None:
     ]
     if parts:
         why = "rounded once more (no MLX group holds these blocks as they are)"
+        if any(kind in HELD_WIDER for kind in counts):
+            why += "; IQ1/IQ2 at 3 bits, more memory than the file: on MLX's 2-bit grid they answer nonsense"
         log.warning("%s: %s: %s", gguf.path.name, "; ".join(parts), why)
 
 
