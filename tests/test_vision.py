@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -116,6 +118,54 @@ def test_logits_of_every_position_match_transformers(family, case, chunk):
     # The text tests' bound (test_parity.py). Gemma 4's tower agrees with transformers' to 1e-5, which its tiny
     # random text model turns into up to 2e-4 at the logits; given transformers' image features it agrees to 3e-5.
     np.testing.assert_allclose(logits, golden(case, "logits", name), atol=LOGIT_TOLERANCE.get(name, 1e-3))
+
+
+def test_gemma3_pan_and_scan_crops_and_prompts_as_transformers_does(tmp_path):
+    """With do_pan_and_scan on: a wide image is the whole and 2 crops, a tall strip the whole and 4, the portrait the
+    whole alone (under the 1.2 ratio); pixel values, prompt ids and every position's logits are transformers'
+    (make_tiny_vision.gemma3_pan_and_scan)."""
+    folder = tmp_path / "gemma3_pan_and_scan"
+    shutil.copytree(MODEL, folder)
+    settings = json.loads((folder / "preprocessor_config.json").read_text())
+    settings |= {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16, "pan_and_scan_max_num_crops": 4}
+    (folder / "preprocessor_config.json").write_text(json.dumps(settings))
+    model = mlxinfer.load(folder, prefix_cache_bytes=0)
+    expected = mx.load(str(MODEL / "golden_pan_and_scan.safetensors"))
+    files = ["hopper_wide.png", "hopper_strip.png", "hopper.jpg"]
+    frames = [f for file in files for f in model.vision.processor.frames(read_image(IMAGES / file))]
+    np.testing.assert_allclose(np.stack(frames), np.array(expected["pan.pixel_values"]), atol=1e-6)
+    parts = [{"type": "text", "text": "Compare "}, {"type": "image", "image": str(IMAGES / files[0])},
+             {"type": "text", "text": " and "}, {"type": "image", "image": str(IMAGES / files[1])},
+             {"type": "text", "text": " with "}, {"type": "image", "image": str(IMAGES / files[2])}]  # fmt: skip
+    ids, images = encode_chat(model.tokenizer, model.vision, [{"role": "user", "content": parts}], 1024)
+    assert ids == np.array(expected["pan.input_ids"]).tolist()
+    decoder = model._loaded.model
+    run = Prefill.start(decoder, make_cache(decoder.cache_kinds), mx.array(ids, dtype=mx.uint32), 64, images=images)
+    hidden = [run.step()]
+    while not run.finished:
+        hidden.append(run.step())
+    logits = np.array(decoder.head(mx.concatenate(hidden, axis=1))[0])
+    np.testing.assert_allclose(logits, np.array(expected["pan.logits"]), atol=1e-3)
+
+
+def test_pan_and_scan_cuts_every_size_as_transformers_does():
+    """PanAndScan.crops against Gemma3ImageProcessorPil.pan_and_scan itself, on sizes around each of its rules (the
+    ratio's threshold, half-up rounding, the crop count's bounds, a crop under the minimum) and a random sample."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from mlxinfer.vision.pan_and_scan import PanAndScan
+
+    reference, ours = Gemma3ImageProcessorPil(), PanAndScan(min_crop=16, max_crops=4, min_ratio=1.2)
+    sizes = [(96, 48), (24, 96), (100, 100), (119, 100), (120, 100), (130, 50), (50, 130), (200, 10), (40, 16),
+             (31, 16), (33, 16), (250, 40)]  # fmt: skip
+    sizes += [tuple(s) for s in np.random.default_rng(0).integers(8, 300, size=(40, 2)).tolist()]
+    for width, height in sizes:
+        image = (np.arange(height * width * 3) % 251).astype(np.uint8).reshape(height, width, 3)
+        theirs = reference.pan_and_scan(image.transpose(2, 0, 1), 16, 4, 1.2)
+        crops = ours.crops(image)
+        assert [c.transpose(2, 0, 1).tolist() for c in crops] == [t.tolist() for t in theirs], (width, height)
+        rows, cols = ours.grid(width, height)
+        assert rows * cols == len(theirs)
 
 
 def test_lfm2_vl_reads_transformers_pixel_values_as_transformers_does(monkeypatch):
@@ -754,6 +804,24 @@ def test_configs_cannot_make_an_image_expand_without_bound():
     assert _split_processor({**raw, "size": {"longest_edge": 8 * 32}}, "p").layout(10_000, 10_000) == Layout(8, 8)
     with pytest.raises(ConfigError, match="an image frame of 16385 tokens"):
         ImageFormat("<image>", 1, 16_385, False, lambda layout: "")
+
+
+def test_gemma3_pan_and_scan_configs_are_bounded_and_checked():
+    from mlxinfer.errors import ConfigError
+    from mlxinfer.vision.pan_and_scan import PanAndScan
+
+    on = {"do_pan_and_scan": True}
+    assert PanAndScan.from_config({"do_pan_and_scan": None}, "p") is None
+    assert PanAndScan.from_config(on, "p") == PanAndScan(256, 4, 1.2)  # Gemma3Processor's defaults for nulls
+    bad = [({"do_pan_and_scan": "yes"}, "do_pan_and_scan must be true, false or null"),
+           ({**on, "pan_and_scan_max_num_crops": 9}, r"pan_and_scan_max_num_crops must be an integer in \[2, 8\]"),
+           ({**on, "pan_and_scan_min_crop_size": 0}, "pan_and_scan_min_crop_size must be an integer"),
+           ({**on, "pan_and_scan_min_ratio_to_activate": float("nan")}, "pan_and_scan_min_ratio")]  # fmt: skip
+    for raw, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            PanAndScan.from_config(raw, "preprocessor_config.json")
+    # however long the image, at most 8 crops and the whole: 9 frames
+    assert PanAndScan(1, 8, 1.0).grid(4096, 1) == (1, 8)
 
 
 def test_mistral3_configs_cannot_make_an_image_expand_without_bound():

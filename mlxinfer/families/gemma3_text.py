@@ -209,7 +209,7 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
         image_token_id=ids["image_token_index"],
         tokens_per_frame=tokens,
         bidirectional=True,
-        expansion=lambda layout: sequence,  # one frame, whatever the image's size (no pan-and-scan)
+        expansion=lambda layout: _with_crops(sequence, layout.frames - 1),
     )
     model = Gemma3Vision(tower, text_config(raw, source)["hidden_size"], image_format)
     load_checked(
@@ -220,6 +220,16 @@ def vision(raw: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype, s
         (raw.get("quantization") or {}).get("mode", "affine"),
     )
     return model
+
+
+def _with_crops(sequence: str, crops: int) -> str:
+    """Gemma3Processor.replace_image_token: an image's tokens, or with pan-and-scan crops (vision/pan_and_scan.py)
+    the whole image's and then each crop's, introduced in words."""
+    if not crops:
+        return sequence
+    return f"Here is the original image {sequence} and here are some crops to help you see better " + " ".join(
+        [sequence] * crops
+    )
 
 
 VISION = {"gemma3": vision}

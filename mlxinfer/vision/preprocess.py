@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import ConfigError, ImageError, UnsupportedModelError
 from ..untrusted import is_finite_number, read_json_object, shown
+from .pan_and_scan import PanAndScan
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_SIDE = 4096  # a processor's target side; real ones use 224-1540
@@ -25,8 +26,9 @@ RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5
 
 
 class Layout(NamedTuple):
-    """How an image is cut: `rows` x `cols` tiles and the whole image after them, or (0, 0): the whole image alone.
-    `grid`: where the processor sizes the image by its content (Pixtral), the one frame's (rows, cols) of tokens."""
+    """How an image is cut: `rows` x `cols` tiles and the whole image after them (before them for Gemma 3's
+    pan-and-scan crops), or (0, 0): the whole image alone. `grid`: where the processor sizes the image by its content
+    (Pixtral), the one frame's (rows, cols) of tokens."""
 
     rows: int = 0
     cols: int = 0
@@ -57,17 +59,18 @@ class Normalization:
 
 @dataclass(frozen=True)
 class ImageProcessor:
-    """Fixed-size resizing (Gemma 3, SigLIP): every image becomes `height` x `width`."""
+    """Fixed-size resizing (Gemma 3, SigLIP): every image becomes `height` x `width`; with Gemma 3's pan-and-scan on,
+    a long image is also read as crops (pan_and_scan.py), each a frame after the whole image."""
 
     height: int
     width: int
     resample: int = 2
     normalized: Normalization = Normalization()
+    pan: PanAndScan | None = None
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], source: str) -> ImageProcessor:
-        if raw.get("do_pan_and_scan"):
-            raise UnsupportedModelError(f"{source}: do_pan_and_scan is not supported yet; set it to null")
+        pan = PanAndScan.from_config(raw, source)
         size = raw.get("size")
         if not isinstance(size, dict) or not {"height", "width"} <= set(size):
             raise UnsupportedModelError(f"{source}: size must be {{height, width}}, got {shown(size)}")
@@ -85,15 +88,17 @@ class ImageProcessor:
         std = _triple(raw.get("image_std", 0.5), f"{source}: image_std") if normalize else None
         if std is not None and min(std) <= 0:
             raise ConfigError(f"{source}: image_std must be positive, got {list(std)}")
-        return cls(height, width, resample, Normalization(rescale, mean, std))
+        return cls(height, width, resample, Normalization(rescale, mean, std), pan)
 
     def layout(self, width: int, height: int) -> Layout:
-        """Every image is one frame."""
-        return Layout()
+        """One frame, or with pan-and-scan the crops' (rows, cols): the whole image and then they."""
+        return Layout(*self.pan.grid(width, height)) if self.pan else Layout()
 
     def frames(self, rgb: np.ndarray) -> np.ndarray:
-        """`pixel_values` of one RGB uint8 image (H, W, 3): float32 (frames, 3, height, width)."""
-        return self.pixels(rgb)[None]
+        """`pixel_values` of one RGB uint8 image (H, W, 3): float32 (frames, 3, height, width), the whole image first
+        (as Gemma3ImageProcessor orders them; Layout's other users put it last)."""
+        crops = self.pan.crops(rgb) if self.pan else []
+        return np.stack([self.pixels(image) for image in (rgb, *crops)])
 
     def pixels(self, rgb: np.ndarray) -> np.ndarray:
         """`pixel_values` of one RGB uint8 image (H, W, 3): float32 (3, height, width)."""
