@@ -64,20 +64,21 @@ SPECIAL_IDS = [BOS_ID, BOS_ID + 1, EOS_ID, 511]
 TOP_K = 64  # sampled cases: far above where a special token's logit of 0 ranks
 
 
-def prepare_fixture(root: Path | None = None) -> Path:
-    """The dispatch-bound llama, built once and cached, in transformers' layout, written with NumPy alone (so that a
-    GPU machine runs this bench without torch). Its special tokens' embeddings are zero, so their logits are 0, the
-    middle of a random model's: greedy and top-k sampling never pick them (an EOS would end a run early, and
-    mlx-lm's streaming detokenizer has no text for the others)."""
+def prepare_fixture(root: Path | None = None, shape: Shape = SHAPE, name: str = "host-bench-llama-256x4-v512") -> Path:
+    """A random llama of `shape` (the dispatch-bound one by default), built once and cached as `name`, in
+    transformers' layout, written with NumPy alone (so that a GPU machine runs the benches without torch). Its
+    special tokens' embeddings are zero, so their logits are 0, the middle of a random model's: greedy and top-k
+    sampling never pick them (an EOS would end a run early, and mlx-lm's streaming detokenizer has no text for the
+    others)."""
     from safetensors.numpy import save_file
 
-    out = (root or cache_dir() / "bench-models") / "host-bench-llama-256x4-v512"
+    out = (root or cache_dir() / "bench-models") / name
     if (out / "config.json").exists():
         return out
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = {**SHAPE.config, "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6}
+    config = {**shape.config, "architectures": ["LlamaForCausalLM"], "hidden_act": "silu", "rms_norm_eps": 1e-6}
     config.update(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=BOS_ID, torch_dtype="float32")
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     weights = _random_llama(config)

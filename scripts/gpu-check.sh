@@ -6,7 +6,9 @@
 #   4. prefill and decode tok/s with the fraction of the bandwidth ceiling at batch 1, 2, 4 and 8, for the
 #      8-bit model (the issue's goal: decode at batch 1 at least 80% of the ceiling);
 #   5. host work per token against mlx-lm and a bare loop, and pipelined batches on and off, on a dispatch-bound
-#      fixture (bench/host_bench.py, written with NumPy: no torch needed).
+#      fixture (bench/host_bench.py, written with NumPy: no torch needed);
+#   6. prefill of 1k, 8k and 32k-token prompts against mlx-lm at SmolLM2-135M's layer sizes, with peak memory
+#      (bench/long_prefill_bench.py).
 # Figures land in $OUT (default: bench/results/gpu-<date>); record them in bench/README.md with their conditions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,4 +50,7 @@ echo "== host work per token and pipelined batches (issue 37), dispatch-bound fi
 python -m bench.host_bench --runs 3 --out "$OUT"
 fixture=$(python -c 'from bench.host_bench import prepare_fixture as p; print(p())')
 python -m bench.batch_bench --model "$fixture" --weights auto --decode 200 --rounds 3 --out "$OUT"
+
+echo "== long prompts (issue 37): prefill at 1k/8k/32k against mlx-lm"
+python -m bench.long_prefill_bench --runs 2 --out "$OUT"
 echo "figures in $OUT"
