@@ -203,18 +203,25 @@ def test_a_type_no_mlx_group_holds_is_rounded_once_no_worse_than_min_max_per_gro
     )
     got = np.array(mx.dequantize(*(mx.array(a) for a in (t.weight, t.scales, t.biases)), group_size=group, bits=bits))
     expected = gguf.quants.dequantize(blocks.reshape(-1), kind).reshape(4, -1, group)
-    low, high = expected.min(-1, keepdims=True), expected.max(-1, keepdims=True)
-    step = np.where(high > low, (high - low) / ((1 << bits) - 1), 1)
-    min_max = np.clip(np.rint((expected - low) / step), 0, (1 << bits) - 1) * step + low
-    ours, theirs = (((x.reshape(expected.shape) - expected) ** 2).sum(-1) for x in (got, min_max))
-    float_noise = 1e-9 * (expected**2).sum(-1)  # a group min-max holds exactly may refit a few ulps off
-    assert np.isfinite(expected).all() and np.all(ours <= theirs * (1 + 1e-4) + float_noise)
+    ours, theirs, min_max = against_min_max(got, expected, bits)
     if kind.name.startswith("TQ"):
         np.testing.assert_allclose(got, expected.reshape(4, 512), rtol=0, atol=1e-6 * np.abs(expected).max())
     elif bits >= FINE_BITS:
         np.testing.assert_allclose(got, min_max.reshape(4, 512), rtol=1e-5, atol=1e-6 * np.abs(expected).max())
     else:
         assert ours.sum() < 0.95 * theirs.sum()
+
+
+def against_min_max(got: np.ndarray, expected: np.ndarray, bits: int) -> tuple[np.ndarray, ...]:
+    """Each group's squared error (ours, then plain min-max rounding's) and min-max's values, `expected` being
+    (rows, groups, group); asserts ours is at most min-max's in every group."""
+    low, high = expected.min(-1, keepdims=True), expected.max(-1, keepdims=True)
+    step = np.where(high > low, (high - low) / ((1 << bits) - 1), 1)
+    min_max = np.clip(np.rint((expected - low) / step), 0, (1 << bits) - 1) * step + low
+    ours, theirs = (((x.reshape(expected.shape) - expected) ** 2).sum(-1) for x in (got, min_max))
+    float_noise = 1e-9 * (expected**2).sum(-1)  # a group min-max holds exactly may refit a few ulps off
+    assert np.isfinite(expected).all() and np.all(ours <= theirs * (1 + 1e-4) + float_noise)
+    return ours, theirs, min_max
 
 
 def test_the_load_line_says_what_was_rounded_once_more(tmp_path, caplog):
@@ -245,14 +252,13 @@ def test_iq2_tensors_are_held_at_3_bits_and_the_load_line_says_so(tmp_path, capl
     ]
 
 
-def test_an_iq4_nl_row_no_group_of_64_divides_falls_back_to_groups_of_32(tmp_path):
-    """IQ4_NL (blocks of 32) is what llama.cpp uses for rows no 256-value K block divides: a row of 96 values
-    takes groups of 32 (not 64), each value still within half a step."""
+def test_an_iq4_nl_row_of_96_values_is_held_in_groups_of_32(tmp_path):
+    """IQ4_NL (blocks of 32) is what llama.cpp uses for rows no 256-value K block divides: a row of 96 values is
+    held in groups of 32, one a block, no group further from its values than min-max rounding would put it."""
     kind = gguf.GGMLQuantizationType.IQ4_NL
     blocks = any_blocks(kind, 4, 96, seed=7)
     with GGUFFile(write_one(tmp_path / "nl.gguf", kind, blocks, (4, 96))) as f:
         t = f.read("blk.0.ffn_down.weight")
     assert (t.bits, t.group_size, t.scales.shape) == (4, 32, (4, 3))
     got = np.array(mx.dequantize(*(mx.array(a) for a in (t.weight, t.scales, t.biases)), group_size=32, bits=4))
-    expected = gguf.quants.dequantize(blocks.reshape(-1), kind).reshape(4, 96)
-    assert np.all(np.abs(got - expected) <= np.repeat(t.scales, 32, axis=1) / 2 * (1 + 1e-5) + 1e-6)
+    against_min_max(got, gguf.quants.dequantize(blocks.reshape(-1), kind).reshape(4, 3, 32), 4)
