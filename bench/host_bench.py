@@ -262,10 +262,14 @@ def main() -> None:
         "model": SHAPE.source,
         "by_temperature": by_temperature,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{date.today().isoformat()}-{os.uname().nodename}-host"
+    save_report(args.out, "host", report, markdown(report))
+
+
+def save_report(out: Path, name: str, report: dict[str, Any], text: str) -> None:
+    """`report` as JSON and `text` as markdown in `out` (named by date, host and `name`); the markdown printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{date.today().isoformat()}-{os.uname().nodename}-{name}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
     stem.with_suffix(".md").write_text(text + "\n")
     print(text)
 

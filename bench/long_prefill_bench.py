@@ -31,7 +31,6 @@ import resource
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +39,7 @@ import numpy as np
 
 from mlxinfer.speed.conditions import conditions, described
 
-from .host_bench import RESULTS, SPECIAL_IDS, prepare_fixture
+from .host_bench import RESULTS, SPECIAL_IDS, prepare_fixture, save_report
 from .hybrid_models import Shape
 
 SHAPE = Shape(
@@ -159,12 +158,7 @@ def main() -> None:
         "runs": args.runs,
         "by_length": measure(args.lengths, args.runs, folder),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{date.today().isoformat()}-{os.uname().nodename}-long-prefill"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    text = markdown(report)
-    stem.with_suffix(".md").write_text(text + "\n")
-    print(text)
+    save_report(args.out, "long-prefill", report, markdown(report))
 
 
 if __name__ == "__main__":
