@@ -7,9 +7,9 @@ per group that fits its values best (round_affine).
 Of the MLX affine types that hold at most 1.1x the source's bits per weight (codes plus a 16-bit scale and bias
 per group), it is the one that adds the least error to the source's own values; the IQ1 and IQ2 types are held at
 3 bits instead (USABLE_BITS), the IQ4 types in groups of 32 (BLOCK_ALIGNED), and TQ1_0, below any MLX type's size,
-at 2 bits (exact). bench/gguf_requant_bench.py
-measured the choice (its tables are in bench/README.md): the relative RMS error added, on llama.cpp's own Gemma 3
-270M files of every type, and each file's perplexity and KL on held-out text against its own dequantized values.
+at 2 bits (exact). bench/gguf_requant_bench.py measured the choice (its tables are in bench/README.md): the
+relative RMS error added, on llama.cpp's own Gemma 3 270M files of every type, and each file's perplexity and KL
+on held-out text against its own dequantized values.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def requantize(
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    bits, group = REQUANTIZED[ggml_type]  # each group divides its type's block (32 or 256 values), so every row
+    bits, group = REQUANTIZED[ggml_type]  # each group divides its type's blocks (32 or 256 values), so any row
     kind = GGMLQuantizationType(ggml_type)
     by_row = raw.reshape(rows, -1)
 
@@ -63,9 +63,9 @@ def requantize(
 
 REFITS = 2  # least-squares refits of each group's grid: a third gained under 1% on the files measured
 NARROWED = (1.0, 0.9, 0.8)  # min-max ranges tried, as a share of the group's own range
-# From this many bits (Q6_K's 6), plain min-max: the search took Q6_K's added error from 0.019 to 0.0145, little
-# beside the 4-bit tensors' ~0.08 in the same files, for 3-5x the time, and Q6_K is in most K-quant files (every
-# Q4_K_M's head and half its down projections), so that time is paid at every load of them.
+# From this many bits (Q6_K's 6), plain min-max: the search took Q6_K's added error from 0.019 to 0.0143, little
+# beside the 4-bit tensors' ~0.07 in the same files, for several times the time, and Q6_K is in most K-quant files
+# (every Q4_K_M's head and half its down projections), so that time is paid at every load of them.
 FINE_BITS = 5
 
 
