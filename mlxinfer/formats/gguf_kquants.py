@@ -9,10 +9,7 @@ quants.py reads them: https://github.com/ggml-org/llama.cpp/blob/master/ggml/src
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -22,8 +19,6 @@ SUB = 32  # values per sub-block: one MLX group
 # type -> (bytes per super-block, bits per code)
 K_BLOCKS = {Q4_K: (144, 4), Q5_K: (176, 5)}
 CHUNK_VALUES = 1 << 22  # values converted at a time (by_rows): bounds the temporaries
-# by_rows' threads: slices of a tensor converted side by side (requantizing takes ~0.2 us a value on one core).
-WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def repack_k(raw: np.ndarray, rows: int, cols: int, ggml_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -35,18 +30,14 @@ def repack_k(raw: np.ndarray, rows: int, cols: int, ggml_type: int) -> tuple[np.
 
 
 def by_rows(rows: int, cols: int, convert: Callable[[slice], tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
-    """convert(rows slice) for slices of about CHUNK_VALUES / WORKERS values, WORKERS at a time on threads (NumPy
-    lets go of the GIL in its array loops), written into whole-tensor arrays allocated once: the temporaries of a
-    conversion stay near CHUNK_VALUES values' worth, however large the tensor."""
-    step = max(1, CHUNK_VALUES // WORKERS // cols)
+    """convert(rows slice) for slices of about CHUNK_VALUES values, written into whole-tensor arrays allocated
+    once: the temporaries of a conversion stay near one slice's, however large the tensor."""
+    step = max(1, CHUNK_VALUES // cols)
     first = convert(slice(0, step))
     out = tuple(np.empty((rows, *part.shape[1:]), part.dtype) for part in first)
-    starts = range(step, rows, step)
-    with ThreadPoolExecutor(WORKERS) as pool:
-        done = pool.map(lambda start: convert(slice(start, start + step)), starts)
-        for start, parts in zip((0, *starts), itertools.chain([first], done)):
-            for whole, part in zip(out, parts, strict=True):
-                whole[start : start + len(part)] = part
+    for start in range(0, rows, step):
+        for whole, part in zip(out, first if start == 0 else convert(slice(start, start + step)), strict=True):
+            whole[start : start + len(part)] = part
     return out
 
 
